@@ -1,0 +1,220 @@
+"Proofs for workbench.packing: properties over random inputs, packed == padded on a real model, trainer interop."
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from workbench.core import IGNORE_INDEX, check_packed_batch, load_sample, load_tokenizer, tiny_model
+from workbench.packing import (FlatteningCollator, NaiveConcatCollator, PaddingCollator, TokenBudgetSampler,
+                               per_example_logits, plan_bins)
+
+# ---------------------------------------------------------------- properties of the collator
+
+examples = st.lists(st.integers(1, 40), min_size=1, max_size=12).flatmap(
+    lambda lens: st.tuples(*[st.tuples(st.lists(st.integers(1, 999), min_size=n, max_size=n),
+                                       st.lists(st.integers(0, 1), min_size=n, max_size=n),
+                                       st.booleans()) for n in lens]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(examples, st.sampled_from([None, 1, 2, 8, 64]), st.integers(0, 2), st.booleans())
+def test_flattening_properties(exs, multiple, start, with_labels):
+    feats = []
+    for ids, mask, use_mask in exs:
+        f = {"input_ids": ids}
+        if with_labels: f["labels"] = [i + 1000 for i in ids]
+        if use_mask: f["completion_mask"] = mask
+        feats.append(f)
+    if len({"completion_mask" in f for f in feats}) > 1:  # a batch has one schema
+        for f, (ids, mask, _) in zip(feats, exs): f["completion_mask"] = mask
+    b = FlatteningCollator(pad_to_multiple_of=multiple, position_ids_start=start, return_seq_idx=True)(feats)
+    lens = [len(f["input_ids"]) for f in feats]
+    total, T = sum(lens), b["input_ids"].shape[1]
+    # every token of every example exactly once, in order; padding only after them
+    assert b["input_ids"][0, :total].tolist() == [t for f in feats for t in f["input_ids"]]
+    if multiple: assert T % multiple == 0 and T - total < multiple
+    else: assert T == total
+    cu = b["cu_seq_lens_q"].tolist()
+    assert cu[: len(lens) + 1] == np.cumsum([0, *lens]).tolist() and cu[-1] == T
+    assert b["max_length_q"] == max(np.diff(cu))
+    pos, labels = b["position_ids"][0].tolist(), b["labels"][0].tolist()
+    for i, (lo, hi) in enumerate(zip(cu[:-1], cu[1:])):
+        assert pos[lo:hi] == list(range(start, start + hi - lo))  # restart per example
+        assert labels[lo] == IGNORE_INDEX                          # no cross-example target
+        assert b["seq_idx"][0, lo:hi].tolist() == [i] * (hi - lo)
+        if i < len(feats):
+            f = feats[i]
+            want = f.get("labels", f["input_ids"])
+            for j in range(1, hi - lo):
+                masked = "completion_mask" in f and f["completion_mask"][j] == 0
+                assert labels[lo + j] == (IGNORE_INDEX if masked else want[j])
+        else:
+            assert set(labels[lo:hi]) == {IGNORE_INDEX}  # the dummy padding example trains nothing
+    assert "attention_mask" not in b
+
+
+def test_bad_input_names_example_and_fix():
+    c = FlatteningCollator(max_tokens=16)
+    cases = [([], "empty feature list"),
+             ([{"input_ids": [1, 2]}, {"input_ids": []}], "example 1 is empty"),
+             ([{"input_ids": [1, 2]}, {"input_ids": [1.0, 2.5]}], "example 1: input_ids must hold integers"),
+             ([{"input_ids": ["a", "b"]}], "example 0: input_ids must hold integers"),
+             ([{"input_ids": [1, 2], "labels": [1, 2]}, {"input_ids": [1, 2], "labels": [1]}], "example 1: labels has 1"),
+             ([{"input_ids": [1]}, {"input_ids": [1] * 20}], "example 1 has 20 tokens, over the budget"),
+             ([{"input_ids": [1] * 10}, {"input_ids": [1] * 10}], "TokenBudgetSampler"),
+             ([{"input_ids": [1]}, {"text": "hi"}], "example 1 has no 'input_ids'")]
+    for feats, msg in cases:
+        with pytest.raises(ValueError, match=msg): c(feats)
+
+
+def test_no_silent_drop_of_columns():
+    with pytest.warns(UserWarning, match="source"):
+        b = FlatteningCollator()([{"input_ids": [1, 2], "source": "x"}, {"input_ids": [3], "source": "y"}])
+    assert b["input_ids"].tolist() == [[1, 2, 3]]
+
+# ---------------------------------------------------------------- properties of the planner and sampler
+
+
+def reference_bfd(lengths, capacity):
+    "One item at a time: the textbook best-fit decreasing; returns the sorted bin totals (invariant to tie-breaking among equal rooms)."
+    rooms, contents = [], []
+    for L in sorted(lengths, reverse=True):
+        fits = [i for i, r in enumerate(rooms) if r >= L]
+        if fits:
+            i = min(fits, key=lambda i: rooms[i]); rooms[i] -= L; contents[i].append(L)
+        else:
+            rooms.append(capacity - L); contents.append([L])
+    return sorted(sum(c) for c in contents)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 64), min_size=1, max_size=200), st.integers(1, 64), st.sampled_from(["truncate", "split", "drop"]), st.integers(0, 3))
+def test_plan_properties(lengths, capacity, overlong, seed):
+    plan = plan_bins(lengths, capacity, overlong=overlong, seed=seed)
+    lengths = np.array(lengths)
+    over = lengths > capacity
+    assert all(plan.length[b].sum() <= capacity for b in plan.bins)
+    pieces = np.concatenate(plan.bins) if plan.bins else np.array([], dtype=int)
+    assert sorted(pieces.tolist()) == list(range(len(plan.length)))  # every piece in exactly one bin
+    kept = set(plan.example.tolist())
+    assert kept == set(np.flatnonzero(~over).tolist()) | (set(np.flatnonzero(over).tolist()) if overlong != "drop" else set())
+    if overlong == "drop": assert plan.dropped == over.sum() and plan.lost_tokens == lengths[over].sum()
+    if overlong == "truncate": assert plan.truncated == over.sum() and plan.lost_tokens == (lengths[over] - capacity).sum()
+    if overlong == "split":
+        assert plan.split == over.sum()
+        for e in np.flatnonzero(over):  # the pieces of a split example tile it exactly
+            p = np.flatnonzero(plan.example == e)
+            assert plan.offset[p].tolist() == list(range(0, lengths[e], capacity)) and plan.length[p].sum() == lengths[e]
+    assert reference_bfd(plan.length.tolist(), capacity) == sorted(plan.bin_tokens.tolist())
+    assert plan_bins(lengths, capacity, overlong=overlong, seed=seed).bins.__len__() == len(plan.bins)
+
+
+def test_plan_deterministic_and_errors():
+    lengths = np.random.default_rng(0).integers(1, 300, 5000)
+    a, b = plan_bins(lengths, 1024, seed=7), plan_bins(lengths, 1024, seed=7)
+    assert all((x == y).all() for x, y in zip(a.bins, b.bins))
+    with pytest.raises(ValueError, match="example 2 has length 0"): plan_bins([3, 4, 0], 8)
+    with pytest.raises(ValueError, match="overlong='truncate'"): plan_bins([3, 9], 8)
+    with pytest.raises(ValueError, match="overlong must be one of"): plan_bins([3], 8, overlong="wrap")
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 3])
+def test_sampler_covers_balances_and_resumes(replicas):
+    lengths = np.random.default_rng(1).integers(1, 500, 3000)
+    plan = plan_bins(lengths, 2048)
+    samplers = [TokenBudgetSampler(plan, seed=5, num_replicas=replicas, rank=r) for r in range(replicas)]
+    for epoch in (0, 1):
+        per_rank = [list(s) for s in samplers]
+        assert len({len(p) for p in per_rank}) == 1  # same number of steps everywhere
+        served = [i for p in per_rank for batch in p for i in batch]
+        assert len(served) == sum(len(plan.bins[b]) for b in samplers[0].steps.reshape(-1))  # repeats counted, nothing lost
+        assert samplers[0].steps.size == len(plan.bins) + samplers[0].repeated
+        assert set(served) == set(range(len(plan.length)))
+        assert all(plan.length[b].sum() <= 2048 for p in per_rank for b in p)
+    s = samplers[0]; s.set_epoch(3)
+    it = iter(s); [next(it) for _ in range(4)]
+    state = s.state_dict()
+    rest = list(it)
+    r = TokenBudgetSampler(plan, seed=5, num_replicas=replicas, rank=0); r.load_state_dict(state)
+    assert list(r) == rest
+    e3 = TokenBudgetSampler(plan, seed=5, num_replicas=replicas); e3.set_epoch(3)
+    e4 = TokenBudgetSampler(plan, seed=5, num_replicas=replicas); e4.set_epoch(4)
+    assert list(e3) != list(e4)  # a new order every epoch
+
+# ---------------------------------------------------------------- packed == padded on a real model
+
+
+@pytest.fixture(scope="module")
+def flan():
+    return load_sample("flan_like", load_tokenizer(), limit=64)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_equals_padded_logits_loss_grads(flan, attn):
+    model = tiny_model("llama", attn_implementation=attn).train()  # train mode: dropout is 0 in the tiny config
+    ex = flan[:8]
+    lens = [len(f["input_ids"]) for f in ex]
+
+    def run(collator):
+        model.zero_grad()
+        batch = collator(ex)
+        out = model(**batch, use_cache=False)
+        out.loss.backward()
+        logits = per_example_logits(model, batch, lens)
+        return out.loss.detach(), [l.detach() for l in logits], {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    loss_pad, log_pad, g_pad = run(PaddingCollator())
+    loss_pack, log_pack, g_pack = run(FlatteningCollator())
+    loss_naive, log_naive, _ = run(NaiveConcatCollator())
+    assert max((a - b).abs().max().item() for a, b in zip(log_pack, log_pad)) <= 1e-5
+    assert abs(loss_pack - loss_pad) <= 1e-6
+    for n in g_pad:
+        assert torch.allclose(g_pack[n], g_pad[n], atol=1e-6, rtol=1e-4), n
+    assert max((a - b).abs().max().item() for a, b in zip(log_naive, log_pad)) > 1e-2  # the contaminated way differs
+    assert abs(loss_naive - loss_pad) > 1e-4
+
+
+def test_cache_trap_is_real(flan):
+    "With use_cache left at its default, transformers builds a cache and ignores packed boundaries: the reason for use_cache=False."
+    model = tiny_model("llama", attn_implementation="sdpa")
+    ex, lens = flan[:4], [len(f["input_ids"]) for f in flan[:4]]
+    batch = {k: v for k, v in FlatteningCollator()(ex).items() if k != "labels"}
+    good = model(**batch, use_cache=False).logits
+    trap = model(**batch).logits
+    assert (good - trap).abs().max() > 1e-2
+
+# ---------------------------------------------------------------- interop: HF Trainer and TRL SFTTrainer
+
+
+def _dataset(flan):
+    from datasets import Dataset
+    return Dataset.from_list([{"input_ids": f["input_ids"], "completion_mask": f["completion_mask"]} for f in flan[:24]])
+
+
+def test_hf_trainer_three_steps(flan, tmp_path):
+    from transformers import Trainer, TrainingArguments
+    model = tiny_model("llama", attn_implementation="sdpa").train()
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=8, report_to=[],
+                             logging_steps=1, save_strategy="no", use_cpu=True, remove_unused_columns=False)
+    trainer = Trainer(model=model, args=args, train_dataset=_dataset(flan), data_collator=FlatteningCollator())
+    out = trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert out.global_step == 3 and len(losses) == 3 and all(np.isfinite(losses))
+
+
+def test_trl_sft_trainer_three_steps(flan, tmp_path):
+    from trl import SFTConfig, SFTTrainer
+    model = tiny_model("llama", attn_implementation="sdpa").train()
+    args = SFTConfig(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=8, report_to=[], logging_steps=1,
+                     save_strategy="no", use_cpu=True, completion_only_loss=True)  # padding-free via our collator
+    trainer = SFTTrainer(model=model, args=args, train_dataset=_dataset(flan), processing_class=load_tokenizer(),
+                         data_collator=FlatteningCollator())
+    batch = next(iter(trainer.get_train_dataloader()))
+    check_packed_batch(batch)
+    masks = {tuple(f["input_ids"]): f["completion_mask"] for f in flan[:24]}
+    cu, ids, labels = batch["cu_seq_lens_q"].tolist(), batch["input_ids"][0].tolist(), batch["labels"][0].tolist()
+    for lo, hi in zip(cu[:-1], cu[1:]):  # TRL folded completion_mask into labels; our collator kept them and the boundaries
+        mask = masks[tuple(ids[lo:hi])]
+        assert labels[lo:hi] == [IGNORE_INDEX] + [t if m else IGNORE_INDEX for t, m in zip(ids[lo + 1:hi], mask[1:])]
+    out = trainer.train()
+    assert out.global_step == 3
