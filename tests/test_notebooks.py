@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from nbdev.test import test_nb
+from nbdev import test as nbdev_test  # imported as a module so pytest does not collect its test_nb
 
 ROOT = Path(__file__).resolve().parent.parent
 NBS = sorted(p for p in (ROOT / "nbs").rglob("*.ipynb")
@@ -15,5 +15,5 @@ SKIP = [f for f in FLAGS["DEFAULT"]["tst_flags"].split("|") if f == "slow" or (f
 
 @pytest.mark.parametrize("nb", NBS, ids=[str(p.relative_to(ROOT / "nbs")) for p in NBS])
 def test_notebook(nb, capsys):
-    ok, seconds = test_nb(nb, skip_flags=SKIP)
+    ok, seconds = nbdev_test.test_nb(nb, skip_flags=SKIP)
     assert ok, f"{nb.name} failed after {seconds:.1f}s: its traceback is in the captured stderr above"
