@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parent.parent
 NBS = sorted(p for p in (ROOT / "nbs").rglob("*.ipynb")
              if not p.name.startswith("_") and ".ipynb_checkpoints" not in p.parts)
 FLAGS = ConfigParser(); FLAGS.read(ROOT / "settings.ini")
-SKIP = [f for f in FLAGS["DEFAULT"]["tst_flags"].split("|") if f == "slow" or (f == "cuda" and not torch.cuda.is_available())]
+SKIP = [f for f in FLAGS["DEFAULT"]["tst_flags"].split() if f == "slow" or (f == "cuda" and not torch.cuda.is_available())]
 
 
 @pytest.mark.parametrize("nb", NBS, ids=[str(p.relative_to(ROOT / "nbs")) for p in NBS])
