@@ -1,0 +1,64 @@
+"workbench.train end to end: SP from a real Jupyter kernel equals one process, live metrics, CLI and torchrun agree."
+import json
+import subprocess
+import sys
+from pathlib import Path
+from textwrap import dedent
+
+import pytest
+from jupyter_client.manager import start_new_kernel
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_cell(kc, code, timeout=240):
+    msg_id = kc.execute(dedent(code))
+    out, err = [], None
+    while True:
+        msg = kc.get_iopub_msg(timeout=timeout)
+        if msg["parent_header"].get("msg_id") != msg_id: continue
+        t, c = msg["msg_type"], msg["content"]
+        if t == "stream": out.append(c["text"])
+        elif t == "error": err = f"{c['ename']}: {c['evalue']}"
+        elif t == "status" and c["execution_state"] == "idle": return "".join(out), err
+
+
+def test_sp_from_a_kernel_equals_one_process_and_the_dashboard_sees_every_step(tmp_path):
+    km, kc = start_new_kernel(kernel_name="python3")
+    try:
+        out, err = run_cell(kc, f"""
+        import json
+        from workbench.train import TrainConfig, run
+        from workbench.dashboard import Dashboard
+        one = run(TrainConfig(steps=3, max_tokens=512, out="{tmp_path}/sp1", name="SP=1"))
+        dash = Dashboard("{tmp_path}/sp1", "{tmp_path}/sp2").watch(0.2)   # live while SP=2 runs
+        two = run(TrainConfig(steps=3, max_tokens=512, sp=2, out="{tmp_path}/sp2", name="SP=2"))
+        dash.stop()
+        print(json.dumps({{"one": one, "two": two, "loss_traces": [list(t.y) for t in dash.loss.data],
+                          "memory_traces": len(dash.memory.data), "progress": dash.progress.value}}))
+        """)
+        assert err is None, err
+        r = json.loads(out.strip().splitlines()[-1])
+        assert len(r["one"]) == len(r["two"]) == 3
+        assert all(abs(a - b) <= 1e-5 for a, b in zip(r["one"], r["two"])), (r["one"], r["two"])
+        assert r["loss_traces"] == [r["one"], r["two"]]  # every step of both runs reached the dashboard
+        assert r["memory_traces"] == 3 and r["progress"] == 3  # SP=1: one rank, SP=2: two ranks
+    finally:
+        kc.stop_channels(); km.shutdown_kernel(now=True)
+
+
+def _losses(out: Path) -> list[float]:
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in sorted(rows, key=lambda r: r["step"]) if r["rank"] == 0]
+
+
+def test_cli_self_launch_and_torchrun_agree(tmp_path):
+    args = ["--sp", "2", "--steps", "2", "--max-tokens", "512", "--data", "orca_like", "--model", "qwen2"]
+    subprocess.run([sys.executable, "-m", "workbench.train", "--nproc", "2", "--out", str(tmp_path / "self"), *args],
+                   check=True, cwd=ROOT, timeout=240)
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                    "-m", "workbench.train", "--dp", "1", "--out", str(tmp_path / "torchrun"), *args],
+                   check=True, cwd=ROOT, timeout=240)
+    a, b = _losses(tmp_path / "self"), _losses(tmp_path / "torchrun")
+    assert len(a) == len(b) == 2
+    assert all(abs(x - y) <= 1e-6 for x, y in zip(a, b)), (a, b)
