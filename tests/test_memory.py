@@ -1,0 +1,92 @@
+"The memory planner against the real transformers code on fake tensors, the published HF blog peaks, and its contracts."
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from workbench.memory import (H100_80GB_GIB, HF_BLOG_QWEN3_4B_SP4, HF_BLOG_SETUP, LEVER_LADDER, LiveBytes, Levers,
+                              PRESETS, estimate, max_context, measure_activations, planned_activations,
+                              preset_config)
+
+LEVERS = {
+    "transformers loss": Levers(),
+    "tiled loss": Levers(tiled_loss=True),
+    "tiled MLP": Levers(tiled_mlp=True),
+    "tiled loss + MLP": Levers(tiled_loss=True, tiled_mlp=True),
+}
+POINTS = [(8192, 1), (32768, 4), (131072, 8)]
+GRID = [(m, lv, seq, sp) for m in PRESETS for lv in LEVERS for seq, sp in POINTS]
+GRID += [(m, "all + offload", 131072, 4) for m in PRESETS] + [(m, "no checkpointing", 8192, 8) for m in PRESETS]
+LEVERS["all + offload"] = Levers(tiled_loss=True, tiled_mlp=True, offload_checkpoints=True)
+LEVERS["no checkpointing"] = Levers(checkpointing=False)
+
+
+@pytest.mark.parametrize("model,levers,seq_len,sp", GRID)
+def test_planner_within_10pct_of_fake_tensor_measurement(model, levers, seq_len, sp):
+    lv, cfg = LEVERS[levers], preset_config(model)
+    measured = measure_activations(cfg, seq_len, sp, lv).peak
+    planned = planned_activations(cfg, seq_len, sp, lv)
+    assert abs(planned / measured - 1) <= 0.10, (planned / 2**30, measured / 2**30)
+
+
+def test_blog_peaks_within_10pct_and_128k_out_of_memory():
+    cfg = preset_config("qwen3-4b")
+    for seq, published in HF_BLOG_QWEN3_4B_SP4.items():
+        assert abs(estimate(cfg, seq, **HF_BLOG_SETUP).gib / published - 1) <= 0.10
+    assert estimate(cfg, 131072, **HF_BLOG_SETUP).gib > H100_80GB_GIB
+
+
+@pytest.mark.parametrize("levers", list(LEVERS.values()))
+@pytest.mark.parametrize("seq_len,sp,dp", [(8192, 1, 1), (65536, 4, 2), (262144, 8, 1)])
+def test_breakdown_sums_to_total(levers, seq_len, sp, dp):
+    for model in PRESETS:
+        e = estimate(model, seq_len, sp, dp, levers=levers, optimizer_offload=sp > 1)
+        assert e.total == sum(e.parts.values()) and all(v >= 0 for v in e.parts.values())
+        assert e.activations == planned_activations(preset_config(model), seq_len, sp, levers)
+        assert "total" in str(e) and "| part | GiB |" in e._repr_markdown_()
+
+
+@pytest.mark.parametrize("model", list(PRESETS))
+@pytest.mark.parametrize("name", list(LEVER_LADDER))
+def test_max_context_grows_with_sp(model, name):
+    tokens = [max_context(model, H100_80GB_GIB, sp, levers=LEVER_LADDER[name], optimizer_offload=True).tokens
+              for sp in (1, 2, 4, 8)]
+    assert all(a < b for a, b in zip(tokens, tokens[1:])), tokens
+
+
+def test_max_context_is_the_boundary():
+    lim = max_context("llama-3.1-8b", 80, sp=4, optimizer_offload=True)
+    assert lim.binds == "memory" and lim.tokens % 4 == 0
+    assert estimate("llama-3.1-8b", lim.tokens, 4, optimizer_offload=True).gib <= 80
+    assert estimate("llama-3.1-8b", lim.tokens + 4, 4, optimizer_offload=True).gib > 80
+    top = max_context("qwen3-4b", 10_000, sp=8, levers=LEVER_LADDER["+ checkpoint offload"], optimizer_offload=True)
+    assert top.binds == "32-bit indexing" and top.tokens == top.index_tokens == (2**31 // 2560) * 8
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: estimate("qwen3-4b", 8192, sp=64), "does not divide"),
+    (lambda: estimate("qwen3-4b", 8192, sp=3), "does not divide"),
+    (lambda: estimate(preset_config("llama-3.1-8b", hidden_size=3072, num_attention_heads=24), 8192, sp=16),
+     "does not divide"),
+    (lambda: estimate(preset_config("llama-3.1-8b", hidden_size=3072, num_attention_heads=24, num_key_value_heads=3),
+                      8192, sp=2), "key/value heads"),
+    (lambda: estimate("qwen3-4b", -8192), "positive"),
+    (lambda: estimate("qwen3-4b", 0), "positive"),
+    (lambda: estimate("qwen3-4b", 8191, sp=2), "multiple of sp"),
+    (lambda: max_context("qwen3-4b", -1), "positive"),
+    (lambda: max_context("qwen3-4b", 80, sp=0), "positive integer"),
+    (lambda: measure_activations(preset_config("qwen3-4b"), 8192, sp=5), "does not divide"),
+])
+def test_bad_inputs(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_live_bytes_counts_storages_once():
+    with FakeTensorMode():
+        w = torch.empty(256, 256)
+        with LiveBytes() as lb:
+            a = torch.empty(10, 256)
+            x = a @ w.t()                             # the transposed weight is a view of a pre-existing tensor
+            y = x.view(-1); y.mul_(2)                 # view + in-place: no new storage
+            z = x.clone(); del z
+    assert (lb.live, lb.peak) == (2 * 10 * 256 * 4, 3 * 10 * 256 * 4)

@@ -1,0 +1,111 @@
+"Exactness of the tiled loss, the tiled MLP and (offloaded) checkpointing: float64, real tiny models, packed batches."
+import pytest
+import torch
+import torch.nn.functional as F
+
+from workbench.core import load_sample, load_tokenizer, tiny_model
+from workbench.packing import FlatteningCollator
+from workbench.tiling import (causal_lm_loss_sum, checkpoint_layers, shift_labels, tile_mlp, tiled_cross_entropy)
+
+TOL = 1e-10
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "olmo2", "phi3", "starcoder2"]  # dense, plain lm_head
+
+
+@pytest.fixture(scope="module")
+def batch():
+    feats = load_sample("orca_like", load_tokenizer(), limit=5)
+    return FlatteningCollator(pad_to_multiple_of=2)(feats)
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def loss_and_grads(model, fn):
+    model.zero_grad()
+    loss = fn()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def reference(model, batch):
+    "The untiled computation: full float64 logits, summed cross-entropy over globally shifted labels."
+    logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    return F.cross_entropy(logits.flatten(0, 1), shift_labels(batch["labels"]).flatten(), reduction="sum")
+
+
+def assert_same(model, batch, fn):
+    ref_loss, ref_grads = loss_and_grads(model, lambda: reference(model, batch))
+    loss, grads = loss_and_grads(model, fn)
+    assert rel(loss, ref_loss) <= TOL
+    worst = max(rel(grads[k], ref_grads[k]) for k in ref_grads)
+    assert worst <= TOL, worst
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("loss_chunk,mlp_chunk", [(1, None), (13, 5), (4096, 64)])
+def test_tiled_loss_and_mlp_exact(family, batch, loss_chunk, mlp_chunk):
+    model = tiny_model(family, dtype=torch.float64).train()
+    patch = tile_mlp(model, mlp_chunk) if mlp_chunk else None
+    assert_same(model, batch, lambda: causal_lm_loss_sum(model, batch, chunk_size=loss_chunk)[0])
+    if patch: patch.undo()
+
+
+def test_sp2_shards_sum_to_the_whole(batch):
+    "Under SP=2 each rank holds half the row and the globally shifted labels of its half: sum / global count is exact."
+    model = tiny_model("llama", dtype=torch.float64).train()
+    labels = shift_labels(batch["labels"])
+    count = int((labels != -100).sum())
+
+    def sharded():
+        hidden = model.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                             use_cache=False).last_hidden_state
+        T = hidden.shape[1]
+        parts = [tiled_cross_entropy(hidden[:, s], model.lm_head.weight, shift_labels=labels[:, s], chunk_size=7)
+                 for s in (slice(0, T // 2), slice(T // 2, T))]
+        assert sum(int(c) for _, c in parts) == count
+        return sum(s for s, _ in parts)
+
+    assert_same(model, batch, sharded)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_checkpointing_exact(batch, offload):
+    model = tiny_model("qwen2", dtype=torch.float64).train()
+    patch = checkpoint_layers(model, offload=offload)
+    tiles = tile_mlp(model, 9)
+    assert_same(model, batch, lambda: causal_lm_loss_sum(model, batch, chunk_size=33)[0])
+    tiles.undo(); patch.undo()
+    assert not any(layer.gradient_checkpointing for layer in model.model.layers)
+
+
+def test_bf16_tiled_matches_untiled(batch):
+    "In bf16 the tiled loss reproduces the untiled fp32-upcast loss (same arithmetic, different order)."
+    model = tiny_model("llama", dtype=torch.bfloat16).train()
+    hidden = model.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
+    hidden = hidden.last_hidden_state.detach()
+    out = {}
+    for chunk in (None, 16):
+        h = hidden.clone().requires_grad_()
+        w = model.lm_head.weight.detach().clone().requires_grad_()
+        s, _ = tiled_cross_entropy(h, w, labels=batch["labels"], chunk_size=chunk)
+        s.backward()
+        out[chunk] = (s.detach().float(), h.grad.float(), w.grad.float())
+    for a, b in zip(out[16], out[None]):
+        assert rel(a, b) < 2e-2
+
+
+def test_bad_inputs(batch):
+    model = tiny_model("llama", dtype=torch.float64)
+    h = torch.zeros(1, 4, model.config.hidden_size, dtype=torch.float64)
+    with pytest.raises(ValueError, match="exactly one"):
+        tiled_cross_entropy(h, model.lm_head.weight)
+    with pytest.raises(ValueError, match="do not match"):
+        tiled_cross_entropy(h, model.lm_head.weight, labels=torch.zeros(1, 5, dtype=torch.long))
+    with pytest.raises(ValueError, match="hidden size"):
+        tiled_cross_entropy(h, model.lm_head.weight[:, :3], labels=torch.zeros(1, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="no labels"):
+        causal_lm_loss_sum(model, {"input_ids": batch["input_ids"]})
+    for family, field in (("granite", "logits_scaling"), ("phi", "bias")):
+        with pytest.raises(ValueError, match=field):
+            causal_lm_loss_sum(tiny_model(family, attn_implementation="eager", dtype=torch.float64), batch)
