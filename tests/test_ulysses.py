@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from workbench.core import tiny_config, tiny_model
+from workbench.core import shift_labels, tiny_config, tiny_model
 from workbench.launch import launch
 from workbench.packing import FlatteningCollator
 from workbench.ulysses import (Case, ParallelGrid, all_to_all, case_rows, check_sp, global_loss, grid_degrees,
-                               memory_table, prove_equivalence, register_ulysses, shard_batch, shift_labels,
+                               memory_table, prove_equivalence, register_ulysses, shard_batch,
                                simulate_all_to_all, sp_forward, sp_sizes, sync_gradients)
 
 FAMILIES = ("llama", "qwen2", "mistral")  # MHA; GQA with 2 kv heads (replicated at P=4); GQA + sliding window 16
@@ -31,7 +31,8 @@ def assert_equal_to_one_process(results: list, world_size: int, sp_size: int):
     assert len(results) > 0
     for r in results:
         tol = TOL[r["case"].dtype]
-        worst = max(r["logits"], r["loss"], r["grads"])
+        worst = max(v for v in (r["logits"], r["loss"], r["grads"]) if v is not None)  # logits: None when tiled
+        assert (r["logits"] is None) == bool(r["case"].loss_chunk)
         assert r["sp"] == sp_size and r["dp"] == world_size // sp_size
         assert r["n_params"] >= 21, f"{r['case']}: only {r['n_params']} parameters got gradients"
         assert worst <= tol, (f"{r['case']} at SP={sp_size}, DP={world_size // sp_size}: relative error logits "
@@ -102,6 +103,15 @@ def test_two_processes_equal_one():
                         Case("llama", "sdpa", tokens=256),  # a row that needs no padding
                         Case("mistral", "sdpa", checkpointing=True)]  # layers recomputed in backward: all-to-alls rerun
     assert_equal_to_one_process(prove_equivalence(cases, world_size=2, sp_size=2), 2, 2)
+
+
+def test_tiled_loss_and_mlp_under_sp2_equal_one_untiled_process():
+    "fp64: the tiled loss (tiles smaller than a shard) and the tiled MLP under SP=2 on packed rows equal one plain process."
+    cases = [Case("llama", "sdpa", dtype="float64", loss_chunk=16, mlp_chunk=24),
+             Case("qwen2", "eager", dtype="float64", loss_chunk=37, mlp_chunk=7, checkpointing=True)]
+    results = prove_equivalence(cases, world_size=2, sp_size=2)
+    assert_equal_to_one_process(results, 2, 2)
+    assert all(r["loss"] <= 1e-10 and r["grads"] <= 1e-10 for r in results), results
 
 
 def test_four_processes_equal_one():
