@@ -1,10 +1,10 @@
 "workbench.launch from a real Jupyter kernel: a failing rank's own error, return values, no orphans after failure or interrupt."
 import time
-from textwrap import dedent
 
 import psutil
 import pytest
 from jupyter_client.manager import start_new_kernel
+from kernel_utils import run_cell as run
 
 
 @pytest.fixture
@@ -12,19 +12,6 @@ def kernel():
     km, kc = start_new_kernel(kernel_name="python3")
     yield km, kc
     kc.stop_channels(); km.shutdown_kernel(now=True)
-
-
-def run(kc, code, timeout=120):
-    "Execute `code` in the kernel; return (stdout text, error name or None)."
-    msg_id = kc.execute(dedent(code))
-    out, err = [], None
-    while True:
-        msg = kc.get_iopub_msg(timeout=timeout)
-        if msg["parent_header"].get("msg_id") != msg_id: continue
-        t, c = msg["msg_type"], msg["content"]
-        if t == "stream": out.append(c["text"])
-        elif t == "error": err = (c["ename"], c["evalue"], "\n".join(c["traceback"]))
-        elif t == "status" and c["execution_state"] == "idle": return "".join(out), err
 
 
 SETUP = """

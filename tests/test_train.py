@@ -3,24 +3,12 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from textwrap import dedent
 
 import pytest
 from jupyter_client.manager import start_new_kernel
+from kernel_utils import run_cell
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def run_cell(kc, code, timeout=240):
-    msg_id = kc.execute(dedent(code))
-    out, err = [], None
-    while True:
-        msg = kc.get_iopub_msg(timeout=timeout)
-        if msg["parent_header"].get("msg_id") != msg_id: continue
-        t, c = msg["msg_type"], msg["content"]
-        if t == "stream": out.append(c["text"])
-        elif t == "error": err = f"{c['ename']}: {c['evalue']}"
-        elif t == "status" and c["execution_state"] == "idle": return "".join(out), err
 
 
 def test_sp_from_a_kernel_equals_one_process_and_the_dashboard_sees_every_step(tmp_path):
