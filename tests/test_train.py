@@ -41,13 +41,16 @@ def _losses(out: Path) -> list[float]:
     return [r["loss"] for r in sorted(rows, key=lambda r: r["step"]) if r["rank"] == 0]
 
 
-def test_cli_self_launch_and_torchrun_agree(tmp_path):
+def test_cli_self_launch_torchrun_and_sharded_agree(tmp_path):
     args = ["--sp", "2", "--steps", "2", "--max-tokens", "512", "--data", "orca_like", "--model", "qwen2"]
     subprocess.run([sys.executable, "-m", "workbench.train", "--nproc", "2", "--out", str(tmp_path / "self"), *args],
                    check=True, cwd=ROOT, timeout=240)
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                     "-m", "workbench.train", "--dp", "1", "--out", str(tmp_path / "torchrun"), *args],
                    check=True, cwd=ROOT, timeout=240)
-    a, b = _losses(tmp_path / "self"), _losses(tmp_path / "torchrun")
-    assert len(a) == len(b) == 2
+    subprocess.run([sys.executable, "-m", "workbench.train", "--nproc", "2", "--shard", "--out", str(tmp_path / "sharded"),
+                    *args], check=True, cwd=ROOT, timeout=240)
+    a, b, c = _losses(tmp_path / "self"), _losses(tmp_path / "torchrun"), _losses(tmp_path / "sharded")
+    assert len(a) == len(b) == len(c) == 2
     assert all(abs(x - y) <= 1e-6 for x, y in zip(a, b)), (a, b)
+    assert all(abs(x - y) <= 1e-5 * abs(y) for x, y in zip(c, a)), (c, a)  # FSDP2-sharded states: the same steps
