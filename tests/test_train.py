@@ -37,7 +37,9 @@ def test_sp_from_a_kernel_equals_one_process_and_the_dashboard_sees_every_step(t
 
 
 def _losses(out: Path) -> list[float]:
+    from workbench.dashboard import METRIC_KEYS
     rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(tuple(r) == METRIC_KEYS for r in rows)  # what the trainer writes is what the dashboard reads
     return [r["loss"] for r in sorted(rows, key=lambda r: r["step"]) if r["rank"] == 0]
 
 
@@ -46,7 +48,7 @@ def test_cli_self_launch_torchrun_and_sharded_agree(tmp_path):
     subprocess.run([sys.executable, "-m", "workbench.train", "--nproc", "2", "--out", str(tmp_path / "self"), *args],
                    check=True, cwd=ROOT, timeout=240)
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                    "-m", "workbench.train", "--dp", "1", "--out", str(tmp_path / "torchrun"), *args],
+                    "-m", "workbench.train", "--out", str(tmp_path / "torchrun"), *args],  # dp from WORLD_SIZE
                    check=True, cwd=ROOT, timeout=240)
     subprocess.run([sys.executable, "-m", "workbench.train", "--nproc", "2", "--shard", "--out", str(tmp_path / "sharded"),
                     *args], check=True, cwd=ROOT, timeout=240)

@@ -36,7 +36,7 @@ def assert_equal_to_one_process(results: list, world_size: int, sp_size: int):
         assert r["sp"] == sp_size and r["dp"] == world_size // sp_size
         assert r["n_params"] >= 21, f"{r['case']}: only {r['n_params']} parameters got gradients"
         assert worst <= tol, (f"{r['case']} at SP={sp_size}, DP={world_size // sp_size}: relative error logits "
-                              f"{r['logits']:.2e}, loss {r['loss']:.2e}, gradients {r['grads']:.2e} > {tol}")
+                              f"{r['logits']}, loss {r['loss']:.2e}, gradients {r['grads']:.2e} > {tol}")
 
 
 # ---------------------------------------------------------------- preflight and sharding: no processes needed
