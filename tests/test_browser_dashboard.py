@@ -1,0 +1,76 @@
+"""Real-browser test of the live dashboard: the launch tutorial runs in JupyterLab (a real kernel), driven by headless
+Debian chromium through Playwright. While its cells run, the dashboard's plotly figures must grow in the page (live
+updates reach the browser while the kernel is blocked in `run`); at the end they must hold every step of every run, the
+SP=2 loss curve must equal the SP=1 curve, and the failing-rank cell must show rank 1's own error.
+Screenshots go to test-artifacts/.
+"""
+import json
+import re
+import shutil
+import time
+
+from browser_utils import ARTIFACTS, ROOT, browser_page, jupyter_env, jupyterlab, open_notebook, run_all_cells
+
+NOTEBOOK = ROOT / "nbs" / "tutorials" / "launch_sp.ipynb"
+
+DASHBOARD_STATE = """() => {
+    const plots = {};
+    for (const gd of document.querySelectorAll('.js-plotly-plot')) {
+        const title = gd._fullLayout && gd._fullLayout.title && gd._fullLayout.title.text;
+        plots[title] = (gd.data || []).map(t => ({name: t.name, x: Array.from(t.x || []), y: Array.from(t.y || [])}));
+    }
+    const bar = document.querySelector('.widget-hprogress .progress-bar');
+    return {plots, progress: bar ? bar.style.width : null, done: window.__runAll};
+}"""
+
+
+def notebook_steps() -> int:
+    "The steps per run the tutorial asks for (its `TrainConfig(..., steps=N, ...)`)."
+    source = "".join("".join(c["source"]) for c in json.loads(NOTEBOOK.read_text())["cells"])
+    return int(re.search(r"TrainConfig\([^)]*steps=(\d+)", source).group(1))
+
+
+def test_dashboard_in_jupyterlab(tmp_path):
+    env = jupyter_env(tmp_path)
+    shutil.copy(NOTEBOOK, tmp_path / NOTEBOOK.name)  # JupyterLab may autosave what it opens
+    steps = notebook_steps()
+    with jupyterlab(tmp_path, env) as url, browser_page() as page:
+        open_notebook(page, url, NOTEBOOK.name)
+        run_all_cells(page, wait=False)
+        seen, deadline = set(), time.monotonic() + 75  # (run, points) pairs of the loss figure while cells still run
+        while (state := page.evaluate(DASHBOARD_STATE))["done"] is None:
+            assert time.monotonic() < deadline, f"the notebook did not finish: {state}"
+            seen |= {(t["name"], len(t["x"])) for t in state["plots"].get("loss", [])}
+            page.wait_for_timeout(100)
+        assert state["done"] is True, "a cell of the tutorial failed in JupyterLab"
+
+        plots = state["plots"]
+        assert set(plots) >= {"loss", "throughput", "peak memory per rank", "time in all-to-all"}, plots.keys()
+        runs = [t["name"] for t in plots["loss"]]
+        assert runs == ["SP=1", "SP=2", "DP=2"], runs
+        for title in ("loss", "throughput", "time in all-to-all"):  # every step of every run reached the page
+            assert [t["x"] for t in plots[title]] == [list(range(steps))] * len(runs), (title, plots[title])
+        loss = {t["name"]: t["y"] for t in plots["loss"]}
+        assert max(abs(a - b) for a, b in zip(loss["SP=2"], loss["SP=1"])) < 1e-5, loss
+        measured = sorted(t["name"] for t in plots["peak memory per rank"] if " rank " in t["name"])
+        assert measured == ["DP=2 rank 0", "DP=2 rank 1", "SP=1 rank 0", "SP=2 rank 0", "SP=2 rank 1"], measured
+        assert state["progress"] == "100%", state["progress"]
+        live = {points for _, points in seen if 0 < points < steps}
+        assert live, f"no partial curve was ever drawn while training ran: {sorted(seen)}"
+
+        dashboard = page.locator(".widget-vbox:has(.js-plotly-plot)").first
+        dashboard.scroll_into_view_if_needed()
+        dashboard.screenshot(path=ARTIFACTS / "dashboard_jupyterlab.png")
+        index = page.evaluate("""async () => {  // bring the failing-rank cell into view (JupyterLab renders lazily)
+            const nb = window.jupyterapp.shell.currentWidget.content;
+            const i = nb.widgets.findIndex(c => c.model.type === 'code'
+                && JSON.stringify(c.model.outputs.toJSON()).includes('raised ValueError'));
+            if (i >= 0) { nb.activeCellIndex = i; await nb.scrollToItem(i, 'start'); }
+            return i;
+        }""")
+        assert index >= 0, "no output shows the failing rank's error"
+        failure = page.locator(".jp-Cell.jp-mod-active .jp-OutputArea")
+        failure.wait_for(state="visible", timeout=10000)
+        text = failure.inner_text()
+        assert "rank 1 of 2 raised ValueError" in text and "load_features" in text, text
+        failure.screenshot(path=ARTIFACTS / "dashboard_failing_rank_jupyterlab.png")
