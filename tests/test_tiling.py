@@ -5,7 +5,8 @@ import torch.nn.functional as F
 
 from workbench.core import load_sample, load_tokenizer, shift_labels, tiny_model
 from workbench.packing import FlatteningCollator
-from workbench.tiling import (causal_lm_loss_sum, checkpoint_layers, tile_mlp, tiled_cross_entropy)
+from workbench.tiling import (LEAN_NORMS, causal_lm_loss_sum, checkpoint_layers, lean_kernels, tile_mlp,
+                              tiled_cross_entropy)
 
 TOL = 1e-10
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "olmo2", "phi3", "starcoder2"]  # dense, plain lm_head
@@ -109,3 +110,39 @@ def test_bad_inputs(batch):
     for family, field in (("granite", "logits_scaling"), ("phi", "bias")):
         with pytest.raises(ValueError, match=field):
             causal_lm_loss_sum(tiny_model(family, attn_implementation="eager", dtype=torch.float64), batch)
+
+
+LEAN_FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]  # the families whose RMSNorm `lean_kernels` replays
+
+
+@pytest.mark.parametrize("family", LEAN_FAMILIES)
+def test_lean_kernels_match_transformers_in_fp32(family, batch):
+    "Same forward bit for bit, gradients to fp32 rounding; `undo` leaves no instance forward behind."
+    model = tiny_model(family, dtype=torch.float32).train()
+    fn = lambda: causal_lm_loss_sum(model, batch, chunk_size=None)[0]
+    ref_loss, ref_grads = loss_and_grads(model, fn)
+    patch = lean_kernels(model)
+    assert {type(m).__name__ for m in patch.modules if "RMSNorm" in type(m).__name__} <= set(LEAN_NORMS)
+    loss, grads = loss_and_grads(model, fn)
+    patch.undo()
+    assert torch.equal(loss, ref_loss)
+    assert max(rel(grads[k], ref_grads[k]) for k in ref_grads) <= 1e-5
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+@pytest.mark.parametrize("family", LEAN_FAMILIES)
+def test_lean_kernels_with_tiled_mlp_and_loss_exact_in_fp64(family, batch):
+    "In fp64 the lean model is the reference; the tiled MLP running the lean MLP and the tiled loss add no error."
+    model = tiny_model(family, dtype=torch.float64).train()
+    lean = lean_kernels(model)
+    ref_loss, ref_grads = loss_and_grads(model, lambda: reference(model, batch))
+    tiles = tile_mlp(model, 5)
+    loss, grads = loss_and_grads(model, lambda: causal_lm_loss_sum(model, batch, chunk_size=13)[0])
+    tiles.undo(); lean.undo()
+    assert rel(loss, ref_loss) <= TOL
+    assert max(rel(grads[k], ref_grads[k]) for k in ref_grads) <= TOL
+
+
+def test_lean_kernels_refuse_what_they_do_not_replay():
+    with pytest.raises(ValueError, match="compute differently"): lean_kernels(tiny_model("gemma"))
+    with pytest.raises(ValueError, match="SiLU"): lean_kernels(tiny_model("starcoder2"))

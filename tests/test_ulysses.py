@@ -106,9 +106,10 @@ def test_two_processes_equal_one():
 
 
 def test_tiled_loss_and_mlp_under_sp2_equal_one_untiled_process():
-    "fp64: the tiled loss (tiles smaller than a shard) and the tiled MLP under SP=2 on packed rows equal one plain process."
+    "fp64: the tiled loss (tiles smaller than a shard), the tiled MLP and the lean kernels under SP=2 on packed rows equal one untiled process."
     cases = [Case("llama", "sdpa", dtype="float64", loss_chunk=16, mlp_chunk=24),
-             Case("qwen2", "eager", dtype="float64", loss_chunk=37, mlp_chunk=7, checkpointing=True)]
+             Case("qwen2", "eager", dtype="float64", loss_chunk=37, mlp_chunk=7, checkpointing=True),
+             Case("qwen3", "sdpa", dtype="float64", loss_chunk=16, mlp_chunk=24, lean=True)]
     results = prove_equivalence(cases, world_size=2, sp_size=2)
     assert_equal_to_one_process(results, 2, 2)
     assert all(r["loss"] <= 1e-10 and r["grads"] <= 1e-10 for r in results), results
