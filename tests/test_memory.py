@@ -4,7 +4,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from workbench.memory import (H100_80GB_GIB, HF_BLOG_QWEN3_4B_SP4, HF_BLOG_SETUP, LEVER_LADDER, LiveBytes, Levers,
-                              PRESETS, estimate, max_context, measure_activations, planned_activations,
+                              PRESETS, Shape, estimate, max_context, measure_activations, planned_activations,
                               preset_config)
 
 LEVERS = {
@@ -16,8 +16,13 @@ LEVERS = {
 POINTS = [(8192, 1), (32768, 4), (131072, 8)]
 GRID = [(m, lv, seq, sp) for m in PRESETS for lv in LEVERS for seq, sp in POINTS]
 GRID += [(m, "all + offload", 131072, 4) for m in PRESETS] + [(m, "no checkpointing", 8192, 8) for m in PRESETS]
+GRID += [(m, lv, seq, sp) for m in PRESETS for lv in ("lean + tiled loss", "lean, all + offload")
+         for seq, sp in [(8192, 1), (131072, 8)]] + [(m, "lean + transformers loss", 32768, 4) for m in PRESETS]
 LEVERS["all + offload"] = Levers(tiled_loss=True, tiled_mlp=True, offload_checkpoints=True)
 LEVERS["no checkpointing"] = Levers(checkpointing=False)
+LEVERS["lean + transformers loss"] = Levers(lean_kernels=True)
+LEVERS["lean + tiled loss"] = Levers(tiled_loss=True, lean_kernels=True)
+LEVERS["lean, all + offload"] = Levers(tiled_loss=True, tiled_mlp=True, offload_checkpoints=True, lean_kernels=True)
 
 
 @pytest.mark.parametrize("model,levers,seq_len,sp", GRID)
@@ -75,10 +80,21 @@ def test_max_context_is_the_boundary():
     (lambda: max_context("qwen3-4b", -1), "positive"),
     (lambda: max_context("qwen3-4b", 80, sp=0), "positive integer"),
     (lambda: measure_activations(preset_config("qwen3-4b"), 8192, sp=5), "does not divide"),
+    (lambda: estimate("qwen3-4b", 8192, zero_stage=2, param_offload=True), "zero_stage=3"),
 ])
 def test_bad_inputs(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_param_offload_keeps_only_the_gathered_layer():
+    shape = Shape.of(preset_config("llama-3.1-8b"))
+    on, off = (estimate("llama-3.1-8b", 65536, levers=LEVER_LADDER["+ checkpoint offload"], optimizer_offload=True,
+                        param_offload=p).parts for p in (False, True))
+    assert on["parameters"] == on["gradients"] == 2 * shape.params and on["gathered layer"] == 0  # one process: all resident
+    assert off["parameters"] == off["gradients"] == 0 and off["gathered layer"] == 3 * 2 * shape.layer_params
+    sharded = estimate("llama-3.1-8b", 65536, 8, optimizer_offload=True).parts
+    assert sharded["parameters"] == 2 * shape.params // 8 and sharded["gathered layer"] == off["gathered layer"]
 
 
 def test_live_bytes_counts_storages_once():
