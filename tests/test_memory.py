@@ -1,4 +1,7 @@
 "The memory planner against the real transformers code on fake tensors, the published HF blog peaks, and its contracts."
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -106,3 +109,16 @@ def test_live_bytes_counts_storages_once():
             y = x.view(-1); y.mul_(2)                 # view + in-place: no new storage
             z = x.clone(); del z
     assert (lb.live, lb.peak) == (2 * 10 * 256 * 4, 3 * 10 * 256 * 4)
+
+
+def test_gpu_long_context_script_runs_on_cpu():
+    "bench/gpu_long_context.py end to end on a CPU (tiny shapes, bf16, the memory cap simulated from live tensors)."
+    spec = importlib.util.spec_from_file_location("gpu_long_context",
+                                                  Path(__file__).parents[1] / "bench" / "gpu_long_context.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    rows = script.main(["--dry-run", "--max-trials", "3"])
+    assert [r["levers"] for r in rows] == list(script.LEVER_SETS)
+    for r in rows:
+        assert len(r["trials"]) == 3 and r["planned_tokens"] > 0
+        assert r["measured_tokens"] == max([t["tokens"] for t in r["trials"] if t["fits"]], default=0)
