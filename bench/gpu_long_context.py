@@ -35,7 +35,7 @@ TINY = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=4, help="decoder layers of the Qwen3-4B-shaped model")
-    p.add_argument("--cap-gib", type=float, nargs="+", default=[24.0, 48.0], help="GPU memory caps to search under")
+    p.add_argument("--cap-gib", type=float, nargs="+", default=[12.0, 20.0], help="GPU memory caps to search under")
     p.add_argument("--step", type=float, default=1.05, help="stop when the longest fit and the shortest miss are this close")
     p.add_argument("--max-trials", type=int, default=10, help="trials per lever set and cap")
     p.add_argument("--json", help="write the rows here")
