@@ -246,8 +246,8 @@ class LeanSiluMul(torch.autograd.Function):
 # %% ../nbs/13_tiling.ipynb #bbc64eb2
 LEAN_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")  # `weight * normed.to(dtype)` norms
 
-def _lean_norm_forward(norm, fwd, x): return LeanRMSNorm.apply(x, norm.weight, norm.variance_epsilon)
-def _lean_mlp_forward(mlp, fwd, x): return mlp.down_proj(LeanSiluMul.apply(mlp.gate_proj(x), mlp.up_proj(x)))
+def _lean_norm_forward(norm, x): return LeanRMSNorm.apply(x, norm.weight, norm.variance_epsilon)
+def _lean_mlp_forward(mlp, x): return mlp.down_proj(LeanSiluMul.apply(mlp.gate_proj(x), mlp.up_proj(x)))
 
 def lean_kernels(model) -> Patch:
     "Every RMSNorm through `LeanRMSNorm` and every decoder MLP's SwiGLU through `LeanSiluMul` (exact, less memory)."
@@ -263,9 +263,8 @@ def lean_kernels(model) -> Patch:
                              f"hidden_act={act!r} is not one")
         if "forward" in mlp.__dict__:
             raise ValueError("the MLPs are already patched (tile_mlp?): apply lean_kernels first, then tile_mlp")
-    patches = [override_forward("norms", norms, lambda m, fwd: partial(_lean_norm_forward, m, fwd)),
-               override_forward("mlps", mlps, lambda m, fwd: partial(_lean_mlp_forward, m, fwd))]
-    return Patch("lean_kernels", norms + mlps, lambda m: [p.restore(m) for p in patches if m in p.modules])
+    lean = lambda m, fwd: partial(_lean_mlp_forward if m in mlps else _lean_norm_forward, m)
+    return override_forward("lean_kernels", norms + mlps, lean)
 
 # %% ../nbs/13_tiling.ipynb #ca04217b
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
