@@ -59,6 +59,12 @@ class TrainConfig:
     @property
     def world(self) -> int: return self.sp * self.dp
 
+    def __post_init__(self):  # before anything plans or launches: the planner would otherwise name its own option
+        if self.offload_checkpoints and not self.checkpointing:
+            raise ValueError("offload_checkpoints moves activation checkpoints to the host: set checkpointing=True as well")
+        if self.cpu_offload and not self.shard:
+            raise ValueError("cpu_offload offloads the sharded states: set shard=True as well")
+
 PRESETS = {
     "cpu-tiny": TrainConfig(),                                                          # seconds on a laptop CPU
     "cpu-sp2": TrainConfig(sp=2, data="long_docs", max_tokens=4096, steps=5),           # Ulysses over 2 CPU processes
@@ -104,8 +110,6 @@ def build_model(cfg: TrainConfig, attn_implementation: str, device: torch.device
     weights = cfg.model not in model_families() and any(p.suffix in (".safetensors", ".bin") for p in Path(cfg.model).iterdir())
     model = (AutoModelForCausalLM.from_pretrained(cfg.model, attn_implementation=attn_implementation, dtype=dtype) if weights
              else AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype))
-    if cfg.offload_checkpoints and not cfg.checkpointing:
-        raise ValueError("offload_checkpoints moves activation checkpoints to the host: set checkpointing=True as well")
     if cfg.checkpointing: checkpoint_layers(model, offload=cfg.offload_checkpoints)
     if cfg.lean_kernels: lean_kernels(model)  # before tile_mlp, whose tiles then run the lean MLP
     if cfg.mlp_chunk: tile_mlp(model, cfg.mlp_chunk)
@@ -168,7 +172,6 @@ def train_rank(cfg: TrainConfig) -> list[float]:
                          f"running: launch {cfg.world} processes or change sp/dp")
     device = _device()
     grid = ParallelGrid.build(cfg.sp, device.type)
-    if cfg.cpu_offload and not cfg.shard: raise ValueError("cpu_offload offloads the sharded states: set shard=True as well")
     model = build_model(cfg, register_ulysses(cfg.attn), device)
     check_sp(model.config, cfg.sp, world_size=world)
     if cfg.shard: model = shard_model(model, grid, cpu_offload=cfg.cpu_offload)  # before the optimizer sees the parameters
