@@ -45,6 +45,8 @@ def ladder():
 def alst():
     print("\nALST Llama-8B on H100 80GB")
     print(alst_table().to_string(index=False))
+    peak = estimate(preset_config("llama-3.1-8b"), 32_000, levers=Levers(), optimizer_offload=True, param_offload=True)
+    print(f"one-GPU baseline at 32K: planned {peak.gib:.2f} GiB, recorded 71.91 ({peak.gib / 71.91 - 1:+.1%})")
 
 
 def grid():
