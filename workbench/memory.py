@@ -245,7 +245,8 @@ def activation_phases(config, n: int, sp: int = 1, levers: Levers = Levers(), dt
     if lv.tiled_mlp:
         chunk = min(lv.mlp_chunk or h, n)
         mlp_bwd = n * (base + (0 if lean else b * h)) + 3 * b * h * I + chunk * 6 * b * I
-    else: mlp_bwd = max(n * (base + (3 * I if lean else 2 * b * I)), n * (base + b * I) + b * h * I)
+    elif lean: mlp_bwd = n * (base + b * I) + b * h * I  # gate and up take their gradients in place
+    else: mlp_bwd = max(n * (base + 2 * b * I), n * (base + b * I) + b * h * I)
     norm_bwd = n * (base - mlp + (0 if lean else 16 * h))
     layer = max(mlp_bwd, norm_bwd) + (b * V * h if s.tied else 0)
     if lv.tiled_loss:

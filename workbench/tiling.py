@@ -225,23 +225,28 @@ class LeanRMSNorm(torch.autograd.Function):
                 dxc[0].copy_(rc * g - xf * (rc.pow(3) * (g * xf).mean(-1, keepdim=True)))
         return grad_x, grad_w.to(weight.dtype) if grad_w is not None else None, None
 
+def _own(t: torch.Tensor) -> torch.Tensor:
+    "`t` if a backward may overwrite it (a contiguous intermediate, not a view), else a private contiguous copy."
+    return t if t.is_contiguous() and not t.is_leaf and t._base is None else t.clone(memory_format=torch.contiguous_format)
+
 class LeanSiluMul(torch.autograd.Function):
-    "`silu(gate) * up` (SwiGLU's core) saving only `gate` and `up`; the SiLU is recomputed in backward."
+    "`silu(gate) * up` (SwiGLU's core) saving only `gate` and `up`, whose buffers the backward reuses for their gradients."
     @staticmethod
     def forward(ctx, gate, up):
-        ctx.save_for_backward(gate, up)
+        ctx.save_for_backward(*(_own(t) if needs else t for t, needs in zip((gate, up), ctx.needs_input_grad)))
         return F.silu(gate) * up
 
     @staticmethod
     def backward(ctx, grad_out):
         gate, up = ctx.saved_tensors
-        grad_gate, grad_up = torch.empty_like(gate), torch.empty_like(up)
-        for gc, uc, go, dg, du in _row_chunks(gate, up, grad_out, grad_gate, grad_up):
+        needs_gate, needs_up = ctx.needs_input_grad[:2]
+        for gc, uc, go in _row_chunks(gate, up, grad_out):
             gf = gc.to(_compute_dtype(gate))
             sig = torch.sigmoid(gf)
-            du.copy_(go * (gf * sig).to(gate.dtype))
-            dg.copy_(((go * uc).to(gf.dtype) * sig * (1 + gf * (1 - sig))).to(gate.dtype))
-        return grad_gate, grad_up
+            dg = ((go * uc).to(gf.dtype) * sig * (1 + gf * (1 - sig))).to(gate.dtype)
+            if needs_up: uc.copy_(go * (gf * sig).to(gate.dtype))   # up's gradient, in up's buffer
+            if needs_gate: gc.copy_(dg)                              # gate's gradient, in gate's buffer
+        return gate if needs_gate else None, up if needs_up else None
 
 # %% ../nbs/13_tiling.ipynb #bbc64eb2
 LEAN_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")  # `weight * normed.to(dtype)` norms
