@@ -83,6 +83,7 @@ def test_max_context_is_the_boundary():
     (lambda: estimate("qwen3-4b", 8191, sp=2), "multiple of sp"),
     (lambda: max_context("qwen3-4b", -1), "positive"),
     (lambda: max_context("qwen3-4b", 80, sp=0), "positive integer"),
+    (lambda: max_context("qwen3-4b", 80, host_gib=0), "host_gib must be positive"),
     (lambda: measure_activations(preset_config("qwen3-4b"), 8192, sp=5), "does not divide"),
     (lambda: estimate("qwen3-4b", 8192, zero_stage=2, param_offload=True), "zero_stage=3"),
 ])
@@ -99,6 +100,20 @@ def test_param_offload_keeps_only_the_gathered_layer():
     assert off["parameters"] == off["gradients"] == 0 and off["gathered layer"] == 3 * 2 * shape.layer_params
     sharded = estimate("llama-3.1-8b", 65536, 8, optimizer_offload=True).parts
     assert sharded["parameters"] == 2 * shape.params // 8 and sharded["gathered layer"] == off["gathered layer"]
+
+
+def test_host_memory_is_what_the_offloads_move():
+    shape, offload = Shape.of(preset_config("llama-3.1-8b")), LEVER_LADDER["+ checkpoint offload"]
+    assert estimate("llama-3.1-8b", 65536, 8, levers=LEVER_LADDER["+ tiled MLP"]).host_gib == 0
+    host = estimate("llama-3.1-8b", 65536, 8, levers=offload, optimizer_offload=True, param_offload=True).host
+    assert host == {"checkpoints": shape.layers * 8192 * shape.hidden * 2, "parameters": 2 * shape.params // 8,
+                    "optimizer": 16 * shape.params // 8}
+    free = max_context("llama-3.1-8b", H100_80GB_GIB, 8, levers=offload, optimizer_offload=True)
+    tight = max_context("llama-3.1-8b", H100_80GB_GIB, 8, host_gib=free.estimate.host_gib / 2, levers=offload,
+                        optimizer_offload=True)
+    assert tight.binds == "host memory" and tight.tokens == tight.host_tokens < free.tokens and tight.tokens % 8 == 0
+    above = estimate("llama-3.1-8b", tight.tokens + 8, 8, levers=offload, optimizer_offload=True)
+    assert tight.estimate.host_gib <= free.estimate.host_gib / 2 < above.host_gib
 
 
 def test_live_bytes_counts_storages_once():

@@ -19,10 +19,11 @@ from torch.utils._pytree import tree_leaves
 from .tiling import causal_lm_loss_sum, checkpoint_layers, lean_kernels, shift_labels, tile_mlp
 
 # %% auto #0
-__all__ = ['PRESETS', 'HF_BLOG_QWEN3_4B_SP4', 'HF_BLOG_SETUP', 'H100_80GB_GIB', 'LEVER_LADDER', 'ALST_LLAMA_8B', 'preset_config',
-           'Shape', 'LiveBytes', 'shapes_attention', 'Levers', 'Measurement', 'measure_activations', 'replace_layers',
-           'local_tokens', 'activation_phases', 'planned_activations', 'Estimate', 'estimate', 'default_runtime_gib',
-           'ContextLimit', 'max_context', 'lever_table', 'lever_figure', 'alst_table']
+__all__ = ['PRESETS', 'HF_BLOG_QWEN3_4B_SP4', 'HF_BLOG_SETUP', 'H100_80GB_GIB', 'LEVER_LADDER', 'ALST_LLAMA_8B',
+           'ALST_NODE_HOST_BYTES', 'preset_config', 'Shape', 'LiveBytes', 'shapes_attention', 'Levers', 'Measurement',
+           'measure_activations', 'replace_layers', 'local_tokens', 'activation_phases', 'planned_activations',
+           'Estimate', 'estimate', 'default_runtime_gib', 'ContextLimit', 'max_context', 'lever_table', 'lever_figure',
+           'alst_table']
 
 # %% ../nbs/12_memory.ipynb #433e0b77
 PRESETS = {  # published config.json shapes: (transformers config class, fields)
@@ -269,6 +270,7 @@ class Estimate:
     "Per-rank peak memory as named parts that sum to `total`; `phases` keeps the working sets that did not bind."
     parts: dict          # name -> bytes, summing to the peak
     phases: dict         # every activation phase in bytes (the binding one is in `parts`)
+    host: dict           # name -> bytes the offloads keep in host memory (per rank)
     seq_len: int; sp: int; dp: int; local_tokens: int
 
     @property
@@ -276,11 +278,14 @@ class Estimate:
     @property
     def gib(self) -> float: return self.total / 2**30
     @property
+    def host_gib(self) -> float: return sum(self.host.values()) / 2**30
+    @property
     def activations(self) -> int:
         return sum(v for k, v in self.parts.items() if k not in _STATE_PARTS)
 
     def rows(self) -> list[tuple[str, float]]:
-        return [(k, v / 2**30) for k, v in self.parts.items()] + [("total", self.gib)]
+        host = [(f"host: {k}", v / 2**30) for k, v in self.host.items() if v] + [("host total", self.host_gib)]
+        return [(k, v / 2**30) for k, v in self.parts.items()] + [("total", self.gib)] + (host if self.host_gib else [])
     def __str__(self):
         head = f"seq_len {self.seq_len:,} (sp={self.sp}, dp={self.dp}: {self.local_tokens:,} tokens per rank)"
         return "\n".join([head] + [f"  {k:<28}{v:9.2f} GiB" for k, v in self.rows()])
@@ -302,6 +307,15 @@ def _states(shape: Shape, world: int, zero_stage: int, optimizer_offload: bool, 
     return {"parameters": resident(3), "gradients": resident(2),
             "gathered layer": 3 * param_bytes * shape.layer_params if gathers else 0,
             "optimizer states": 0 if optimizer_offload else 12 * shape.params // shard(1)}
+
+def _host(shape: Shape, n: int, world: int, levers: Levers, zero_stage: int, optimizer_offload: bool,
+          param_offload: bool, param_bytes: int) -> dict:
+    "What the offloads keep in host memory per rank: checkpoints, parameter shards, fp32 optimizer shards."
+    shard = world if zero_stage >= 1 else 1
+    return {"checkpoints": shape.layers * n * shape.hidden * param_bytes
+                           if levers.checkpointing and levers.offload_checkpoints else 0,
+            "parameters": param_bytes * shape.params // world if param_offload else 0,
+            "optimizer": 16 * shape.params // shard if optimizer_offload else 0}
 
 def estimate(config,                       # a transformers config, a preset name or a `Shape`
              seq_len: int,                 # global tokens per row
@@ -334,7 +348,8 @@ def estimate(config,                       # a transformers config, a preset nam
     runtime = default_runtime_gib() if runtime_gib is None else runtime_gib
     parts = {**_states(shape, dp * sp, zero_stage, optimizer_offload, param_offload, dtype_bytes), **acts,
              "runtime constant": int(runtime * 2**30)}
-    return Estimate(parts, ph, seq_len, sp, dp, n)
+    host = _host(shape, n, dp * sp, levers, zero_stage, optimizer_offload, param_offload, dtype_bytes)
+    return Estimate(parts, ph, host, seq_len, sp, dp, n)
 
 # %% ../nbs/12_memory.ipynb #a6e72a9c
 HF_BLOG_QWEN3_4B_SP4 = {8192: 23.4, 32768: 35.0, 65536: 50.5, 98304: 66.0}  # published peak GiB per GPU by seq_len
@@ -351,37 +366,47 @@ def default_runtime_gib() -> float:
 # %% ../nbs/12_memory.ipynb #a32fdcce
 @dataclass
 class ContextLimit:
-    "The longest trainable row under a memory limit, and what limits it."
-    tokens: int          # longest global sequence length that fits both limits
-    memory_tokens: int   # longest that fits in memory
+    "The longest trainable row under the device (and optionally host) memory limit, and what limits it."
+    tokens: int          # longest global sequence length that fits every limit
+    memory_tokens: int   # longest that fits in device memory
     index_tokens: int    # the 32-bit indexing ceiling (2^31 / hidden local tokens, times sp)
-    binds: str           # "memory", "32-bit indexing", or "model states" when not even `sp` tokens fit
+    host_tokens: int | None  # longest whose offloads fit in host memory (None: no host limit given)
+    binds: str           # "memory", "32-bit indexing", "host memory", or "model states" when not even `sp` tokens fit
     estimate: Estimate | None  # the breakdown at `tokens`
     def __repr__(self):
+        host = "" if self.host_tokens is None else f", host memory {self.host_tokens:,}"
         return (f"ContextLimit({self.tokens:,} tokens, bound by {self.binds}; memory allows {self.memory_tokens:,}, "
-                f"32-bit indexing {self.index_tokens:,})")
+                f"32-bit indexing {self.index_tokens:,}{host})")
 
-def max_context(config,                 # a transformers config, preset name or `Shape`
-                memory_gib: float,      # device memory per rank (e.g. `H100_80GB_GIB`)
-                sp: int = 1,            # sequence-parallel degree
-                dp: int = 1,            # data-parallel degree
-                **options,              # anything `estimate` takes (levers, zero_stage, optimizer_offload, ...)
-               ) -> ContextLimit:
-    "Longest sequence (a multiple of `sp`) whose estimated per-rank peak fits in `memory_gib`, and the binding limit."
-    if memory_gib <= 0: raise ValueError(f"memory_gib must be positive, got {memory_gib}")
-    config = preset_config(config) if isinstance(config, str) else config
-    local_tokens(config, sp, sp)  # validates sp against the heads
-    fits = lambda k: estimate(config, k * sp, sp, dp, **options).gib <= memory_gib
+def _longest(fits) -> int:
+    "The largest k >= 0 with `fits(k)`, for a `fits` that holds up to some k and fails beyond (doubling, then bisection)."
     lo, hi = 0, 1
     while fits(hi) and hi < 2**40: lo, hi = hi, hi * 2
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    memory_tokens, index_tokens = lo * sp, (2**31 // Shape.of(config).hidden) * sp
-    tokens = min(memory_tokens, index_tokens)
-    binds = "model states" if tokens == 0 else "memory" if memory_tokens <= index_tokens else "32-bit indexing"
-    return ContextLimit(tokens, memory_tokens, index_tokens, binds,
-                        estimate(config, tokens, sp, dp, **options) if tokens else None)
+    return lo
+
+def max_context(config,                 # a transformers config, preset name or `Shape`
+                memory_gib: float,      # device memory per rank (e.g. `H100_80GB_GIB`)
+                sp: int = 1,            # sequence-parallel degree
+                dp: int = 1,            # data-parallel degree
+                host_gib: float | None = None,  # host memory per rank for the offloads (a node's RAM / its ranks)
+                **options,              # anything `estimate` takes (levers, zero_stage, optimizer_offload, ...)
+               ) -> ContextLimit:
+    "Longest sequence (a multiple of `sp`) that fits in `memory_gib` per rank (and `host_gib`), and the binding limit."
+    if memory_gib <= 0: raise ValueError(f"memory_gib must be positive, got {memory_gib}")
+    if host_gib is not None and host_gib <= 0: raise ValueError(f"host_gib must be positive, got {host_gib}")
+    config = preset_config(config) if isinstance(config, str) else config
+    local_tokens(config, sp, sp)  # validates sp against the heads
+    at = lambda k: estimate(config, k * sp, sp, dp, **options)
+    limits = {"memory": _longest(lambda k: at(k).gib <= memory_gib) * sp,
+              "32-bit indexing": (2**31 // Shape.of(config).hidden) * sp}
+    if host_gib is not None: limits["host memory"] = _longest(lambda k: at(k).host_gib <= host_gib) * sp
+    binds = min(limits, key=limits.get)
+    tokens = limits[binds]
+    return ContextLimit(tokens, limits["memory"], limits["32-bit indexing"], limits.get("host memory"),
+                        "model states" if tokens == 0 else binds, at(tokens // sp) if tokens else None)
 
 # %% ../nbs/12_memory.ipynb #6daa1726
 LEVER_LADDER = {  # cumulative levers, from the HF blog's setup to all of them
@@ -422,14 +447,16 @@ ALST_LLAMA_8B = [  # (setup, gpus, sp, dp, levers, parameters offloaded, publish
     ("Liger + SP + tiled MLP", 8, 8, 1, Levers(**_LIGER, tiled_mlp=True), False, 1_200_000, "ran"),
     ("Liger + SP + ckpt offload", 8, 8, 1, Levers(**_LIGER, offload_checkpoints=True), False, 2_400_000, "ran"),
 ]
+ALST_NODE_HOST_BYTES = 1.9e12  # "1.9TB CPU memory" per 8-GPU node (the recipes' README)
 
 def alst_table(memory_gib: float = H100_80GB_GIB) -> "pd.DataFrame":
-    "The planner's longest context for each ALST Llama-8B setup beside the published length (`holds`: the target is met)."
+    "The planner's longest context per ALST Llama-8B setup beside the published one (`holds`), and the host memory per node."
     import pandas as pd
     rows = []
     for setup, gpus, sp, dp, lv, po, pub, kind in ALST_LLAMA_8B:
         lim = max_context("llama-3.1-8b", memory_gib, sp, dp, levers=lv, optimizer_offload=True, param_offload=po)
         holds = abs(lim.tokens / pub - 1) <= 0.10 if kind.startswith("max") else lim.tokens >= pub
         rows.append(dict(setup=setup, gpus=gpus, published=pub, kind=kind, planned=lim.tokens, binds=lim.binds,
-                         ratio=round(lim.tokens / pub, 3), holds=holds))
+                         ratio=round(lim.tokens / pub, 3), holds=holds,
+                         host_node_gib=round(lim.estimate.host_gib * min(gpus, 8), 1)))
     return pd.DataFrame(rows)

@@ -273,8 +273,8 @@ def lean_kernels(model) -> Patch:
 
 # %% ../nbs/13_tiling.ipynb #ca04217b
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
-    "A host-memory copy of `t` (pinned when CUDA is available, so the copy back can overlap compute)."
-    return t.to("cpu", copy=True).pin_memory() if t.is_cuda else t.to("cpu", copy=True)
+    "An exact-size host-memory copy of `t` (pageable: pinned blocks are rounded up to a power of two)."
+    return t.to("cpu", copy=True)
 
 def offload_saved_tensors(host_copy=_host_copy) -> torch.autograd.graph.saved_tensors_hooks:
     "Saved-tensor hooks that keep saved tensors in host memory (`host_copy`) and move them back for the backward."
