@@ -220,7 +220,9 @@ def train_rank(cfg: TrainConfig) -> list[float]:
 # %% ../nbs/08_train.ipynb #3129907b
 def run(cfg: TrainConfig, timeout_s: float = 120) -> list[float]:
     "Train `cfg` on `cfg.sp * cfg.dp` forked processes (from a notebook or a script); return the per-step losses."
-    print(f"expected per-rank peak (planner, bf16): {expected_memory(cfg).gib:.3f} GiB")
+    plan = expected_memory(cfg)
+    host = f"; host memory for the offloads {plan.host_gib:.3f} GiB" if plan.host_gib else ""
+    print(f"expected per-rank peak (planner, bf16): {plan.gib:.3f} GiB{host}")
     results = launch(train_rank, cfg, num_processes=cfg.world, sp_size=cfg.sp, model_config=model_config(cfg),
                      timeout_s=timeout_s)
     rows = [json.loads(l) for l in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
