@@ -120,12 +120,32 @@ def _heads_to_sequence(x: torch.Tensor, sp: int) -> torch.Tensor:
     if heads < sp: x, heads = x.repeat_interleave(sp // heads, dim=1), sp
     return x.reshape(b, sp, heads // sp, n, d).transpose(1, 2).reshape(b, heads // sp, sp * n, d)
 
+class _FlashShapes(torch.autograd.Function):
+    "Causal flash attention whose backward also allocates FlashAttention-2's workspace."
+    @staticmethod
+    def forward(ctx, q, k, v, scale):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        b, heads, n, d = q.shape
+        workspace = [q.new_empty((b, n + 128, heads, -(-d // 32) * 32), dtype=torch.float32),  # fp32 dq accumulator
+                     q.new_empty((b, heads, -(-n // 128) * 128), dtype=torch.float32)]        # softmax_d
+        if k.shape[1] != heads: workspace += [q.new_empty(q.shape), q.new_empty(q.shape)]   # dk, dv for every q head
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k, v, out, lse, 0.0, True, scale=ctx.scale)
+        del workspace
+        return *grads, None
+
 def shapes_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sp_size: int = 1, **kwargs):
-    "Causal flash-style attention for shape/memory runs; `sp_size` > 1 reproduces a Ulysses rank's all-to-all shapes."
+    "Causal flash attention for shape/memory runs; `sp_size` > 1 reproduces a Ulysses rank's all-to-all shapes."
     b, heads, n, d = query.shape
     if sp_size > 1: query, key, value = (_heads_to_sequence(t, sp_size) for t in (query, key, value))
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
-                                                           enable_gqa=True)
+    out = _FlashShapes.apply(query, key, value, scaling)
     if sp_size > 1:  # [B, H/P, P*n, d] -> [B, n, H, d], the second all-to-all
         return out.reshape(b, heads // sp_size, sp_size, n, d).permute(0, 3, 2, 1, 4).reshape(b, n, heads, d), None
     return out.transpose(1, 2).contiguous(), None
@@ -249,14 +269,19 @@ def activation_phases(config, n: int, sp: int = 1, levers: Levers = Levers(), dt
     elif lean: mlp_bwd = n * (base + b * I) + b * h * I  # gate and up take their gradients in place
     else: mlp_bwd = max(n * (base + 2 * b * I), n * (base + b * I) + b * h * I)
     norm_bwd = n * (base - mlp + (0 if lean else 16 * h))
-    layer = max(mlp_bwd, norm_bwd) + (b * V * h if s.tied else 0)
+    gqa = s.heads // sp != max(s.kv_heads, sp) // sp                  # a rank has more query than key/value heads
+    flash = 4 * s.heads * (-(-s.head_dim // 32) * 32 + 1) + (2 * b * q if gqa else 0)  # FlashAttention-2's workspace
+    attn_bwd = n * (base - mlp - norm - (b * q if sp > 1 else 0) + b * (q + 2 * kv_a) + flash
+                    + (0 if lean else b * h + (q + kv if s.qk_norm else 0)))
+    layer = max(mlp_bwd, norm_bwd, attn_bwd) + (b * V * h if s.tied else 0)
+    a2a_live = a2a - (b * q if sp > 1 and attn_bwd > max(mlp_bwd, norm_bwd) else 0)  # the output copy is freed by then
     if lv.tiled_loss:
         chunk = min(lv.loss_chunk, n)
         loss = n * (norm + b * h + 13) + max(4 * V * h + 6 * chunk * V + b * chunk * h, (4 + b) * V * h)
     else: loss = n * (12 * V + norm)
     return dict(kept=n * (2 * b * s.head_dim + s.layers * keep), layer=layer, loss=loss,
                 embedding=(3 if s.tied else 1) * b * V * h + n * b * h,
-                all_to_all=n * a2a * (1 if lv.checkpointing else s.layers))
+                all_to_all=n * (a2a_live if lv.checkpointing else a2a * s.layers))
 
 # %% ../nbs/12_memory.ipynb #bd5e9eb5
 def planned_activations(config, seq_len: int, sp: int = 1, levers: Levers = Levers()) -> int:
