@@ -190,7 +190,10 @@ def _ranks_of(proc: subprocess.Popen, n: int = 2) -> list[psutil.Process]:
 
 
 def _gone(procs: list[psutil.Process], timeout: float = 10) -> bool:
-    return not psutil.wait_procs(procs, timeout=timeout)[1]
+    "Whether every process in `procs` ends within `timeout`; any that does not is killed, so a failure leaves nothing."
+    alive = psutil.wait_procs(procs, timeout=timeout)[1]
+    for p in alive: p.kill()
+    return not alive
 
 
 def test_ctrl_c_in_the_parent_raises_keyboardinterrupt_and_leaves_no_rank():

@@ -106,8 +106,18 @@ def _store_up(exchange: Path, timeout_s: float):
         if time.monotonic() > end: raise TimeoutError(f"the launcher's rendezvous store did not start within {timeout_s:g} s")
         time.sleep(0.005)
 
-def _rank_main(fn, args, rank: int, layout: Layout, port: int, listener_fd: int, exchange: Path, timeout_s: float,
-               mixed_precision: str):
+def _rank_env(layout: Layout, port: int, mixed_precision: str) -> dict[str, str]:
+    "What torchrun would set for every rank, plus the loopback interface for gloo and nccl, plus accelerate's precision."
+    n, lo = str(layout.num_processes), _loopback()
+    env = dict(WORLD_SIZE=n, LOCAL_WORLD_SIZE=n, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME=lo,
+               NCCL_SOCKET_IFNAME=lo, ACCELERATE_MIXED_PRECISION=mixed_precision,
+               OMP_NUM_THREADS="1")  # true of every rank (below); accelerate warns when it is unset
+    if layout.cuda:
+        from accelerate.utils import check_cuda_p2p_ib_support  # reads nvidia-smi: CUDA stays uninitialised for the fork
+        if not check_cuda_p2p_ib_support(): env.update(NCCL_P2P_DISABLE="1", NCCL_IB_DISABLE="1")  # RTX 40 and old drivers
+    return env
+
+def _rank_main(fn, args, rank: int, layout: Layout, env: dict, listener_fd: int, exchange: Path, timeout_s: float):
     "One forked rank: torchrun's environment, a process group over loopback only, then `fn`'s result or failure in `exchange`."
     os.close(listener_fd)  # the parent's rendezvous socket, inherited by the fork: the parent alone serves it
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the notebook's interrupt belongs to the parent, which ends every rank
@@ -115,10 +125,7 @@ def _rank_main(fn, args, rank: int, layout: Layout, port: int, listener_fd: int,
     stack = open(exchange / f"stack{rank}.txt", "w")
     faulthandler.enable(stack)  # a crash (SIGSEGV, SIGABRT, ...) leaves the rank's Python stack for the parent
     faulthandler.register(signal.SIGUSR1, stack)  # and so does the parent's request at a deadline
-    n, lo = str(layout.num_processes), _loopback()
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=n, LOCAL_WORLD_SIZE=n, MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), GLOO_SOCKET_IFNAME=lo, NCCL_SOCKET_IFNAME=lo,
-                      ACCELERATE_MIXED_PRECISION=mixed_precision)
+    os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)  # the parent's OpenMP pool does not survive fork: more threads hang
     if "accelerate.state" in sys.modules:  # the kernel's accelerate state (a Trainer's), forked along, says "1 process"
         from accelerate.state import AcceleratorState, GradientState, PartialState
@@ -127,7 +134,7 @@ def _rank_main(fn, args, rank: int, layout: Layout, port: int, listener_fd: int,
         if layout.cuda: torch.cuda.set_device(rank)
         timeout = timedelta(seconds=timeout_s)
         _store_up(exchange, timeout_s)
-        store = dist.TCPStore("127.0.0.1", port, layout.num_processes, is_master=False, timeout=timeout)
+        store = dist.TCPStore("127.0.0.1", int(env["MASTER_PORT"]), layout.num_processes, is_master=False, timeout=timeout)
         dist.init_process_group(layout.backend, store=store, rank=rank, world_size=layout.num_processes, timeout=timeout)
         result = fn(*args)
         try: payload = pickle.dumps(result)
@@ -237,13 +244,13 @@ def launch(fn,                                # what every rank runs; a function
     preflight(layout, port, mixed_precision, model_config, seq_len)
     if not quiet: print(f"workbench.launch: {layout}, collective timeout {timeout_s:g} s, "
                         f"deadline {'none' if deadline_s is None else f'{deadline_s:g} s'}, rendezvous 127.0.0.1:{port}")
-    ranks, store = [], None
+    ranks, store, env = [], None, _rank_env(layout, port, mixed_precision)
     with tempfile.TemporaryDirectory(prefix="workbench-launch-") as d, socket.create_server(("127.0.0.1", port)) as listener:
         exchange = Path(d)
         try:
             for rank in range(num_processes):
                 ranks.append(mp.get_context("fork").Process(target=_rank_main, name=f"rank {rank}", args=(
-                    fn, args, rank, layout, port, listener.fileno(), exchange, timeout_s, mixed_precision)))
+                    fn, args, rank, layout, env, listener.fileno(), exchange, timeout_s)))
                 ranks[-1].start()
             # the store starts after the last fork, so that no thread of it holds a lock at a fork (see above)
             store = dist.TCPStore("127.0.0.1", port, num_processes, is_master=True, timeout=timedelta(seconds=timeout_s),
