@@ -100,7 +100,7 @@ def _save(path: Path, data: bytes):
     tmp = path.with_suffix(".tmp"); tmp.write_bytes(data); tmp.replace(path)
 
 def _store_up(exchange: Path, timeout_s: float):
-    "Wait for the parent's word that its store serves: a connection queued before that gets mangled answers."
+    "Wait for the parent's word that its store serves: connecting before it did broke gloo's first handshake now and then."
     end = time.monotonic() + timeout_s
     while not (exchange / "store").exists():
         if time.monotonic() > end: raise TimeoutError(f"the launcher's rendezvous store did not start within {timeout_s:g} s")
@@ -121,7 +121,7 @@ def _rank_main(fn, args, rank: int, layout: Layout, env: dict, listener_fd: int,
     "One forked rank: torchrun's environment, a process group over loopback only, then `fn`'s result or failure in `exchange`."
     os.close(listener_fd)  # the parent's rendezvous socket, inherited by the fork: the parent alone serves it
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the notebook's interrupt belongs to the parent, which ends every rank
-    _die_with_parent(os.getppid())
+    _die_with_parent(mp.parent_process().pid)
     stack = open(exchange / f"stack{rank}.txt", "w")
     faulthandler.enable(stack)  # a crash (SIGSEGV, SIGABRT, ...) leaves the rank's Python stack for the parent
     faulthandler.register(signal.SIGUSR1, stack)  # and so does the parent's request at a deadline
@@ -155,9 +155,9 @@ _HINTS = {signal.SIGKILL: "out of memory? Linux's OOM killer sends SIGKILL", sig
           signal.SIGABRT: "aborted by native code", signal.SIGTERM: "terminated from outside the launch"}
 
 def _stack(exchange: Path, rank: int) -> str:
-    "The Python stack `faulthandler` wrote for a rank, without the launcher's frames below `_rank_main`."
-    kept, below = [], False
-    for line in (exchange / f"stack{rank}.txt").read_text().splitlines():
+    "The Python stack `faulthandler` wrote for a rank (if any), without the launcher's frames below `_rank_main`."
+    path, kept, below = exchange / f"stack{rank}.txt", [], False
+    for line in (path.read_text() if path.exists() else "").splitlines():  # a rank just forked has no file yet
         below = line.endswith(" in _rank_main") or (below and bool(line.strip()))
         if not below and not line.startswith("Extension modules"): kept.append(line)
     return "\n".join(kept).strip()
