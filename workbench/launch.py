@@ -99,12 +99,10 @@ def _save(path: Path, data: bytes):
     "Write `data` to `path` in one rename, so that the parent never reads half a file."
     tmp = path.with_suffix(".tmp"); tmp.write_bytes(data); tmp.replace(path)
 
-def _store_up(exchange: Path, timeout_s: float):
-    "Wait for the parent's word that its store serves: connecting before it did broke gloo's first handshake now and then."
-    end = time.monotonic() + timeout_s
-    while not (exchange / "store").exists():
-        if time.monotonic() > end: raise TimeoutError(f"the launcher's rendezvous store did not start within {timeout_s:g} s")
-        time.sleep(0.005)
+def _all_finished(store, world_size: int):
+    "Wait, with no limit (the parent watches), until every rank has finished `fn`: then none leaves under a busy peer."
+    store.add("finished", 1)
+    while store.add("finished", 0) < world_size: time.sleep(0.05)
 
 def _rank_env(layout: Layout, port: int, mixed_precision: str) -> dict[str, str]:
     "What torchrun would set for every rank, plus the loopback interface for gloo and nccl, plus accelerate's precision."
@@ -133,7 +131,6 @@ def _rank_main(fn, args, rank: int, layout: Layout, env: dict, listener_fd: int,
     try:
         if layout.cuda: torch.cuda.set_device(rank)
         timeout = timedelta(seconds=timeout_s)
-        _store_up(exchange, timeout_s)
         store = dist.TCPStore("127.0.0.1", int(env["MASTER_PORT"]), layout.num_processes, is_master=False, timeout=timeout)
         dist.init_process_group(layout.backend, store=store, rank=rank, world_size=layout.num_processes, timeout=timeout)
         result = fn(*args)
@@ -141,6 +138,7 @@ def _rank_main(fn, args, rank: int, layout: Layout, env: dict, listener_fd: int,
         except Exception as e:
             raise TypeError(f"its return value, a {type(result).__module__}.{type(result).__qualname__}, cannot be pickled "
                             f"back to the notebook ({e}): return plain data (numbers, strings, lists, dicts, tensors)") from None
+        _all_finished(store, layout.num_processes)
         dist.destroy_process_group()
         _save(exchange / f"result{rank}.pkl", payload)
     except BaseException as e:
@@ -255,7 +253,6 @@ def launch(fn,                                # what every rank runs; a function
             # the store starts after the last fork, so that no thread of it holds a lock at a fork (see above)
             store = dist.TCPStore("127.0.0.1", port, num_processes, is_master=True, timeout=timedelta(seconds=timeout_s),
                                   wait_for_workers=False, master_listen_fd=listener.detach())
-            (exchange / "store").touch()
             failure = _watch(ranks, exchange, deadline_s)
         finally:
             _reap(ranks)
