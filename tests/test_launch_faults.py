@@ -98,6 +98,14 @@ def test_unpicklable_return_names_the_rank_and_the_type():
     _no_descendants()
 
 
+def test_a_function_that_destroys_the_process_group_itself_returns():
+    "Code written for torchrun ends with destroy_process_group(); the launcher must not trip over it."
+    def tidy():
+        dist.barrier(); dist.destroy_process_group()
+        return dist.is_initialized()
+    assert launch(tidy, num_processes=2, cpu=True, quiet=True, deadline_s=DEADLINE) == [False, False]
+
+
 def test_a_collective_timeout_ends_the_launch_without_a_deadline():
     "Without a deadline, a rank that never reaches a collective still ends the launch once its peer's wait times out."
     def late():

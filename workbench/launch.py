@@ -139,7 +139,7 @@ def _rank_main(fn, args, rank: int, layout: Layout, env: dict, listener_fd: int,
             raise TypeError(f"its return value, a {type(result).__module__}.{type(result).__qualname__}, cannot be pickled "
                             f"back to the notebook ({e}): return plain data (numbers, strings, lists, dicts, tensors)") from None
         _all_finished(store, layout.num_processes)
-        dist.destroy_process_group()
+        if dist.is_initialized(): dist.destroy_process_group()  # unless `fn` did (code written for torchrun does)
         _save(exchange / f"result{rank}.pkl", payload)
     except BaseException as e:
         _save(exchange / f"error{rank}.pkl", pickle.dumps(dict(time=time.time(), exc_type=type(e).__name__, message=str(e),
