@@ -50,9 +50,9 @@ FAULTS = {  # fault on rank 1 -> (exc_type, exitcode, text the message must cont
 }
 
 
-def _fails(fn, **kw) -> tuple[RankError, float]:
+def _fails(fn, num_processes=2, **kw) -> tuple[RankError, float]:
     t = time.time()
-    with pytest.raises(RankError) as e: launch(fn, num_processes=2, cpu=True, quiet=True, deadline_s=DEADLINE, **kw)
+    with pytest.raises(RankError) as e: launch(fn, num_processes=num_processes, cpu=True, quiet=True, deadline_s=DEADLINE, **kw)
     return e.value, time.time() - t
 
 
@@ -88,6 +88,16 @@ def test_python_hang_on_rank0_ends_at_the_deadline_naming_rank0(hang):
     assert err.rank == 0 and err.exc_type is None and err.exitcode is None
     assert "rank 0 of 2 was still running when the launch reached its deadline (3 s); rank 1 waited for it" in str(err)
     assert "in stuck" in err.worker_traceback  # the line rank 0 was stuck on
+    _no_descendants()
+
+
+def test_four_ranks_name_the_one_that_vanished():
+    def vanish_on_rank2():
+        dist.all_reduce(torch.ones(1))
+        if dist.get_rank() == 2: os._exit(3)
+        dist.all_reduce(torch.ones(1))
+    err, _ = _fails(vanish_on_rank2, num_processes=4)
+    assert (err.rank, err.world_size, err.exitcode) == (2, 4, 3), str(err)
     _no_descendants()
 
 
