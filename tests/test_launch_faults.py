@@ -72,22 +72,25 @@ def test_fault_on_rank1_names_rank1_and_how(fault):
     _no_descendants()
 
 
-@pytest.mark.parametrize("hang", ["busy", "sleep"])
-def test_python_hang_on_rank0_ends_at_the_deadline_naming_rank0(hang):
+@pytest.mark.parametrize("hang", ["busy", "sleep", "after_peer_returned"])
+def test_python_hang_ends_at_the_deadline_naming_the_stuck_rank(hang):
+    stuck_rank = 1 if hang == "after_peer_returned" else 0  # there rank 0 has finished and waits for rank 1
     def stuck():
         dist.barrier()
-        if dist.get_rank() == 0:
+        if dist.get_rank() == stuck_rank:
             if hang == "busy":
                 while True: pass
             time.sleep(1e6)
-        dist.barrier()
+        if hang != "after_peer_returned": dist.barrier()
     t = time.time()
     with pytest.raises(RankError) as e: launch(stuck, num_processes=2, cpu=True, quiet=True, deadline_s=3, timeout_s=60)
     assert time.time() - t < 3 + 10
     err = e.value
-    assert err.rank == 0 and err.exc_type is None and err.exitcode is None
-    assert "rank 0 of 2 was still running when the launch reached its deadline (3 s); rank 1 waited for it" in str(err)
-    assert "in stuck" in err.worker_traceback  # the line rank 0 was stuck on
+    assert err.rank == stuck_rank and err.exc_type is None and err.exitcode is None
+    other = 1 - stuck_rank
+    assert (f"rank {stuck_rank} of 2 was still running when the launch reached its deadline (3 s); "
+            f"rank {other} waited for it") in str(err)
+    assert "in stuck" in err.worker_traceback  # the line the rank was stuck on
     _no_descendants()
 
 

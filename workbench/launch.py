@@ -181,15 +181,15 @@ def _first_failure(ended: dict, exchange: Path, world_size: int) -> RankError:
     return vanished[0] if vanished else min(_raised(exchange, world_size), key=lambda t: t[0])[1]
 
 def _past_deadline(running: dict, exchange: Path, deadline_s: float, world_size: int) -> RankError:
-    "Ask every running rank for its Python stack, then blame the first one that is not waiting inside torch.distributed."
+    "Ask every running rank for its Python stack; blame the first not waiting for peers (in torch.distributed, or done)."
     for p in running.values(): os.kill(p.pid, signal.SIGUSR1)
     end = time.monotonic() + 2
     while time.monotonic() < end and not all(_stack(exchange, r) for r in running): time.sleep(0.02)
     stacks = {r: _stack(exchange, r) for r in running}
-    waiting = [r for r, s in stacks.items() if "torch/distributed" in s]
+    waiting = [r for r, s in stacks.items() if "torch/distributed" in s or " in _all_finished" in s]
     rank = next((r for r in running if r not in waiting), min(running))
     cause = f"was still running when the launch reached its deadline ({deadline_s:g} s)"
-    if waiting: cause += f"; {'rank' if len(waiting) == 1 else 'ranks'} {', '.join(map(str, waiting))} waited for it in torch.distributed"
+    if waiting: cause += f"; {'rank' if len(waiting) == 1 else 'ranks'} {', '.join(map(str, waiting))} waited for it"
     return RankError(rank, world_size, cause, stacks[rank])
 
 def _watch(ranks: list, exchange: Path, deadline_s: float | None) -> RankError | None:
