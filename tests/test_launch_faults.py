@@ -111,6 +111,12 @@ def test_unpicklable_return_names_the_rank_and_the_type():
     _no_descendants()
 
 
+@pytest.mark.parametrize("limits", [dict(deadline_s=0), dict(deadline_s=-1), dict(timeout_s=0), dict(timeout_s=float("nan"))])
+def test_limits_that_are_not_positive_seconds_are_refused_before_any_fork(limits):
+    with pytest.raises(ValueError, match="both are seconds > 0"): launch(lambda: 0, num_processes=2, cpu=True, **limits)
+    _no_descendants()
+
+
 def test_a_function_that_destroys_the_process_group_itself_returns():
     "Code written for torchrun ends with destroy_process_group(); the launcher must not trip over it."
     def tidy():

@@ -238,6 +238,8 @@ def launch(fn,                                # what every rank runs; a function
           ) -> list:
     "Run `fn(*args)` on `num_processes` forked ranks; return every rank's result, or raise the first real failure as `RankError`."
     layout = Layout(num_processes, sp_size, cpu)
+    if not timeout_s > 0 or not (deadline_s is None or deadline_s > 0):
+        raise ValueError(f"timeout_s={timeout_s!r}, deadline_s={deadline_s!r}: both are seconds > 0 (deadline_s=None: no limit)")
     port = port or free_port()
     preflight(layout, port, mixed_precision, model_config, seq_len)
     if not quiet: print(f"workbench.launch: {layout}, collective timeout {timeout_s:g} s, "
