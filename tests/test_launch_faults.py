@@ -1,0 +1,240 @@
+"""workbench.launch under faults, from this (script) process: every launch returns within its deadline + 10 s, names the
+rank that really failed and how, and leaves no process, socket or file descriptor behind."""
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+
+from workbench.launch import RankError, launch
+
+DEADLINE = 20  # every launch here is bounded, so a regression fails instead of hanging
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _after_a_collective(fault):
+    "Both ranks meet once, then the fault strikes on rank 1 while rank 0 waits for it in a barrier."
+    def fn():
+        dist.all_reduce(torch.ones(1))
+        if dist.get_rank() == 1: fault()
+        dist.barrier()
+        return dist.get_rank()
+    return fn
+
+
+def _raise(): raise ZeroDivisionError("rank 1 divided by zero")
+def _interrupt(): raise KeyboardInterrupt
+def _exit0(): os._exit(0)
+def _exit3(): os._exit(3)
+def _sigkill(): os.kill(os.getpid(), signal.SIGKILL)
+def _segfault(): ctypes.string_at(0)
+def _sys_exit(): sys.exit(0)
+
+
+FAULTS = {  # fault on rank 1 -> (exc_type, exitcode, text the message must contain)
+    _raise: ("ZeroDivisionError", None, "rank 1 of 2 raised ZeroDivisionError: rank 1 divided by zero"),
+    _interrupt: ("KeyboardInterrupt", None, "rank 1 of 2 raised KeyboardInterrupt"),
+    _sys_exit: ("SystemExit", None, "rank 1 of 2 raised SystemExit: 0"),
+    _exit0: (None, 0, "rank 1 of 2 exited with code 0 before returning a result"),
+    _exit3: (None, 3, "rank 1 of 2 exited with code 3 before returning a result"),
+    _sigkill: (None, -signal.SIGKILL, "rank 1 of 2 was killed by SIGKILL (out of memory?"),
+    _segfault: (None, -signal.SIGSEGV, "rank 1 of 2 was killed by SIGSEGV (a crash in native code)"),
+}
+
+
+def _fails(fn, num_processes=2, **kw) -> tuple[RankError, float]:
+    t = time.time()
+    with pytest.raises(RankError) as e: launch(fn, num_processes=num_processes, cpu=True, quiet=True, deadline_s=DEADLINE, **kw)
+    return e.value, time.time() - t
+
+
+def _no_descendants(): assert psutil.Process().children(recursive=True) == []
+
+
+@pytest.mark.parametrize("fault", FAULTS, ids=lambda f: f.__name__[1:])
+def test_fault_on_rank1_names_rank1_and_how(fault):
+    err, seconds = _fails(_after_a_collective(fault))
+    exc_type, exitcode, text = FAULTS[fault]
+    assert seconds < DEADLINE + 10
+    assert (err.rank, err.exc_type, err.exitcode) == (1, exc_type, exitcode), str(err)
+    assert text in str(err)
+    assert "Connection closed" not in str(err)  # rank 0's echo is never the report
+    if exc_type: assert f"in {fault.__name__}" in err.worker_traceback  # the rank's own traceback
+    if fault is _segfault: assert "in _segfault" in err.worker_traceback  # faulthandler's stack of the crash
+    _no_descendants()
+
+
+@pytest.mark.parametrize("hang", ["busy", "sleep", "after_peer_returned"])
+def test_python_hang_ends_at_the_deadline_naming_the_stuck_rank(hang):
+    stuck_rank = 1 if hang == "after_peer_returned" else 0  # there rank 0 has finished and waits for rank 1
+    def stuck():
+        dist.barrier()
+        if dist.get_rank() == stuck_rank:
+            if hang == "busy":
+                while True: pass
+            time.sleep(1e6)
+        if hang != "after_peer_returned": dist.barrier()
+    t = time.time()
+    with pytest.raises(RankError) as e: launch(stuck, num_processes=2, cpu=True, quiet=True, deadline_s=3, timeout_s=60)
+    assert time.time() - t < 3 + 10
+    err = e.value
+    assert err.rank == stuck_rank and err.exc_type is None and err.exitcode is None
+    other = 1 - stuck_rank
+    assert (f"rank {stuck_rank} of 2 was still running when the launch reached its deadline (3 s); "
+            f"rank {other} waited for it") in str(err)
+    assert "in stuck" in err.worker_traceback  # the line the rank was stuck on
+    _no_descendants()
+
+
+def test_four_ranks_name_the_one_that_vanished():
+    def vanish_on_rank2():
+        dist.all_reduce(torch.ones(1))
+        if dist.get_rank() == 2: os._exit(3)
+        dist.all_reduce(torch.ones(1))
+    err, _ = _fails(vanish_on_rank2, num_processes=4)
+    assert (err.rank, err.world_size, err.exitcode) == (2, 4, 3), str(err)
+    _no_descendants()
+
+
+def test_unpicklable_return_names_the_rank_and_the_type():
+    err, _ = _fails(lambda: threading.Lock() if dist.get_rank() == 1 else 0)
+    assert (err.rank, err.exc_type) == (1, "TypeError")
+    assert "its return value, a _thread.lock, cannot be pickled back to the notebook" in str(err)
+    _no_descendants()
+
+
+@pytest.mark.parametrize("limits", [dict(deadline_s=0), dict(deadline_s=-1), dict(timeout_s=0), dict(timeout_s=float("nan"))])
+def test_limits_that_are_not_positive_seconds_are_refused_before_any_fork(limits):
+    with pytest.raises(ValueError, match="both are seconds > 0"): launch(lambda: 0, num_processes=2, cpu=True, **limits)
+    _no_descendants()
+
+
+def test_a_function_that_destroys_the_process_group_itself_returns():
+    "Code written for torchrun ends with destroy_process_group(); the launcher must not trip over it."
+    def tidy():
+        dist.barrier(); dist.destroy_process_group()
+        return dist.is_initialized()
+    assert launch(tidy, num_processes=2, cpu=True, quiet=True, deadline_s=DEADLINE) == [False, False]
+
+
+def test_a_collective_timeout_ends_the_launch_without_a_deadline():
+    "Without a deadline, a rank that never reaches a collective still ends the launch once its peer's wait times out."
+    def late():
+        if dist.get_rank() == 0: time.sleep(1e6)
+        dist.barrier()
+    t = time.time()
+    with pytest.raises(RankError) as e: launch(late, num_processes=2, cpu=True, quiet=True, timeout_s=3)
+    assert time.time() - t < 3 + 10
+    assert e.value.rank == 1 and e.value.exc_type is not None  # rank 1 raised: its barrier timed out
+    _no_descendants()
+
+
+def _listening(pid: int) -> set[str]:
+    "Addresses that the process `pid` and its descendants listen on."
+    root = psutil.Process(pid)
+    return {c.laddr.ip for p in [root, *root.children(recursive=True)] for c in p.net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN}
+
+
+def _loopback(ip: str) -> bool: return ip.startswith("127.") or ip == "::1"
+
+
+def _sockets_inside_a_collective():
+    dist.all_reduce(torch.ones(1))  # every pair of ranks is connected
+    seen = _listening(os.getppid()) if dist.get_rank() == 0 else None
+    dist.barrier()  # no rank leaves before rank 0 has looked
+    return seen
+
+
+def _public_interface() -> str | None:
+    "A network interface of this machine with a non-loopback IPv4 address, if any."
+    return next((name for name, addrs in psutil.net_if_addrs().items()
+                 if any(a.family.name == "AF_INET" and not _loopback(a.address) for a in addrs)), None)
+
+
+def test_nothing_listens_beyond_loopback_during_or_after_a_launch(monkeypatch):
+    public = _public_interface()
+    if public: monkeypatch.setenv("GLOO_SOCKET_IFNAME", public)  # a user's multi-node setting: ignored on one node
+    before = _listening(os.getpid())
+    during = launch(_sockets_inside_a_collective, num_processes=2, cpu=True, quiet=True, deadline_s=DEADLINE)[0]
+    assert len(during) >= 1 and all(_loopback(ip) for ip in during), during  # the store's socket and gloo's pairs
+    assert _listening(os.getpid()) == before
+    _fails(_after_a_collective(_sigkill))
+    assert _listening(os.getpid()) == before  # nothing left after a failed launch either
+
+
+def test_the_socket_check_sees_a_public_listener():
+    "The check above can fail: a gloo group bound to a public interface inside the launch is seen."
+    public = _public_interface()
+    assert public, "this machine has no non-loopback interface to bind to"
+    def exposed():
+        os.environ["GLOO_SOCKET_IFNAME"] = public
+        group = dist.new_group(backend="gloo")  # its device is built from the environment now
+        dist.barrier(group=group)
+        return _sockets_inside_a_collective()
+    during = launch(exposed, num_processes=2, cpu=True, quiet=True, deadline_s=DEADLINE)[0]
+    assert not all(_loopback(ip) for ip in during), during
+
+
+def test_twenty_launches_in_a_row_leave_nothing():
+    launch(lambda: 0, num_processes=2, cpu=True, quiet=True)  # imports and first-use allocations
+    me = psutil.Process()
+    fds, threads, sockets = me.num_fds(), me.num_threads(), len(me.net_connections(kind="inet"))
+    faults = [_raise, _sigkill, _exit3, _segfault]
+    for i in range(20):
+        if i % 2: assert launch(lambda r: dist.get_rank() * r, i, num_processes=2, cpu=True, quiet=True) == [0, i]
+        else:
+            err, _ = _fails(_after_a_collective(faults[i // 2 % len(faults)]))
+            assert err.rank == 1, str(err)
+        _no_descendants()
+    assert (me.num_fds(), me.num_threads(), len(me.net_connections(kind="inet"))) == (fds, threads, sockets)
+
+
+def _script(body: str) -> subprocess.Popen:
+    "Run a launch in a fresh Python process of its own session (so a signal to its group spares pytest)."
+    code = "import os, time, torch.distributed as dist\nfrom workbench.launch import launch\n" + textwrap.dedent(body)
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def _ranks_of(proc: subprocess.Popen, n: int = 2) -> list[psutil.Process]:
+    "The ranks once `n` of them run, after the launcher has set them up."
+    end = time.time() + 60
+    while time.time() < end:
+        ranks = psutil.Process(proc.pid).children()
+        if len(ranks) >= n: time.sleep(1); return psutil.Process(proc.pid).children()
+        time.sleep(0.1)
+    proc.kill(); raise AssertionError(f"no {n} ranks after 60 s: {proc.communicate()}")
+
+
+def _gone(procs: list[psutil.Process], timeout: float = 10) -> bool:
+    "Whether every process in `procs` ends within `timeout`; any that does not is killed, so a failure leaves nothing."
+    alive = psutil.wait_procs(procs, timeout=timeout)[1]
+    for p in alive: p.kill()
+    return not alive
+
+
+def test_ctrl_c_in_the_parent_raises_keyboardinterrupt_and_leaves_no_rank():
+    proc = _script("launch(lambda: time.sleep(1e6), num_processes=2, cpu=True)")
+    ranks = _ranks_of(proc)
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal (or Jupyter's interrupt) does: the whole group
+    try: _, err = proc.communicate(timeout=30)
+    finally: proc.kill()
+    assert err.rstrip().endswith("KeyboardInterrupt") and "RankError" not in err, err
+    assert _gone(ranks)
+
+
+def test_ranks_die_with_a_killed_parent():
+    proc = _script("launch(lambda: time.sleep(1e6), num_processes=2, cpu=True)")
+    ranks = _ranks_of(proc)
+    proc.kill(); proc.communicate(timeout=30)  # SIGKILL: the parent's finally never runs
+    assert _gone(ranks)
