@@ -105,13 +105,11 @@ def flatten_features(features: list[dict], max_tokens: int | None = None) -> Fla
     if len(features) == 0:
         raise ValueError("got an empty feature list: the sampler yielded an empty batch; check the dataset is not "
                          "empty and the token budget is at least the shortest example")
-    ids = []
     for i, f in enumerate(features):
         if type(f) is not dict and not isinstance(f, Mapping):
             raise ValueError(f"example {i} is a {type(f).__name__}, not a dict of columns: pass a list of per-example dicts")
-        x = f.get("input_ids")
-        if x is None: raise ValueError(f"example {i} has no 'input_ids' (keys: {sorted(f)}); tokenize it first")
-        ids.append(_as_row(x, i, "input_ids"))
+        if f.get("input_ids") is None: raise ValueError(f"example {i} has no 'input_ids' (keys: {sorted(f)}); tokenize it first")
+    ids = [_as_row(f["input_ids"], i, "input_ids") for i, f in enumerate(features)]
     sizes = [len(x) for x in ids]  # plain Python on a few numbers is cheaper than numpy calls here
     lengths, total = np.array(sizes, dtype=np.int64), sum(sizes)
     if 0 in sizes:
