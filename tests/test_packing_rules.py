@@ -30,15 +30,15 @@ example = st.integers(1, 30).flatmap(lambda n: st.fixed_dictionaries({
     "mask_key": st.sampled_from(["completion_mask", "assistant_masks"]),
     "mask_none": st.booleans(),  # a datasets.Dataset gives None where a row lacks the column
     "docs": st.one_of(st.none(), st.lists(st.integers(1, 6), min_size=1, max_size=5)),  # TRL's seq_lengths
-    "form": st.sampled_from(FORMS)}))
+    "form": st.sampled_from(FORMS), "label_form": st.sampled_from(FORMS), "mask_form": st.sampled_from(FORMS)}))
 
 
 def build(ex):
     "The feature dict of one drawn example, and the document lengths it must come out as."
     n = len(ex["ids"])
     f = {"input_ids": as_form(ex["ids"], ex["form"])}
-    if ex["labels"] is not None: f["labels"] = as_form(ex["labels"], ex["form"])
-    if ex["mask"] is not None: f[ex["mask_key"]] = as_form(ex["mask"], ex["form"], torch.bool)
+    if ex["labels"] is not None: f["labels"] = as_form(ex["labels"], ex["label_form"])
+    if ex["mask"] is not None: f[ex["mask_key"]] = as_form(ex["mask"], ex["mask_form"], torch.bool)
     elif ex["mask_none"]: f["completion_mask"] = None
     docs = [n]
     if ex["docs"] is not None:  # cut the row into documents as TRL's pack_dataset does
@@ -228,6 +228,24 @@ def test_plain_dataloader_with_workers_runs_ahead_resumable_does_not():
     next(it)
     assert s.state_dict()["consumed"] == 1
     del it
+
+
+def test_break_and_continue_with_persistent_workers():
+    "One loader, persistent workers: a loop that breaks mid-epoch and iterates again continues where it broke."
+    lengths = np.random.default_rng(0).integers(1, 50, 100)
+    feats = [{"input_ids": [e] * int(n)} for e, n in enumerate(lengths)]
+    plan = plan_bins(lengths, 100)
+    make = lambda **kw: ResumableLoader(plan.dataset(feats), TokenBudgetSampler(plan, seed=1), collate_fn=FlatteningCollator(), **kw)
+    ref = make()
+    epochs = [[_bin_of(b) for b in ref] for _ in range(2)]
+    loader = make(num_workers=2, persistent_workers=True)
+    first = []
+    for b in loader:
+        first.append(_bin_of(b))
+        if len(first) == 5: break
+    assert loader.state_dict()["consumed"] == 5
+    assert first + [_bin_of(b) for b in loader] == epochs[0]
+    assert [_bin_of(b) for b in loader] == epochs[1] and loader.state_dict()["epoch"] == 2
 
 
 @pytest.mark.parametrize("bins, replicas", [(2, 5), (1, 4), (3, 7), (5, 5)])
