@@ -83,6 +83,8 @@ def test_collators_read_every_example(exs, multiple):
     ([{"input_ids": [1]}, {"input_ids": torch.tensor(3)}], r"example 1: input_ids has shape \[\]"),
     ([{"input_ids": torch.tensor([1.0, 2.0])}], "example 0: input_ids must hold integers, got a torch.float32"),
     ([{"input_ids": np.array([1.5, 2.0])}], "example 0: input_ids must hold integers"),
+    ([{"input_ids": torch.tensor([1, 2])}, {"input_ids": [3, 4.5]}], "example 1: input_ids must hold integers"),
+    ([{"input_ids": [1, 2], "labels": np.array([1, 2])}, {"input_ids": [3, 4], "labels": [3, 4.5]}], "example 1: labels must hold integers"),
     ([{"input_ids": [1, 2]}, {"input_ids": [1, 2], "completion_mask": torch.tensor([[1]])}], "example 1: completion_mask has 1 entries"),
     ([{"input_ids": [1, 2], "labels": torch.tensor(5)}], r"example 0: labels has shape \[\]"),
     ([{"input_ids": [1, 2], "token_type_ids": [0, 0]}, {"input_ids": [3]}], "example 1 lacks 'token_type_ids'"),

@@ -56,7 +56,9 @@ def _concat(rows: list, key: str, total: int) -> np.ndarray:
             # the sum is an int only if every value is one (a float or str anywhere makes it a float or raises)
             if not isinstance(sum(map(sum, rows)), (int, np.integer)): raise TypeError("not all integers")
             return np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=total)
-        return np.concatenate([np.asarray(r) for r in rows]).astype(np.int64, copy=False)
+        out = np.concatenate([np.asarray(r) for r in rows])
+        if out.dtype.kind not in "iub": raise TypeError("not all integers")  # a float list beside integer arrays
+        return out.astype(np.int64, copy=False)
     except (TypeError, OverflowError, ValueError):
         for i, r in enumerate(rows):
             a = np.asarray(r)
