@@ -100,7 +100,7 @@ def test_bad_input_names_example_column_and_shape(feats, msg):
 
 
 def test_position_ids_restarts_are_documents():
-    "Rows carrying position_ids that restart (the older TRL packed format) are unpacked the same way as seq_lengths."
+    "Rows carrying restarting position_ids (what some packers emit instead of seq_lengths) are unpacked the same way."
     a = FlatteningCollator()([{"input_ids": [5, 6, 7, 8], "position_ids": [0, 1, 0, 1]}])
     b = FlatteningCollator()([{"input_ids": [5, 6, 7, 8], "seq_lengths": [2, 2]}])
     assert all(torch.equal(a[k], b[k]) for k in ("input_ids", "labels", "position_ids", "cu_seq_lens_q"))
