@@ -5,7 +5,12 @@
 # %% ../nbs/10_bench.ipynb #020de3e1
 from __future__ import annotations
 import argparse
+import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -13,7 +18,8 @@ from tqdm.auto import tqdm
 from .packing import FlatteningCollator, plan_bins, synthetic_lengths
 
 # %% auto #0
-__all__ = ['best_times', 'print_table', 'flan_batches', 'time_collator', 'bench_collation', 'bench_planning', 'main']
+__all__ = ['best_times', 'print_table', 'flan_batches', 'time_collator', 'bench_collation', 'bench_planning',
+           'bench_plan_capacity', 'main']
 
 # %% ../nbs/10_bench.ipynb #2ac6290c
 def best_times(fns: list, repeats: int = 5) -> list[float]:
@@ -93,6 +99,36 @@ def bench_planning(n: int = 1_000_000, capacity: int = 8192, trl: bool = True, s
         rows[0]["speedup"], rows[1]["speedup"] = theirs / ours, 1.0
     return rows
 
+# %% ../nbs/10_bench.ipynb #6d4ed12d
+_PLAN_PROBE = """
+import json, resource, sys, time, tracemalloc
+from workbench.packing import plan_bins, synthetic_lengths
+n, capacity, seed = map(int, sys.argv[1:])
+lengths = synthetic_lengths("flan", n, seed)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+t = time.perf_counter(); plan = plan_bins(lengths, capacity, seed=seed); seconds = time.perf_counter() - t
+rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+del plan
+tracemalloc.start(); plan = plan_bins(lengths, capacity, seed=seed); peak = tracemalloc.get_traced_memory()[1]
+print(json.dumps({"seconds": seconds, "peak": peak, "rss": rss * 1024, "bins": len(plan.bins), "fill": plan.fill}))
+"""
+
+def bench_plan_capacity(capacities=(8192, 65536, 1_000_000, 50_000_000, 1_000_000_000), n: int = 1_000_000,
+                        seed: int = 0, timeout_s: float = 300) -> list[dict]:
+    "Seconds and peak memory of `plan_bins` on `n` FLAN-like lengths at each capacity, each in a fresh process."
+    root = str(Path(plan_bins.__code__.co_filename).parents[1])  # the child imports this same workbench
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    rows = []
+    for capacity in tqdm(capacities, desc="plan_bins by capacity"):
+        out = subprocess.run([sys.executable, "-c", _PLAN_PROBE, str(n), str(capacity), str(seed)], capture_output=True,
+                             text=True, timeout=timeout_s, env=env)  # run() kills the child if it runs past the timeout
+        if out.returncode: raise RuntimeError(f"plan_bins at capacity {capacity} failed:\n{out.stderr[-2000:]}")
+        r = json.loads(out.stdout)
+        rows.append({"capacity": capacity, "examples": n, "seconds": r["seconds"],
+                     "traced peak MB": r["peak"] / 1e6, "max RSS growth MB": r["rss"] / 1e6,
+                     "bins": r["bins"], "fill": r["fill"]})
+    return rows
+
 # %% ../nbs/10_bench.ipynb #291c2323
 def main(argv=None):
     "Run the packing benchmarks at full size and print their tables."
@@ -104,6 +140,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     print_table(bench_collation(repeats=a.repeats), f"Collation: FLAN-like batches, tokens/s (best of {a.repeats} interleaved rounds)")
     print_table(bench_planning(a.examples, a.capacity, trl=not a.no_trl), "Planning: FLAN-like lengths")
+    print_table(bench_plan_capacity(n=a.examples), "Planning by capacity: FLAN-like lengths, each capacity in a fresh process")
 
 # %% ../nbs/10_bench.ipynb #ef514dc7
 #| eval: false

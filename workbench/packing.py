@@ -4,65 +4,114 @@
 
 # %% ../nbs/01_packing.ipynb #8de9a9e6
 from __future__ import annotations
+import heapq
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from itertools import chain
 
 import numpy as np
 import torch
 
-from .core import IGNORE_INDEX, cu_seq_lens, example_ids, restart_positions
+from .core import IGNORE_INDEX, cu_seq_lens, example_ids, lengths_from_positions, restart_positions
 
 # %% auto #0
 __all__ = ['OVERLONG', 'Flat', 'flatten_features', 'FlatteningCollator', 'PaddingCollator', 'NaiveConcatCollator',
-           'per_example_logits', 'Plan', 'plan_bins', 'PlannedFeatures', 'TokenBudgetSampler', 'synthetic_lengths',
-           'PackingReport', 'packing_report']
+           'per_example_logits', 'Plan', 'plan_bins', 'PlannedFeatures', 'TokenBudgetSampler', 'ResumableLoader',
+           'synthetic_lengths', 'PackingReport', 'packing_report']
 
 # %% ../nbs/01_packing.ipynb #269dc2db
-_NOT_CARRIED = {"input_ids", "labels", "position_ids", "attention_mask"}  # rebuilt by the collators, never copied
-_LOSS_MASKS = ("completion_mask", "assistant_masks")  # per-token 0/1 columns that exclude tokens from the loss
-
 def _lengths(cols: list) -> np.ndarray:
     return np.fromiter(map(len, cols), dtype=np.int64, count=len(cols))
 
-def _as_int64(values) -> np.ndarray:
-    "One example's column as int64; `TypeError` unless it holds integers (bools count as 0/1)."
-    a = np.asarray(values).reshape(-1)
-    if a.dtype.kind not in "iub": raise TypeError(f"got dtype {a.dtype}")
-    return a.astype(np.int64, copy=False)
+_LOSS_MASKS = ("completion_mask", "assistant_masks")  # per-token 0/1 columns: 0 excludes a token from the loss
+_BOUNDARIES = ("seq_lengths", "position_ids")  # read for document boundaries (TRL's packed rows), then rebuilt
+_NOT_CARRIED = {"input_ids", "labels", "attention_mask", *_BOUNDARIES}  # read, checked and rebuilt, never copied
 
-def _concat(cols: list, key: str, total: int) -> np.ndarray:
-    "One column of every example laid end to end, as `total` int64 values (`ValueError` naming the example otherwise)."
+def _is_row(v) -> bool:
+    "Whether `v` is a sequence of values (a list, tuple, or an array / tensor with at least one dimension)."
+    return isinstance(v, (list, tuple)) or (isinstance(v, (np.ndarray, torch.Tensor)) and v.ndim > 0)
+
+def _as_row(v, i: int, key: str):
+    "Example `i`'s `key` as one row: a flat list as given, else a 1-D integer array from a `[T]` or `[1, T]` array, tensor or list."
+    if type(v) is list and (not v or type(v[0]) is int): return v  # the common case, checked whole in `_concat`
+    if isinstance(v, torch.Tensor):
+        if v.is_floating_point() or v.is_complex():
+            raise ValueError(f"example {i}: {key} must hold integers, got a {v.dtype} tensor: tokenize text first and cast ids to int")
+        v = v.detach().cpu().numpy()
+    try: a = np.asarray(v)
+    except ValueError: raise ValueError(f"example {i}: {key} is ragged: give one flat row of integers per example") from None
+    if a.ndim == 2 and a.shape[0] == 1: a = a[0]  # what tokenizer(text, return_tensors="pt") gives
+    elif a.ndim != 1:
+        raise ValueError(f"example {i}: {key} has shape {list(a.shape)}; each example's column must be [T] or [1, T] "
+                         f"(one example per feature dict: split batched rows into examples)")
+    if a.dtype.kind not in "iub" and a.size:
+        raise ValueError(f"example {i}: {key} must hold integers (got dtype {a.dtype}): tokenize text first and cast ids to int")
+    return a
+
+def _concat(rows: list, key: str, total: int) -> np.ndarray:
+    "Rows (flat lists or 1-D integer arrays) laid end to end as `total` int64 values (`ValueError` naming the example otherwise)."
     try:
-        if isinstance(cols[0], list):  # what a datasets.Dataset yields
+        if all(type(r) is list for r in rows):  # what a datasets.Dataset yields
             # the sum is an int only if every value is one (a float or str anywhere makes it a float or raises)
-            if not isinstance(sum(map(sum, cols)), (int, np.integer)): raise TypeError("not all integers")
-            return np.fromiter(chain.from_iterable(cols), dtype=np.int64, count=total)
-        return np.concatenate([_as_int64(c) for c in cols])
+            if not isinstance(sum(map(sum, rows)), (int, np.integer)): raise TypeError("not all integers")
+            return np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=total)
+        out = np.concatenate([np.asarray(r) for r in rows])
+        if out.dtype.kind not in "iub": raise TypeError("not all integers")  # a float list beside integer arrays
+        return out.astype(np.int64, copy=False)
     except (TypeError, OverflowError, ValueError):
-        for i, c in enumerate(cols):
-            try: _as_int64(c)
-            except (TypeError, OverflowError, ValueError) as e:
-                raise ValueError(f"example {i}: {key} must hold integers ({e}): tokenize text first and cast ids to int") from None
+        for i, r in enumerate(rows):
+            a = np.asarray(r)
+            if a.dtype.kind not in "iub":
+                raise ValueError(f"example {i}: {key} must hold integers (got dtype {a.dtype}): tokenize text first "
+                                 f"and cast ids to int") from None
         raise
+
+def _documents(features: list[dict], sizes: list[int], keys) -> list[int]:
+    "Document lengths of the batch: each example is one document unless it carries `seq_lengths` or restarting `position_ids`."
+    if not any(k in keys for k in _BOUNDARIES): return sizes
+    docs = []
+    for i, (f, n) in enumerate(zip(features, sizes)):
+        seq, pos = f.get("seq_lengths"), f.get("position_ids")
+        if pos is not None:
+            pos = np.asarray(_as_row(pos, i, "position_ids"), dtype=np.int64)
+            if len(pos) != n: raise ValueError(f"example {i}: position_ids has {len(pos)} entries but input_ids has {n} tokens")
+            from_pos = lengths_from_positions(pos).tolist()
+        if seq is not None:
+            seq = np.asarray(_as_row(seq, i, "seq_lengths"), dtype=np.int64).tolist()
+            if sum(seq) != n or min(seq, default=0) < 1:
+                raise ValueError(f"example {i}: seq_lengths {seq[:8]} must be positive document lengths summing to its "
+                                 f"{n} tokens (TRL's pack_dataset format)")
+            if pos is not None and from_pos != seq:
+                raise ValueError(f"example {i}: seq_lengths {seq[:8]} disagree with the documents its position_ids "
+                                 f"restart at ({from_pos[:8]}): drop one of the two columns")
+        docs.extend(seq if seq is not None else from_pos if pos is not None else [n])
+    return docs
 
 @dataclass
 class Flat:
-    "Features laid end to end: lengths, token ids, labels and the carried per-token columns."
-    lengths: np.ndarray   # tokens per example
+    "Features laid end to end as documents: lengths, token ids, labels and the carried per-token columns."
+    lengths: np.ndarray   # tokens per document (an example, or each document of a packed example)
     input_ids: np.ndarray # [T] all examples concatenated
-    labels: np.ndarray    # [T] labels (or input ids), -100 on loss-masked tokens; example starts untouched
+    labels: np.ndarray    # [T] labels (or input ids), -100 on loss-masked tokens; document starts untouched
     carried: dict         # other per-token columns, each [T]
 
 def flatten_features(features: list[dict], max_tokens: int | None = None) -> Flat:
-    "Validate `features` and concatenate them; raise `ValueError` naming the example and the fix on bad input."
+    """Validate `features` and concatenate them; raise `ValueError` naming the example, the column and the fix on bad input.
+
+    Every example is read: the per-token columns are the union over the batch. An example without `labels` is
+    labelled by its own `input_ids`; an example without a loss mask (`completion_mask`, `assistant_masks`, or `None`
+    there) trains on all its tokens, and its carried mask is all ones. Any other per-token column must be on every
+    example or on none. A row carrying `seq_lengths` (TRL's `pack_dataset`) or restarting `position_ids` is unpacked
+    into its documents. An `attention_mask` must be all ones (padding inside an example is refused)."""
     if len(features) == 0:
         raise ValueError("got an empty feature list: the sampler yielded an empty batch; check the dataset is not "
                          "empty and the token budget is at least the shortest example")
-    try: ids = [f["input_ids"] for f in features]
-    except KeyError:
-        i = next(i for i, f in enumerate(features) if "input_ids" not in f)
-        raise ValueError(f"example {i} has no 'input_ids' (keys: {sorted(features[i])}); tokenize it first") from None
+    for i, f in enumerate(features):
+        if type(f) is not dict and not isinstance(f, Mapping):
+            raise ValueError(f"example {i} is a {type(f).__name__}, not a dict of columns: pass a list of per-example dicts")
+        if f.get("input_ids") is None: raise ValueError(f"example {i} has no 'input_ids' (keys: {sorted(f)}); tokenize it first")
+    ids = [_as_row(f["input_ids"], i, "input_ids") for i, f in enumerate(features)]
     sizes = [len(x) for x in ids]  # plain Python on a few numbers is cheaper than numpy calls here
     lengths, total = np.array(sizes, dtype=np.int64), sum(sizes)
     if 0 in sizes:
@@ -76,24 +125,43 @@ def flatten_features(features: list[dict], max_tokens: int | None = None) -> Fla
     if max_tokens is not None and total > max_tokens:
         raise ValueError(f"the batch holds {total} tokens, over max_tokens={max_tokens}: build batches with "
                          f"TokenBudgetSampler(plan_bins(lengths, capacity={max_tokens}))")
-    columns = {}  # the other per-token columns (labels first), each as a list over the examples
-    if len(features[0]) > 1:
-        keys = [k for k, v in features[0].items() if k not in _NOT_CARRIED and hasattr(v, "__len__") and not isinstance(v, str)]
-        skipped = sorted(set(features[0]) - set(keys) - _NOT_CARRIED)
-        if skipped: warnings.warn(f"per-example columns {skipped} are not per-token and are not part of the flattened row")
-        for key in ["labels", *keys] if "labels" in features[0] else keys:
-            columns[key] = [f[key] for f in features]
-            bad = np.flatnonzero(_lengths(columns[key]) != lengths)
-            if bad.size:
-                i = int(bad[0])
-                raise ValueError(f"example {i}: {key} has {len(columns[key][i])} entries but input_ids has {lengths[i]} "
-                                 f"tokens; per-token columns must align with input_ids")
+    keys = dict.fromkeys(chain.from_iterable(features))  # the union, in order of first appearance
+    columns, per_example = {}, []  # per-token columns (labels first), each a list of rows over the examples
+    for key in sorted(keys, key=lambda k: k != "labels"):
+        if key in ("input_ids", *_BOUNDARIES): continue
+        values = [f.get(key) for f in features]
+        if key not in _NOT_CARRIED and key not in _LOSS_MASKS and not any(map(_is_row, values)):
+            if any(v is not None for v in values): per_example.append(key)
+            continue
+        rows = []
+        for i, v in enumerate(values):
+            if v is not None: rows.append(_as_row(v, i, key))
+            elif key == "labels": rows.append(ids[i])
+            elif key in _LOSS_MASKS or key == "attention_mask": rows.append(np.ones(sizes[i], dtype=np.int64))
+            else:
+                has = [j for j, w in enumerate(values) if w is not None]
+                raise ValueError(f"example {i} lacks {key!r}, which examples {has[:5]} carry: a per-token column must be "
+                                 f"on every example of a batch or on none (fill it, or remove the column)")
+        bad = np.flatnonzero(_lengths(rows) != lengths)
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"example {i}: {key} has {len(rows[i])} entries but input_ids has {lengths[i]} tokens; "
+                             f"per-token columns must align with input_ids")
+        columns[key] = rows
+    if per_example: warnings.warn(f"per-example columns {per_example} are not per-token and are not part of the flattened row")
+    docs = _documents(features, sizes, keys)
     input_ids = _concat(ids, "input_ids", total)
     labels = _concat(columns.pop("labels"), "labels", total) if "labels" in columns else input_ids.copy()  # a new array
+    if "attention_mask" in columns:
+        mask = _concat(columns.pop("attention_mask"), "attention_mask", total)
+        if not mask.all():
+            i = int(np.searchsorted(np.cumsum(lengths), np.flatnonzero(mask == 0)[0], side="right"))
+            raise ValueError(f"example {i}: attention_mask has zeros, so the example holds padding: strip it before "
+                             f"collating (tokenize without padding); the packed row needs none")
     carried = {k: _concat(v, k, total) for k, v in columns.items()}
     for k in _LOSS_MASKS:
         if k in carried: labels[carried[k] == 0] = IGNORE_INDEX
-    return Flat(lengths, input_ids, labels, carried)
+    return Flat(np.array(docs, dtype=np.int64) if docs is not sizes else lengths, input_ids, labels, carried)
 
 # %% ../nbs/01_packing.ipynb #cde7f59d
 def _tensor(a: np.ndarray, return_tensors: str, batch_dim: bool = True):
@@ -176,33 +244,35 @@ def _bfd(lengths: np.ndarray, capacity: int, rng: np.random.Generator) -> np.nda
     group_starts = np.flatnonzero(np.r_[True, np.diff(sorted_len) != 0])
     group_ends = np.r_[group_starts[1:], n]
     bin_sorted = np.empty(n, dtype=np.int64)
-    buckets = [[] for _ in range(capacity + 1)]  # remaining room -> arrays of bin ids
-    has_room = np.zeros(capacity + 1, dtype=bool)
+    buckets = {}        # remaining room -> arrays of the bins that have exactly that room
+    fit, short = [], [] # heaps of the rooms in `buckets`: those >= the current length (min first), the others (max first)
     n_bins = 0
 
-    def put(room, bins):
-        if len(bins): buckets[room].append(bins); has_room[room] = True
+    def put(room, bins, size):
+        if not len(bins) or room == 0: return  # a full bin takes nothing more
+        if room not in buckets: buckets[room] = []; heapq.heappush(fit, room) if room >= size else heapq.heappush(short, -room)
+        buckets[room].append(bins)
 
     for start, end in zip(group_starts, group_ends):
         size, pos = int(sorted_len[start]), int(start)
+        while short and -short[0] >= size: heapq.heappush(fit, -heapq.heappop(short))  # lengths only shrink: rooms start to fit
         while pos < end:
-            fits = np.flatnonzero(has_room[size:])
-            if fits.size:  # the tightest bins that still fit this length
-                room = size + int(fits[0])
-                bins = np.concatenate(buckets[room]); buckets[room] = []; has_room[room] = False
+            if fit:  # the tightest bins that still fit this length
+                room = heapq.heappop(fit)
+                bins = np.concatenate(buckets.pop(room))
             else:  # open as many new bins as the rest of this group needs
                 room, per = capacity, capacity // size
                 bins = np.arange(n_bins, n_bins + -(-(end - pos) // per)); n_bins += len(bins)
             per = room // size
             full = min(len(bins), (end - pos) // per)
             bin_sorted[pos:pos + full * per] = np.repeat(bins[:full], per); pos += full * per
-            put(room - per * size, bins[:full])
+            put(room - per * size, bins[:full], size)
             rest = bins[full:]
             if len(rest) and pos < end:
                 take = end - pos
                 bin_sorted[pos:end] = rest[0]; pos = end
-                put(room - take * size, rest[:1]); rest = rest[1:]
-            put(room, rest)
+                put(room - take * size, rest[:1], size); rest = rest[1:]
+            put(room, rest, size)
     bins = np.empty(n, dtype=np.int64)
     bins[order] = bin_sorted
     return bins
@@ -271,31 +341,63 @@ def plan_bins(lengths, capacity: int, overlong: str = "error", seed: int = 0) ->
     return Plan(bins, example, offset, length, capacity, len(lengths), **counts)
 
 # %% ../nbs/01_packing.ipynb #e2c301fe
+def _cut_documents(seq_lengths, lo: int, n: int) -> list[int]:
+    "The document lengths of tokens `[lo, lo + n)` of a row whose documents have `seq_lengths`."
+    ends = np.cumsum(np.asarray(seq_lengths, dtype=np.int64).reshape(-1))
+    a, b = np.maximum(ends - np.asarray(seq_lengths).reshape(-1), lo), np.minimum(ends, lo + n)
+    return (b - a)[b > a].tolist()
+
 class PlannedFeatures(torch.utils.data.Dataset):
     "The pieces of a `Plan` over a sequence of features: piece `i` is a slice of example `plan.example[i]`."
     def __init__(self, features, plan: Plan): self.features, self.plan = features, plan
     def __len__(self): return len(self.plan.length)
     def __getitem__(self, i: int) -> dict:
-        f = self.features[int(self.plan.example[i])]
-        lo, n = int(self.plan.offset[i]), int(self.plan.length[i])
-        if lo == 0 and n == len(f["input_ids"]): return f
-        return {k: (v[lo:lo + n] if hasattr(v, "__len__") and not isinstance(v, str) and len(v) == len(f["input_ids"]) else v)
-                for k, v in f.items()}
+        e = int(self.plan.example[i])
+        f = self.features[e]
+        lo, n, T = int(self.plan.offset[i]), int(self.plan.length[i]), len(_as_row(f["input_ids"], e, "input_ids"))
+        if lo + n > T or (lo + n < T and n != self.plan.capacity):  # only a split or truncated piece ends early
+            raise ValueError(f"piece {i} is tokens [{lo}, {lo + n}) of example {e}, which has {T}: the plan was made from "
+                             f"other lengths; plan the lengths of these features (len of each example's input_ids row)")
+        if lo == 0 and n == T: return f
+        def cut(k, v):
+            if k == "seq_lengths" and v is not None: return _cut_documents(v, lo, n)  # TRL's packed rows
+            if not _is_row(v): return v
+            if getattr(v, "ndim", 1) == 2 and len(v) == 1: return v[:, lo:lo + n]  # a [1, T] tensor or array
+            return v[lo:lo + n] if len(v) == T else v
+        return {k: cut(k, v) for k, v in f.items()}
 
 # %% ../nbs/01_packing.ipynb #45dda825
 class TokenBudgetSampler(torch.utils.data.Sampler):
-    "Batch sampler yielding the piece ids of one plan bin per step, shuffled per epoch, balanced over ranks, resumable."
-    def __init__(self, plan: Plan, shuffle: bool = True, seed: int = 0, num_replicas: int = 1, rank: int = 0):
-        if not 0 <= rank < num_replicas: raise ValueError(f"rank {rank} is outside num_replicas={num_replicas}")
+    """Batch sampler yielding the piece ids of one plan bin per step, shuffled per epoch, balanced over ranks, resumable.
+
+    Its state is (epoch, steps consumed). Iterated directly or by a `DataLoader` with `num_workers=0`, a step counts as
+    consumed when it is yielded. A `DataLoader` with workers fetches steps ahead of its consumer: iterate it through
+    `ResumableLoader`, which records the steps the consumer received. `set_epoch(e)` starts epoch `e` from its first step,
+    unless the sampler is already in epoch `e` (for instance just restored), where it keeps its position."""
+    def __init__(self, plan: Plan,
+                 shuffle: bool = True,  # a new order of the steps every epoch (deterministic in `seed` and the epoch)
+                 seed: int = 0,         # the seed of that order; the same on every rank
+                 num_replicas: int = 1, # data-parallel ranks; each step holds one bin per rank
+                 rank: int = 0):        # this process's rank in [0, num_replicas)
+        if num_replicas < 1 or not 0 <= rank < num_replicas:
+            raise ValueError(f"rank {rank} is outside num_replicas={num_replicas}: need 0 <= rank < num_replicas")
         if not plan.bins: raise ValueError("the plan has no bins: nothing to sample (is the dataset empty?)")
         self.plan, self.shuffle, self.seed, self.num_replicas, self.rank = plan, shuffle, seed, num_replicas, rank
-        self.epoch, self.served = 0, 0
+        self.epoch, self.consumed = 0, 0
         by_size = np.argsort(-plan.bin_tokens, kind="stable")
-        self.repeated = (-len(by_size)) % num_replicas  # bins served twice so every rank takes the same steps
-        self.steps = np.concatenate([by_size, by_size[: self.repeated]]).reshape(-1, num_replicas)
+        n_steps = -(-len(by_size) // num_replicas)
+        self.repeated = n_steps * num_replicas - len(by_size)  # bins served twice so every rank takes the same steps
+        self.steps = np.resize(by_size, (n_steps, num_replicas))  # np.resize repeats the largest bins when it runs out
 
-    def set_epoch(self, epoch: int): self.epoch, self.served = epoch, 0
     def __len__(self): return len(self.steps)
+
+    def _roll(self):
+        "A finished epoch is the start of the next one."
+        if self.consumed >= len(self.steps): self.epoch, self.consumed = self.epoch + 1, 0
+
+    def set_epoch(self, epoch: int):
+        self._roll()
+        if epoch != self.epoch: self.epoch, self.consumed = epoch, 0
 
     def epoch_steps(self) -> np.ndarray:
         "This epoch's `[steps, num_replicas]` bin ids, in serving order (the same on every rank)."
@@ -305,15 +407,50 @@ class TokenBudgetSampler(torch.utils.data.Sampler):
         return np.take_along_axis(steps, rng.random(steps.shape).argsort(1), 1)
 
     def __iter__(self):
-        for step in self.epoch_steps()[self.served:]:
-            self.served += 1
+        self._roll()
+        start = self.consumed
+        for k, step in enumerate(self.epoch_steps()[start:], start + 1):
+            self.consumed = k  # counted when handed over: exact for a consumer that iterates this sampler itself
             yield self.plan.bins[step[self.rank]].tolist()
-        self.epoch, self.served = self.epoch + 1, 0
+        self._roll()
 
-    def state_dict(self) -> dict: return {"epoch": self.epoch, "served": self.served, "seed": self.seed}
+    def state_dict(self) -> dict:
+        self._roll()
+        return {"epoch": self.epoch, "consumed": self.consumed, "seed": self.seed, "steps": len(self.steps),
+                "num_replicas": self.num_replicas}
+
     def load_state_dict(self, state: dict):
-        if state["seed"] != self.seed: raise ValueError(f"state was saved with seed {state['seed']}, this sampler has {self.seed}")
-        self.epoch, self.served = state["epoch"], state["served"]
+        want = {"seed": self.seed, "num_replicas": self.num_replicas, "steps": len(self.steps)}
+        missing = sorted({"epoch", "consumed", *want} - set(state))
+        if missing: raise ValueError(f"state lacks {missing}: pass what TokenBudgetSampler.state_dict() returned")
+        for k, v in want.items():
+            if state[k] != v:
+                raise ValueError(f"state was saved with {k}={state[k]} but this sampler has {k}={v}: rebuild it from the "
+                                 f"same plan, seed and num_replicas as the run that saved it")
+        if not 0 <= state["consumed"] <= len(self.steps):
+            raise ValueError(f"state has consumed={state['consumed']}, outside [0, {len(self.steps)}]")
+        self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
+        self._roll()
+
+class ResumableLoader(torch.utils.data.DataLoader):
+    "A `DataLoader` over a `TokenBudgetSampler` whose state is what its consumer received, whatever `num_workers`."
+    def __init__(self, dataset, sampler: TokenBudgetSampler, **kwargs):  # kwargs: the DataLoader's (collate_fn, num_workers...)
+        if not isinstance(sampler, TokenBudgetSampler):
+            raise TypeError(f"sampler must be a TokenBudgetSampler, got {type(sampler).__name__}")
+        super().__init__(dataset, batch_sampler=sampler, **kwargs)
+
+    def __iter__(self):
+        s = self.batch_sampler
+        s._roll()
+        epoch, done = s.epoch, s.consumed
+        for batch in super().__iter__():  # workers may have taken the sampler ahead: set it back to what was received
+            done += 1
+            s.epoch, s.consumed = epoch, done
+            yield batch
+        s._roll()
+
+    def state_dict(self) -> dict: return self.batch_sampler.state_dict()
+    def load_state_dict(self, state: dict): self.batch_sampler.load_state_dict(state)
 
 # %% ../nbs/01_packing.ipynb #226d027a
 def synthetic_lengths(kind: str = "flan", n: int = 100_000, seed: int = 0) -> np.ndarray:
