@@ -125,15 +125,28 @@ def test_a_function_that_destroys_the_process_group_itself_returns():
     assert launch(tidy, num_processes=2, cpu=True, quiet=True, deadline_s=DEADLINE) == [False, False]
 
 
-def test_a_collective_timeout_ends_the_launch_without_a_deadline():
-    "Without a deadline, a rank that never reaches a collective still ends the launch once its peer's wait times out."
+def test_a_collective_timeout_ends_the_launch_without_a_deadline_naming_the_stuck_rank():
+    "Without a deadline, a rank that never reaches a collective ends the launch once its peer's wait times out, and is named."
     def late():
         if dist.get_rank() == 0: time.sleep(1e6)
         dist.barrier()
     t = time.time()
     with pytest.raises(RankError) as e: launch(late, num_processes=2, cpu=True, quiet=True, timeout_s=3)
     assert time.time() - t < 3 + 10
-    assert e.value.rank == 1 and e.value.exc_type is not None  # rank 1 raised: its barrier timed out
+    assert e.value.rank == 0 and e.value.exc_type is None  # rank 0 never raised: it slept outside the barrier
+    assert "rank 1" in e.value.cause and "Timed out" in e.value.cause and "time.sleep" not in e.value.cause
+    assert "in late" in e.value.worker_traceback  # rank 0's own stack, at the line that sleeps
+    _no_descendants()
+
+
+def test_mismatched_collectives_report_the_raise():
+    "When every peer waits in a collective (they do not match), the rank whose collective failed is reported as it is."
+    def mismatched():
+        if dist.get_rank() == 0: dist.barrier()
+        else: dist.broadcast(torch.zeros(1), src=0)
+        dist.barrier()
+    with pytest.raises(RankError) as e: launch(mismatched, num_processes=2, cpu=True, quiet=True, timeout_s=3)
+    assert e.value.exc_type is not None
     _no_descendants()
 
 

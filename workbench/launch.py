@@ -180,17 +180,39 @@ def _first_failure(ended: dict, exchange: Path, world_size: int) -> RankError:
                 if not (exchange / f"error{r}.pkl").exists()]
     return vanished[0] if vanished else min(_raised(exchange, world_size), key=lambda t: t[0])[1]
 
-def _past_deadline(running: dict, exchange: Path, deadline_s: float, world_size: int) -> RankError:
-    "Ask every running rank for its Python stack; blame the first not waiting for peers (in torch.distributed, or done)."
+def _stacks(running: dict, exchange: Path) -> dict[int, str]:
+    "Ask every running rank for its Python stack (faulthandler on SIGUSR1) and collect them."
     for p in running.values(): os.kill(p.pid, signal.SIGUSR1)
     end = time.monotonic() + 2
     while time.monotonic() < end and not all(_stack(exchange, r) for r in running): time.sleep(0.02)
-    stacks = {r: _stack(exchange, r) for r in running}
-    waiting = [r for r, s in stacks.items() if "torch/distributed" in s or " in _all_finished" in s]
+    return {r: _stack(exchange, r) for r in running}
+
+def _waits(stack: str) -> bool:
+    "Is this stack waiting for its peers (inside torch.distributed, or finished and waiting for the others)?"
+    return "torch/distributed" in stack or " in _all_finished" in stack
+
+def _past_deadline(running: dict, exchange: Path, deadline_s: float, world_size: int) -> RankError:
+    "Blame the first running rank not waiting for its peers, with its stack."
+    stacks = _stacks(running, exchange)
+    waiting = [r for r, s in stacks.items() if _waits(s)]
     rank = next((r for r in running if r not in waiting), min(running))
     cause = f"was still running when the launch reached its deadline ({deadline_s:g} s)"
     if waiting: cause += f"; {'rank' if len(waiting) == 1 else 'ranks'} {', '.join(map(str, waiting))} waited for it"
     return RankError(rank, world_size, cause, stacks[rank])
+
+def _culprit(failure: RankError, running: dict, exchange: Path, world_size: int) -> RankError:
+    "A rank whose collective failed (raised inside torch.distributed) while a peer still runs outside it: blame the peer."
+    frames = [l for l in failure.worker_traceback.splitlines() if l.lstrip().startswith("File ")]
+    if failure.exc_type is None or not running or not frames or "torch/distributed" not in frames[-1]: return failure
+    end = time.monotonic() + 2  # peers that failed too are on their way out: they are not the stuck one
+    while (alive := {r: p for r, p in running.items() if p.is_alive()}) and time.monotonic() < end:
+        mp.connection.wait([p.sentinel for p in alive.values()], max(0, end - time.monotonic()))
+    stacks = _stacks(alive, exchange)
+    stuck = next((r for r, s in stacks.items() if s and not _waits(s)), None)
+    if stuck is None: return failure  # every live peer waits in a collective too: a mismatch, the raise is the news
+    first = str(failure).splitlines()[0]
+    return RankError(stuck, world_size, f"was not in the collective that rank {failure.rank} waited for "
+                     f"until it failed ({first})", stacks[stuck])
 
 def _watch(ranks: list, exchange: Path, deadline_s: float | None) -> RankError | None:
     "Wait until every rank has left its result (None), or return the error of the first rank that really failed."
@@ -203,8 +225,11 @@ def _watch(ranks: list, exchange: Path, deadline_s: float | None) -> RankError |
         ended = {r: p for r, p in running.items() if p.sentinel in ready}
         for p in ended.values(): p.join()
         failed = {r: p for r, p in ended.items() if not (exchange / f"result{r}.pkl").exists()}
-        if failed: return _first_failure(failed, exchange, len(ranks))
+        if failed:
+            rest = {r: p for r, p in running.items() if r not in ended}
+            return _culprit(_first_failure(failed, exchange, len(ranks)), rest, exchange, len(ranks))
         for r in ended: del running[r]
+
 
 def _reap(ranks: list):
     "End every rank still alive and whatever it started (DataLoader workers): SIGTERM, `GRACE_S` to exit, then SIGKILL."
