@@ -177,3 +177,12 @@ def test_compiled_model_is_measured(packed):
     report = check_packing(model, packed, NO_CACHE, grads=False)
     assert report.clean and report.cross_example_effect == 0 and report.wrappers == ("OptimizedModule",), report
     assert leak_sources(model, packed) and "self_attn" in leak_sources(model, packed)[0]  # hooks on the eager module
+
+
+def test_padded_fix_verified_without_padding():
+    "Examples of one length: their padded twin has an all-ones mask and still counts one example per row."
+    same = FlatteningCollator()([{"input_ids": f["input_ids"][:20]} for f in matrix_examples()])
+    model = tiny_model("llama")
+    model.model.layers[0].mlp = ShiftMix(model.model.layers[0].mlp, 1e-2)
+    report = check_packing(model, same, NO_CACHE)
+    assert not report.clean and "padded batches" in report["contamination probe"].fix and _verified(report)

@@ -186,10 +186,10 @@ def _pad_id(model) -> int:
 
 # %% ../nbs/05_doctor.ipynb #e56cfd06
 def _example_of_tokens(batch: dict) -> torch.Tensor:
-    "The example of every token of `batch`, flattened (`-1` on padding an attention mask hides); padded rows are examples."
+    "The example of every token of `batch`, flattened: a padded layout (a mask, no position_ids) has one per row, -1 on padding."
     ids = batch["input_ids"]
     mask = batch.get("attention_mask")
-    if mask is not None and not bool(mask.all()):  # a padded layout: one example per row
+    if mask is not None and (not bool(mask.all()) or batch.get("position_ids") is None):
         rows = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(ids)
         return torch.where(mask.bool(), rows, -1).reshape(-1)
     return torch.from_numpy(example_ids(batch_lengths(batch))).to(ids.device)
@@ -231,7 +231,7 @@ def contamination_probe(model, batch: dict, forward_kwargs: dict | None = None, 
         torch.set_num_threads(threads)
     return leak, own
 
-# %% ../nbs/05_doctor.ipynb #ce0c8a9b
+# %% ../nbs/05_doctor.ipynb #5574a103
 def _tensors(obj) -> list:
     "Every tensor in nested tuples, lists and dicts (model outputs are dicts)."
     if isinstance(obj, torch.Tensor): return [obj]
