@@ -186,3 +186,19 @@ def test_padded_fix_verified_without_padding():
     model.model.layers[0].mlp = ShiftMix(model.model.layers[0].mlp, 1e-2)
     report = check_packing(model, same, NO_CACHE)
     assert not report.clean and "padded batches" in report["contamination probe"].fix and _verified(report)
+
+
+def test_moe_routing_does_not_fake_a_leak():
+    "A clean MoE whose grouped expert matmuls round by token count: plain forwards differ, the probe stays exactly 0."
+    from workbench.core import example_ids, load_sample
+    from workbench.doctor import _perturbed  # the probe's own perturbation, to show what it avoids
+    model = tiny_model("mixtral", hidden_size=1024, intermediate_size=1024, num_hidden_layers=1)
+    batch = FlatteningCollator()([{"input_ids": f["input_ids"][:40]} for f in load_sample("flan_like", limit=24)[20:24]])
+    examples = torch.from_numpy(example_ids(torch.diff(batch["cu_seq_lens_q"]).numpy()))
+    with torch.no_grad():
+        base = model(**batch, use_cache=False).logits[0]
+        moved = max((model(**_perturbed(batch, examples, w, model.config.vocab_size, 0), use_cache=False).logits[0] - base)[examples != w].abs().max()
+                    for w in (0, 3))
+    assert moved > 0  # rounding from the grouped matmuls' shapes, not a leak
+    report = check_packing(model, batch, NO_CACHE)
+    assert report.clean and report.cross_example_effect == 0 and model.config._experts_implementation == "grouped_mm"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from html import escape
 from pathlib import Path
@@ -202,6 +203,18 @@ def _perturbed(batch: dict, examples: torch.Tensor, which: int, vocab: int, seed
     flat[hit] = (flat[hit] + torch.randint(1, vocab, (int(hit.sum()),), generator=g).to(ids.device)) % vocab
     return {**batch, "input_ids": ids}
 
+@contextmanager
+def _shape_stable_experts(inner):
+    "Mixture-of-experts layers as one matmul per (token, expert) while the probe runs, restored after."
+    # a grouped matmul picks its kernel by how many tokens each expert got, and kernels round differently: changing one
+    # example's routing would then move other examples' logits by rounding (measured: 2.3e-06, fp32, hidden 1024)
+    before = getattr(inner.config, "_experts_implementation", None)
+    switch = before not in (None, "batched_mm") and type(inner)._can_set_experts_implementation()  # private: no public query
+    if switch: inner.set_experts_implementation("batched_mm")
+    try: yield
+    finally:
+        if switch: inner.set_experts_implementation(before)
+
 def contamination_probe(model, batch: dict, forward_kwargs: dict | None = None, seed: int = 0) -> tuple[float, float]:
     "Change every token of the first example, then of the last: (largest change of any other example's logits, smallest change of the changed one's)."
     runner, inner, _ = unwrap(model)
@@ -214,24 +227,25 @@ def contamination_probe(model, batch: dict, forward_kwargs: dict | None = None, 
     runner.eval()
     run = lambda b: _run(runner, b, forward_kwargs, grads=False)[0].reshape(examples.numel(), -1)
     try:
-        base = run(batch)
-        if not torch.equal(base, run(batch)):  # the same pass twice differs: threads split a reduction differently
-            torch.set_num_threads(1)
+        with _shape_stable_experts(inner):
             base = run(batch)
-            noise = (run(batch) - base).abs().max().item()
-            if noise: raise RuntimeError(f"two identical forward passes differ by {noise:.3g} even on one thread: the "
-                                         f"probe cannot be exact; make the model deterministic (no dropout, no sampling)")
-        leak, own = 0.0, float("inf")
-        for which in (0, n - 1):
-            delta = (run(_perturbed(batch, examples, which, vocab, seed)) - base).abs().amax(-1)  # identical shapes: identical kernels
-            leak = max(leak, delta[(examples != which) & (examples >= 0)].max().item())
-            own = min(own, delta[examples == which].max().item())
+            if not torch.equal(base, run(batch)):  # the same pass twice differs: threads split a reduction differently
+                torch.set_num_threads(1)
+                base = run(batch)
+                noise = (run(batch) - base).abs().max().item()
+                if noise: raise RuntimeError(f"two identical forward passes differ by {noise:.3g} even on one thread: the "
+                                             f"probe cannot be exact; make the model deterministic (no dropout, no sampling)")
+            leak, own = 0.0, float("inf")
+            for which in (0, n - 1):
+                delta = (run(_perturbed(batch, examples, which, vocab, seed)) - base).abs().amax(-1)  # identical shapes: identical kernels
+                leak = max(leak, delta[(examples != which) & (examples >= 0)].max().item())
+                own = min(own, delta[examples == which].max().item())
     finally:
         runner.train(was_training)
         torch.set_num_threads(threads)
     return leak, own
 
-# %% ../nbs/05_doctor.ipynb #5574a103
+# %% ../nbs/05_doctor.ipynb #3ccbaf65
 def _tensors(obj) -> list:
     "Every tensor in nested tuples, lists and dicts (model outputs are dicts)."
     if isinstance(obj, torch.Tensor): return [obj]
