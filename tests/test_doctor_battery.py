@@ -97,9 +97,16 @@ def test_boundaries_checked_against_their_reader(packed, dtype):
 
 def test_batch_without_position_ids(packed):
     no_pos = {k: v for k, v in packed.items() if k != "position_ids"}
-    for impl in ("sdpa", KEY):  # varlen keeps attention apart from cu_seq_lens, but RoPE runs across examples
-        report = check_packing(tiny_model("llama", attn_implementation=impl), no_pos, NO_CACHE)
-        assert not report.clean and report["position_ids in the batch"].status == "fail" and _verified(report)
+    sdpa = check_packing(tiny_model("llama"), no_pos, NO_CACHE)
+    assert not sdpa.clean and sdpa["position_ids in the batch"].status == "fail" and _verified(sdpa)
+    # varlen reads cu_seq_lens, and RoPE only sees differences of positions: measured harmless, still warned
+    varlen = check_packing(tiny_model("llama", attn_implementation=KEY), no_pos, NO_CACHE)
+    assert varlen.clean and varlen["position_ids in the batch"].status == "warn" and _verified(varlen)
+    torch.manual_seed(0)  # absolute position embeddings: the positions themselves are wrong
+    gpt2 = tr.GPT2LMHeadModel._from_config(tr.GPT2Config(vocab_size=8192, n_embd=64, n_layer=2, n_head=4), attn_implementation=KEY).eval()
+    absolute = check_packing(gpt2, no_pos, NO_CACHE)
+    assert not absolute.clean and absolute.cross_example_effect == 0 and absolute["position_ids in the batch"].status == "fail"
+    assert "position_ids restarting" in absolute["position_ids in the batch"].fix and _verified(absolute)
     nothing = {k: v for k, v in no_pos.items() if not k.startswith(("cu_seq", "max_length"))}
     blind = check_packing(tiny_model("llama"), nothing, NO_CACHE)
     assert not blind.clean and "FlatteningCollator" in blind["example boundaries"].detail
@@ -202,3 +209,32 @@ def test_moe_routing_does_not_fake_a_leak():
     assert moved > 0  # rounding from the grouped matmuls' shapes, not a leak
     report = check_packing(model, batch, NO_CACHE)
     assert report.clean and report.cross_example_effect == 0 and model.config._experts_implementation == "grouped_mm"
+
+
+class Noisy(torch.nn.Module):
+    "A layer that is not deterministic (fresh noise every pass): no probe can be exact on it."
+    def __init__(self, mlp):
+        super().__init__()
+        self.mlp = mlp
+    def forward(self, x): return self.mlp(x) + 1e-3 * torch.randn_like(x)
+
+
+def test_nondeterministic_model_is_refused_not_judged(packed):
+    model = tiny_model("llama")
+    model.model.layers[0].mlp = Noisy(model.model.layers[0].mlp)
+    threads = torch.get_num_threads()
+    report = check_packing(model, packed, NO_CACHE)
+    assert not report.clean and "identical forward passes differ" in report["model runs on the packed batch"].detail
+    assert torch.get_num_threads() == threads  # restored
+
+
+def test_real_ddp_is_stepped_through(packed, tmp_path):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(tiny_model("llama"))
+        report = check_packing(ddp, packed, NO_CACHE)
+        assert report.clean and report.wrappers == ("DistributedDataParallel",) and report.cross_example_effect == 0
+        sick = check_packing(ddp, packed)
+        assert not sick.clean and _verified(sick)
+    finally: dist.destroy_process_group()

@@ -245,7 +245,7 @@ def contamination_probe(model, batch: dict, forward_kwargs: dict | None = None, 
         torch.set_num_threads(threads)
     return leak, own
 
-# %% ../nbs/05_doctor.ipynb #3ccbaf65
+# %% ../nbs/05_doctor.ipynb #28bed74f
 def _tensors(obj) -> list:
     "Every tensor in nested tuples, lists and dicts (model outputs are dicts)."
     if isinstance(obj, torch.Tensor): return [obj]
@@ -388,7 +388,7 @@ def _traps(inner, batch: dict, kwargs: dict, attn: str, lengths: np.ndarray) -> 
                    "examples; sdpa, eager and flex see one example)" if pos is None else "position_ids given",
                    f"pass position_ids restarting at {start} for every example (FlatteningCollator returns them)",
                    lambda s: _with(s, {"position_ids": new_pos(ids)}),
-                   "RoPE positions still run across examples", exact=True)]
+                   "sdpa, eager and flex would see one example, and absolute position embeddings would run across examples")]
     fields, reader = boundary_fields(batch), boundaries_read(attn, batch)
     ref = fields.get("position_ids", lengths)
     bad = [k for k, v in fields.items() if not np.array_equal(v, ref)]
