@@ -29,12 +29,13 @@ def _verified(report):
 
 
 class ShiftMix(torch.nn.Module):
-    "A weak causal token mixer (a one-tap convolution) around a layer's MLP: the hand-made weak leak."
-    def __init__(self, mlp, scale):
+    "A weak token mixer (a one-tap convolution, causal or looking ahead) around a layer's MLP: the hand-made weak leak."
+    def __init__(self, mlp, scale, ahead=False):
         super().__init__()
-        self.mlp, self.scale = mlp, scale
+        self.mlp, self.scale, self.ahead = mlp, scale, ahead
     def forward(self, x):
-        return self.mlp(x) + self.scale * torch.nn.functional.pad(x[:, :-1], (0, 0, 1, 0))
+        shifted = torch.nn.functional.pad(x[:, 1:], (0, 0, 0, 1)) if self.ahead else torch.nn.functional.pad(x[:, :-1], (0, 0, 1, 0))
+        return self.mlp(x) + self.scale * shifted
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -109,7 +110,9 @@ def test_batch_without_position_ids(packed):
     assert "position_ids restarting" in absolute["position_ids in the batch"].fix and _verified(absolute)
     nothing = {k: v for k, v in no_pos.items() if not k.startswith(("cu_seq", "max_length"))}
     blind = check_packing(tiny_model("llama"), nothing, NO_CACHE)
-    assert not blind.clean and "FlatteningCollator" in blind["example boundaries"].detail
+    assert not blind.clean and "FlatteningCollator" in blind["example boundaries and labels"].detail
+    unlabelled = check_packing(tiny_model("llama"), {k: v for k, v in packed.items() if k != "labels"}, NO_CACHE)
+    assert not unlabelled.clean and "no labels" in unlabelled["example boundaries and labels"].detail
 
 
 def test_model_without_position_ids_is_measured(packed):
@@ -238,3 +241,16 @@ def test_real_ddp_is_stepped_through(packed, tmp_path):
         sick = check_packing(ddp, packed)
         assert not sick.clean and _verified(sick)
     finally: dist.destroy_process_group()
+
+
+def test_leak_backwards_and_two_packed_rows(packed):
+    "A mixer that looks ahead leaks from later examples into earlier ones (the probe changes the last example too); a batch of two packed rows."
+    model = tiny_model("llama")
+    model.model.layers[0].mlp = ShiftMix(model.model.layers[0].mlp, 1e-3, ahead=True)
+    assert check_packing(model, packed, NO_CACHE).cross_example_effect > 0
+    feats = matrix_examples()
+    rows = [FlatteningCollator(pad_to_multiple_of=96)(part) for part in (feats[:2], feats[2:])]
+    two = {k: torch.cat([r[k] for r in rows]) for k in ("input_ids", "labels", "position_ids")}
+    report = check_packing(tiny_model("qwen2"), two, NO_CACHE)
+    assert report.clean and report.n_examples == 7 and report.cross_example_effect == 0, str(report)
+    assert not check_packing(tiny_model("qwen2"), two).clean  # the cache trap, on both rows

@@ -245,7 +245,7 @@ def contamination_probe(model, batch: dict, forward_kwargs: dict | None = None, 
         torch.set_num_threads(threads)
     return leak, own
 
-# %% ../nbs/05_doctor.ipynb #28bed74f
+# %% ../nbs/05_doctor.ipynb #51009d12
 def _tensors(obj) -> list:
     "Every tensor in nested tuples, lists and dicts (model outputs are dicts)."
     if isinstance(obj, torch.Tensor): return [obj]
@@ -438,7 +438,7 @@ def _traps(inner, batch: dict, kwargs: dict, attn: str, lengths: np.ndarray) -> 
                        f"pass cu_seq_lens_q/k and max_length_q/k (FlatteningCollator returns them) and {_USE_VARLEN}, "
                        f"which reads the boundaries from them",
                        lambda s: _with(s, {k: v for k, v in varlen_kw.items() if s.batch.get(k) is None}, attn=VARLEN)))
-    firsts = pos.reshape(-1, T)[0].reshape(-1)[torch.from_numpy(cu[:-1].astype(np.int64))] if pos.ndim == 2 else pos.reshape(-1, T)[0, :1]
+    firsts = pos.reshape(-1)[torch.from_numpy(cu[:-1].astype(np.int64))] if pos.ndim == 2 else pos.reshape(-1, T)[0, :1]
     wrong = firsts[firsts != start]
     traps.append(_Trap("position_ids start", len(wrong) > 0,
                        (f"examples start at position {int(wrong[0])}, the model expects {start}"
@@ -462,11 +462,15 @@ def check_packing(model,                        # a transformers causal LM, or a
     tol = tolerance if tolerance is not None else default_tolerance(inner.dtype)
     report = DoctorReport(inner.config.model_type, attn, 0, int(batch["input_ids"].numel()), tolerance=tol, wrappers=wrappers)
     add = report.findings.append
-    add(Finding("wrappers", "pass", f"measured through {' > '.join(wrappers)} around {type(inner).__name__}" if wrappers
+    add(Finding("wrappers", "pass", f"{' > '.join(wrappers)} around {type(inner).__name__}: measured through "
+                f"{type(runner).__name__} (DDP-style `.module` wrappers are stepped through)" if wrappers
                 else f"no wrapper: {type(inner).__name__}"))
-    try: lengths = batch_lengths(batch)
+    try:
+        lengths = batch_lengths(batch)
+        if batch.get("labels") is None: raise ValueError("the batch has no labels: the loss cannot be compared; "
+                                                         "build it with FlatteningCollator, which returns them")
     except ValueError as e:
-        add(Finding("example boundaries", "fail", str(e)))
+        add(Finding("example boundaries and labels", "fail", str(e)))
         report.seconds = time.perf_counter() - t0
         return report
     report.n_examples = len(lengths)
