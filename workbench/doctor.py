@@ -245,7 +245,7 @@ def contamination_probe(model, batch: dict, forward_kwargs: dict | None = None, 
         torch.set_num_threads(threads)
     return leak, own
 
-# %% ../nbs/05_doctor.ipynb #51009d12
+# %% ../nbs/05_doctor.ipynb #a17aea70
 def _tensors(obj) -> list:
     "Every tensor in nested tuples, lists and dicts (model outputs are dicts)."
     if isinstance(obj, torch.Tensor): return [obj]
@@ -515,7 +515,8 @@ def check_packing(model,                        # a transformers causal LM, or a
         add(Finding("model runs on the packed batch", "fail", measured.error, cure_text))
     else:
         report.cross_example_effect = measured.leak
-        sources = leak_sources(runner, batch, kwargs) if measured.leak else []
+        try: sources = leak_sources(runner, batch, kwargs) if measured.leak else []
+        except Exception as e: sources = [f"a layer the doctor could not locate ({_error_reason(e, attn)})"]
         nothing = "" if cure is not None else f"; no fix the doctor knows made it clean (measured: {'; '.join(tried)})"
         add(Finding("sequence-mixing layers", "pass", "measured: no layer carries information from one example to another")
             if not measured.leak else
