@@ -255,3 +255,8 @@ def test_leak_backwards_and_two_packed_rows(packed):
     report = check_packing(tiny_model("qwen2"), two, NO_CACHE)
     assert report.clean and report.n_examples == 7 and report.cross_example_effect == 0, str(report)
     assert not check_packing(tiny_model("qwen2"), two).clean  # the cache trap, on both rows
+
+
+def test_not_a_transformers_model_is_a_clear_error(packed):
+    with pytest.raises(TypeError, match="holds no transformers PreTrainedModel"):
+        check_packing(torch.nn.Linear(4, 4), packed)
