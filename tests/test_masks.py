@@ -72,6 +72,17 @@ def test_leakage_mass(features):
     assert model.config._attn_implementation == "sdpa"
 
 
+
+@pytest.mark.parametrize("config_cache", [True, False])
+def test_use_cache_none_means_the_config_default(features, config_cache):
+    "transformers reads use_cache=None as config.use_cache (True by default): the drawn mask must follow the model."
+    model = tiny_model("llama", attn_implementation="sdpa", use_cache=config_cache)
+    batch = FlatteningCollator()(features)
+    drawn = effective_mask(batch, use_cache=None, config=model.config)
+    assert np.array_equal(probe_mask(model, batch, use_cache=None), off_diagonal(drawn))
+    assert np.array_equal(drawn, effective_mask(batch, use_cache=config_cache))
+    assert (mask_report(batch, use_cache=None, config=model.config).cross_pairs > 0) == config_cache
+
 @st.composite
 def specs(draw):
     T = draw(st.integers(1, 40))

@@ -6,8 +6,8 @@
 from __future__ import annotations
 import argparse
 import inspect
-import re
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from html import escape
 from pathlib import Path
@@ -18,14 +18,15 @@ from tqdm.auto import tqdm
 
 import workbench.attention  # registers "workbench_varlen"
 from .attention import KEY as VARLEN
-from .core import IGNORE_INDEX, lengths_from_positions, load_sample, load_tokenizer, model_families, tiny_model
+from .core import (IGNORE_INDEX, cu_seq_lens, example_ids, lengths_from_positions, load_sample, load_tokenizer,
+                            model_families, restart_positions, tiny_model)
 from .packing import FlatteningCollator, PaddingCollator
 
 # %% auto #0
-__all__ = ['STATUSES', 'MATRIX_IMPLS', 'FORWARD_ONLY', 'KNOWN_LIMITS', 'Finding', 'DoctorReport', 'batch_lengths', 'padded_twin',
-           'Equality', 'compare_layouts', 'contamination_probe', 'sequence_mixers', 'expected_position_start',
-           'accepts_position_ids', 'default_tolerance', 'check_packing', 'MatrixRow', 'matrix_examples', 'family_row',
-           'family_matrix', 'matrix_markdown', 'main']
+__all__ = ['STATUSES', 'MATRIX_IMPLS', 'FORWARD_ONLY', 'KNOWN_LIMITS', 'Finding', 'DoctorReport', 'boundary_fields',
+           'batch_lengths', 'padded_twin', 'unwrap', 'Equality', 'compare_layouts', 'contamination_probe',
+           'leak_sources', 'boundaries_read', 'expected_position_start', 'accepts_position_ids', 'default_tolerance',
+           'check_packing', 'MatrixRow', 'matrix_examples', 'family_row', 'family_matrix', 'matrix_markdown', 'main']
 
 # %% ../nbs/05_doctor.ipynb #090b2688
 STATUSES = ("pass", "warn", "fail")  # a finding's status, from good to bad
@@ -36,7 +37,7 @@ class Finding:
     check: str       # what was checked
     status: str      # one of `STATUSES`
     detail: str      # what was measured or seen
-    fix: str = ""    # what to do, in plain words ("" when nothing is to be done)
+    fix: str = ""    # what to do, in plain words; only a fix the doctor measured to work ("" when none)
 
 @dataclass
 class DoctorReport:
@@ -47,6 +48,11 @@ class DoctorReport:
     n_tokens: int              # tokens in the flattened row
     findings: list = field(default_factory=list)  # `Finding`s in the order they were checked
     seconds: float = 0.0       # time the checks took
+    cross_example_effect: float | None = None  # largest change of other examples' logits when one example changes: exactly 0 when clean, in every dtype
+    layout_difference: float | None = None  # max |logit difference| packed vs padded (rounding: compared with `tolerance`)
+    tolerance: float = 0.0     # largest packed vs padded difference counted as equal
+    wrappers: tuple = ()       # classes around the transformers model, outermost first (torch.compile, PEFT, DDP...)
+    verified_with: str = ""    # what the printed fixes were measured with, e.g. "cross-example effect 0, logits 2e-07"
 
     @property
     def clean(self) -> bool: return all(f.status != "fail" for f in self.findings)
@@ -63,8 +69,13 @@ class DoctorReport:
     def _title(self):
         return (f"Packing doctor: {self.model} with {self.attn_implementation!r}, {self.n_examples} examples in "
                 f"{self.n_tokens} tokens: {self.verdict} ({self.seconds:.1f} s)")
+    def _numbers(self):
+        fmt = lambda v: "not measured" if v is None else f"{v:.3g}"
+        line = (f"cross-example effect {fmt(self.cross_example_effect)} (clean: exactly 0); packed vs padded logits "
+                f"{fmt(self.layout_difference)} (tolerance {self.tolerance:g})")
+        return line + (f"; every fix shown was measured to work: {self.verified_with}" if self.verified_with else "")
     def __str__(self):
-        lines = [self._title()]
+        lines = [self._title(), f"  {self._numbers()}"]
         for f in self.findings:
             lines.append(f"  [{f.status.upper():4}] {f.check}: {f.detail}")
             if f.fix: lines.append(f"         fix: {f.fix}")
@@ -72,23 +83,44 @@ class DoctorReport:
     __repr__ = __str__
     def _repr_markdown_(self):
         rows = "\n".join(f"| {f.status.upper()} | {f.check} | {f.detail} | {f.fix} |" for f in self.findings)
-        return f"**{self._title()}**\n\n| status | check | measured | fix |\n|---|---|---|---|\n{rows}"
+        return f"**{self._title()}**\n\n{self._numbers()}\n\n| status | check | measured | fix |\n|---|---|---|---|\n{rows}"
     def _repr_html_(self):
         colour = {"pass": "#1a7f37", "warn": "#9a6700", "fail": "#cf222e"}
         rows = "".join(f"<tr><td style='color:{colour[f.status]};font-weight:bold'>{f.status.upper()}</td>"
                        f"<td>{escape(f.check)}</td><td>{escape(f.detail)}</td><td>{escape(f.fix)}</td></tr>"
                        for f in self.findings)
-        return (f"<p><b>{escape(self._title())}</b></p><table><tr><th>status</th><th>check</th><th>measured</th>"
-                f"<th>fix</th></tr>{rows}</table>")
+        return (f"<p><b>{escape(self._title())}</b><br>{escape(self._numbers())}</p><table><tr><th>status</th>"
+                f"<th>check</th><th>measured</th><th>fix</th></tr>{rows}</table>")
 
 # %% ../nbs/05_doctor.ipynb #7600e75e
 _LOSS_ONLY = ("completion_mask", "assistant_masks")  # collator columns the model does not take
 
+def _runs(ids) -> np.ndarray:
+    "Lengths of the runs of equal consecutive values."
+    ids = np.asarray(ids).reshape(-1)
+    return np.diff(np.flatnonzero(np.r_[True, np.diff(ids) != 0, True]))
+
+def boundary_fields(batch: dict) -> dict:
+    "Example lengths as each boundary field of `batch` marks them, over its rows end to end."
+    out = {}
+    pos = batch.get("position_ids")
+    if pos is not None and torch.as_tensor(pos).ndim == 2:  # 3-D (mRoPE) position ids mark no boundaries
+        out["position_ids"] = np.concatenate([lengths_from_positions(r) for r in torch.as_tensor(pos).cpu()])
+    for k in ("cu_seq_lens_q", "cu_seq_lens_k"):
+        if batch.get(k) is not None: out[k] = np.diff(np.asarray(torch.as_tensor(batch[k]).cpu())).astype(np.int64)
+    if batch.get("seq_idx") is not None:
+        out["seq_idx"] = np.concatenate([_runs(r) for r in torch.as_tensor(batch["seq_idx"]).cpu().reshape(-1, batch["seq_idx"].shape[-1])])
+    return out
+
 def batch_lengths(batch: dict) -> np.ndarray:
-    "Example lengths of a packed batch: from `cu_seq_lens_q` if present, else from the (first row of) `position_ids`."
-    if batch.get("cu_seq_lens_q") is not None: return np.diff(np.asarray(batch["cu_seq_lens_q"])).astype(np.int64)
-    pos = torch.as_tensor(batch["position_ids"])
-    return lengths_from_positions(pos.reshape(-1, pos.shape[-1])[0])
+    "Example lengths of a packed batch: where `position_ids` restart (what RoPE and sdpa/eager/flex read), else from `cu_seq_lens_q`, else `seq_idx`."
+    fields = boundary_fields(batch)
+    for k in ("position_ids", "cu_seq_lens_q", "seq_idx"):
+        if k in fields: return fields[k]
+    pos = batch.get("position_ids")
+    if pos is not None: return lengths_from_positions(torch.as_tensor(pos).reshape(-1, pos.shape[-1])[0])  # mRoPE: first row
+    raise ValueError("the batch marks no example boundaries (no position_ids, cu_seq_lens_q or seq_idx): neither the "
+                     "model nor the doctor can tell where examples start; build it with FlatteningCollator")
 
 def padded_twin(batch: dict, pad_token_id: int = 0) -> dict:
     "The examples of a packed batch laid out padded, one row each, with an attention mask (the reference layout)."
@@ -96,6 +128,22 @@ def padded_twin(batch: dict, pad_token_id: int = 0) -> dict:
     ids, labels = (batch[k].reshape(-1).cpu().split(lengths) for k in ("input_ids", "labels"))
     padded = PaddingCollator(pad_token_id=pad_token_id)([{"input_ids": i, "labels": l} for i, l in zip(ids, labels)])
     return {k: v.to(batch["input_ids"].device) for k, v in padded.items()}
+
+def unwrap(model) -> tuple:
+    "(the module to run, the transformers model inside it, the wrapper classes outermost first)."
+    from transformers import PreTrainedModel
+    runner, wrappers = model, []
+    # DDP / DataParallel / FSDP1 keep the model in `.module`; their forward sets up a gradient reduction that the
+    # doctor's extra passes would never complete, and on one rank the inner model computes the same
+    while not isinstance(runner, PreTrainedModel) and isinstance(getattr(runner, "module", None), torch.nn.Module):
+        wrappers.append(type(runner).__name__)
+        runner = runner.module
+    name = next((n for n, m in runner.named_modules() if isinstance(m, PreTrainedModel)), None)
+    if name is None:
+        raise TypeError(f"{type(model).__name__} holds no transformers PreTrainedModel: the doctor checks transformers models")
+    parts = name.split(".") if name else []
+    wrappers += [type(runner.get_submodule(".".join(parts[:i]))).__name__ for i in range(len(parts))]  # torch.compile, PEFT...
+    return runner, runner.get_submodule(name), tuple(wrappers)
 
 def _model_inputs(batch: dict) -> dict:
     return {k: v for k, v in batch.items() if k not in _LOSS_ONLY}
@@ -118,13 +166,14 @@ class Equality:
 def compare_layouts(model, batch: dict, forward_kwargs: dict | None = None, grads: bool = True) -> Equality:
     "Run a packed `batch` (with `forward_kwargs`, as the training loop would) and its padded twin; return the differences."
     forward_kwargs = {} if forward_kwargs is None else forward_kwargs
+    runner, inner, _ = unwrap(model)
     lengths = batch_lengths(batch).tolist()
-    was_training = model.training
-    model.eval()
+    was_training = runner.training
+    runner.eval()
     try:
-        pad_logits, pad_loss, pad_grads = _run(model, padded_twin(batch, _pad_id(model)), {"use_cache": False}, grads)
-        pk_logits, pk_loss, pk_grads = _run(model, batch, forward_kwargs, grads)
-    finally: model.train(was_training)
+        pad_logits, pad_loss, pad_grads = _run(runner, padded_twin(batch, _pad_id(inner)), {"use_cache": False}, grads)
+        pk_logits, pk_loss, pk_grads = _run(runner, batch, forward_kwargs, grads)
+    finally: runner.train(was_training)
     pk = pk_logits.reshape(-1, pk_logits.shape[-1]).split(lengths)
     logit_diff = max((p - pad_logits[i, :n]).abs().max().item() for i, (p, n) in enumerate(zip(pk, lengths)))
     grad_diff = None
@@ -137,37 +186,127 @@ def _pad_id(model) -> int:
     return getattr(model.config.get_text_config(), "pad_token_id", None) or 0
 
 # %% ../nbs/05_doctor.ipynb #e56cfd06
-def contamination_probe(model, batch: dict, forward_kwargs: dict | None = None, seed: int = 0) -> tuple[float, float]:
-    "Perturb the first example's tokens; return (largest logit change in all other examples, change in the first)."
-    lengths = batch_lengths(batch)
-    if len(lengths) < 2: raise ValueError("the contamination probe needs a batch of at least two examples")
-    forward_kwargs = {} if forward_kwargs is None else forward_kwargs
-    vocab = model.get_input_embeddings().num_embeddings
+def _example_of_tokens(batch: dict) -> torch.Tensor:
+    "The example of every token of `batch`, flattened: a padded layout (a mask, no position_ids) has one per row, -1 on padding."
+    ids = batch["input_ids"]
+    mask = batch.get("attention_mask")
+    if mask is not None and (not bool(mask.all()) or batch.get("position_ids") is None):
+        rows = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(ids)
+        return torch.where(mask.bool(), rows, -1).reshape(-1)
+    return torch.from_numpy(example_ids(batch_lengths(batch))).to(ids.device)
+
+def _perturbed(batch: dict, examples: torch.Tensor, which: int, vocab: int, seed: int) -> dict:
+    "`batch` with every token of example `which` replaced by another id."
     ids = batch["input_ids"].clone()
+    flat, hit = ids.view(-1), examples == which
     g = torch.Generator().manual_seed(seed)
-    first = ids.reshape(-1)[: lengths[0]]
-    first.copy_((first + torch.randint(1, vocab, first.shape, generator=g).to(first.device)) % vocab)  # every token changes
-    was_training = model.training
-    model.eval()
+    flat[hit] = (flat[hit] + torch.randint(1, vocab, (int(hit.sum()),), generator=g).to(ids.device)) % vocab
+    return {**batch, "input_ids": ids}
+
+@contextmanager
+def _shape_stable_experts(inner):
+    "Mixture-of-experts layers as one matmul per (token, expert) while the probe runs, restored after."
+    # a grouped matmul picks its kernel by how many tokens each expert got, and kernels round differently: changing one
+    # example's routing would then move other examples' logits by rounding (measured: 2.3e-06, fp32, hidden 1024)
+    before = getattr(inner.config, "_experts_implementation", None)
+    switch = before not in (None, "batched_mm") and type(inner)._can_set_experts_implementation()  # private: no public query
+    if switch: inner.set_experts_implementation("batched_mm")
+    try: yield
+    finally:
+        if switch: inner.set_experts_implementation(before)
+
+def contamination_probe(model, batch: dict, forward_kwargs: dict | None = None, seed: int = 0) -> tuple[float, float]:
+    "Change every token of the first example, then of the last: (largest change of any other example's logits, smallest change of the changed one's)."
+    runner, inner, _ = unwrap(model)
+    forward_kwargs = {} if forward_kwargs is None else forward_kwargs
+    examples = _example_of_tokens(batch)
+    n = int(examples.max()) + 1
+    if n < 2: raise ValueError("the contamination probe needs a batch of at least two examples")
+    vocab = inner.get_input_embeddings().num_embeddings
+    was_training, threads = runner.training, torch.get_num_threads()
+    runner.eval()
+    run = lambda b: _run(runner, b, forward_kwargs, grads=False)[0].reshape(examples.numel(), -1)
     try:
-        base, _, _ = _run(model, batch, forward_kwargs, grads=False)
-        pert, _, _ = _run(model, {**batch, "input_ids": ids}, forward_kwargs, grads=False)
-    finally: model.train(was_training)
-    delta = (pert - base).abs().reshape(-1, base.shape[-1]).amax(-1)
-    return delta[lengths[0]:].max().item(), delta[: lengths[0]].max().item()
+        with _shape_stable_experts(inner):
+            base = run(batch)
+            if not torch.equal(base, run(batch)):  # the same pass twice differs: threads split a reduction differently
+                torch.set_num_threads(1)
+                base = run(batch)
+                noise = (run(batch) - base).abs().max().item()
+                if noise: raise RuntimeError(f"two identical forward passes differ by {noise:.3g} even on one thread: the "
+                                             f"probe cannot be exact; make the model deterministic (no dropout, no sampling)")
+            leak, own = 0.0, float("inf")
+            for which in (0, n - 1):
+                delta = (run(_perturbed(batch, examples, which, vocab, seed)) - base).abs().amax(-1)  # identical shapes: identical kernels
+                leak = max(leak, delta[(examples != which) & (examples >= 0)].max().item())
+                own = min(own, delta[examples == which].max().item())
+    finally:
+        runner.train(was_training)
+        torch.set_num_threads(threads)
+    return leak, own
+
+# %% ../nbs/05_doctor.ipynb #a17aea70
+def _tensors(obj) -> list:
+    "Every tensor in nested tuples, lists and dicts (model outputs are dicts)."
+    if isinstance(obj, torch.Tensor): return [obj]
+    if isinstance(obj, dict): obj = list(obj.values())
+    if isinstance(obj, (tuple, list)): return [t for o in obj for t in _tensors(o)]
+    return []
+
+def _token_rows(x: torch.Tensor, B: int, T: int) -> torch.Tensor | None:
+    "`x` as one row per token (`[B*T, -1]`) if it is laid out `[B, T, ...]` or channels first `[B, C, T]`, else None."
+    if x.ndim < 2 or x.shape[0] != B: return None
+    if x.shape[1] == T: return x.reshape(B * T, -1)
+    if x.shape[-1] == T: return x.movedim(-1, 1).reshape(B * T, -1)
+    return None
+
+def leak_sources(model, batch: dict, forward_kwargs: dict | None = None, seed: int = 0) -> list[str]:
+    "The modules where information first crosses examples: their output at other examples' tokens changes when the first example changes, though none of their inputs there does."
+    runner, _, _ = unwrap(model)
+    runner = getattr(runner, "_orig_mod", runner)  # torch.compile: hooks run on the eager module
+    forward_kwargs = {} if forward_kwargs is None else forward_kwargs
+    examples = _example_of_tokens(batch)
+    B, T = batch["input_ids"].shape
+    others = (examples != 0) & (examples >= 0)
+    records, calls = {}, {}
+    def hook(name):
+        def fn(module, args, kwargs, output):
+            calls[name] = calls.get(name, -1) + 1  # a module called twice in one pass is two records
+            rows = lambda obj: [r[others] for r in (_token_rows(t, B, T) for t in _tensors(obj)) if r is not None]
+            records.setdefault((name, calls[name]), []).append((rows((args, kwargs)), rows(output)))
+        return fn
+    vocab = unwrap(model)[1].get_input_embeddings().num_embeddings
+    handles = [m.register_forward_hook(hook(n), with_kwargs=True) for n, m in runner.named_modules()]
+    was_training = runner.training
+    runner.eval()
+    try:
+        for b in (batch, _perturbed(batch, examples, 0, vocab, seed)):
+            calls.clear()
+            _run(runner, b, forward_kwargs, grads=False)
+    finally:
+        for h in handles: h.remove()
+        runner.train(was_training)
+    same = lambda xs, ys: len(xs) == len(ys) and all(torch.equal(x, y) for x, y in zip(xs, ys))
+    sources = {n for (n, _), r in records.items() if len(r) == 2 and same(r[0][0], r[1][0]) and not same(r[0][1], r[1][1])}
+    inner = lambda n, o: o != n and (n == "" or o.startswith(n + "."))  # o lies inside n
+    first = sorted(n for n in sources if not any(inner(n, o) for o in sources))
+    def name(n):
+        parent = type(runner.get_submodule(n.rpartition(".")[0])).__name__ if "." in n else type(runner).__name__
+        return f"{n or type(runner).__name__} ({type(runner.get_submodule(n)).__name__} in {parent})"
+    return [name(n) for n in first]
 
 # %% ../nbs/05_doctor.ipynb #c2b46668
-_SEQ_MIXERS = re.compile(r"Mamba|Mixer|ShortConv|Conv1d|GatedDeltaNet|LinearAttention|SSM|RWKV|Hyena", re.I)
 _CU_READERS = ("flash_attention_2", "flash_attention_3", "flash_attention_4", VARLEN)  # read cu_seq_lens, not masks
 
-def sequence_mixers(model) -> list[str]:
-    "Class names of layers besides attention that mix tokens along the sequence (convolutions, SSMs, linear attention)."
-    names = {type(m).__name__ for m in model.modules() if isinstance(m, torch.nn.Conv1d) or _SEQ_MIXERS.search(type(m).__name__)}
-    return sorted(n for n in names if not n.endswith(("Model", "ForCausalLM", "DecoderLayer")))
+def boundaries_read(attn_implementation: str, batch: dict) -> str:
+    "The field of `batch` from which this attention implementation takes the example boundaries."
+    if attn_implementation not in _CU_READERS: return "position_ids"
+    needs = ("cu_seq_lens_q",) if attn_implementation == VARLEN else ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+    return "cu_seq_lens_q" if all(batch.get(k) is not None for k in needs) else "position_ids"
 
 def expected_position_start(model) -> int:
     "First position id the model expects: `padding_idx + 1` for RoBERTa-style position embeddings, else 0."
-    for name, m in model.named_modules():
+    for name, m in unwrap(model)[1].named_modules():
         if isinstance(m, torch.nn.Embedding) and "position" in name and m.padding_idx is not None: return m.padding_idx + 1
     return 0
 
@@ -180,96 +319,219 @@ def _error_reason(e: Exception, impl: str) -> str:
     return f"{type(e).__name__}: {msg}"
 
 def accepts_position_ids(model) -> bool:
-    "Whether the model's `forward` takes `position_ids`."
-    return "position_ids" in inspect.signature(model.forward).parameters
+    "Whether the forward of the transformers model (inside any wrapper) takes `position_ids`."
+    return "position_ids" in inspect.signature(unwrap(model)[1].forward).parameters
 
 # %% ../nbs/05_doctor.ipynb #ebd3a7e2
 def default_tolerance(dtype: torch.dtype) -> float:
-    "Largest difference still counted as equal: float32 rounding on tiny models, or the precision of half types."
+    "Largest packed vs padded difference still counted as equal: float32 rounding on tiny models, or the precision of half types."
     return {torch.bfloat16: 5e-2, torch.float16: 1e-2}.get(dtype, 1e-5)
 
-def _trap(check, present, clean, detail_present, detail_absent, fix, attn):
-    if not present: return Finding(check, "pass", detail_absent)
-    if clean:
-        return Finding(check, "warn", f"{detail_present}; measured harmless with {attn!r} on this batch, but sdpa, "
-                                      f"eager and flex read the boundaries from position_ids and would leak", fix)
-    return Finding(check, "fail", detail_present, fix)
+_USE_VARLEN = f"use attn_implementation={VARLEN!r} (import workbench.attention; model.set_attn_implementation({VARLEN!r}))"
+_USE_PADDED = "train this model on padded batches (PaddingCollator): its layers carry information across examples of a flattened row"
 
-def check_packing(model,                        # a transformers causal LM
+@dataclass
+class _Setup:
+    "One way to run the model: a batch, forward keyword arguments, an attention implementation, padded or not."
+    batch: dict
+    kwargs: dict
+    attn: str
+    padded: bool = False
+
+@dataclass
+class _Measured:
+    leak: float | None = None   # cross-example effect
+    own: float | None = None    # the changed examples' own effect
+    eq: Equality | None = None  # packed vs padded (None for a padded setup)
+    error: str = ""
+    def clean(self, tol: float) -> bool:
+        if self.error or self.leak != 0: return False
+        return self.eq is None or all(v is None or v <= tol for v in (self.eq.logits, self.eq.loss, self.eq.grads))
+    def __str__(self):
+        if self.error: return self.error
+        eq = "" if self.eq is None else f", packed vs padded logits {self.eq.logits:.2g}, loss {self.eq.loss:.2g}"
+        return f"cross-example effect {self.leak:.3g}{eq}"
+
+def _measure(runner, inner, s: _Setup, grads: bool) -> _Measured:
+    before = inner.config._attn_implementation
+    try:
+        if s.attn != before: inner.set_attn_implementation(s.attn)
+        if s.padded: return _Measured(*contamination_probe(runner, padded_twin(s.batch, _pad_id(inner)), s.kwargs))
+        leak, own = contamination_probe(runner, s.batch, s.kwargs)
+        return _Measured(leak, own, compare_layouts(runner, s.batch, s.kwargs, grads))
+    except Exception as e: return _Measured(error=_error_reason(e, s.attn))
+    finally:
+        if inner.config._attn_implementation != before: inner.set_attn_implementation(before)
+
+@dataclass
+class _Trap:
+    "A static check: whether the trap is present, what it means, its fix in words and as a change of the setup."
+    check: str
+    present: bool
+    detail: str           # what is wrong (when present) or what was seen (when not)
+    fix: str = ""
+    apply: object = None  # _Setup -> _Setup
+    exposed: str = "sdpa, eager and flex read the boundaries from position_ids and would leak"  # why a harmless trap still warns
+    exact: bool = False   # decided without a measurement: fails whenever present
+
+def _with(s: _Setup, batch=None, kwargs=None, attn=None) -> _Setup:
+    return _Setup({**s.batch, **(batch or {})}, {**s.kwargs, **(kwargs or {})}, attn or s.attn, s.padded)
+
+def _traps(inner, batch: dict, kwargs: dict, attn: str, lengths: np.ndarray) -> list[_Trap]:
+    "The static checks of a packed batch and the forward keyword arguments."
+    ids = batch["input_ids"]
+    T, start, cu = ids.shape[-1], expected_position_start(inner), cu_seq_lens(lengths)
+    new_pos = lambda like: torch.as_tensor(restart_positions(lengths, start, cu)).reshape(like.shape).to(ids.device)
+    pos = batch.get("position_ids")
+    traps = [_Trap("position_ids in the batch", pos is None,
+                   "the batch has no position_ids: the model numbers the whole row as one sequence (RoPE runs across "
+                   "examples; sdpa, eager and flex see one example)" if pos is None else "position_ids given",
+                   f"pass position_ids restarting at {start} for every example (FlatteningCollator returns them)",
+                   lambda s: _with(s, {"position_ids": new_pos(ids)}),
+                   "sdpa, eager and flex would see one example, and absolute position embeddings would run across examples")]
+    fields, reader = boundary_fields(batch), boundaries_read(attn, batch)
+    ref = fields.get("position_ids", lengths)
+    bad = [k for k, v in fields.items() if not np.array_equal(v, ref)]
+    bad += [k for k in ("max_length_q", "max_length_k") if batch.get(k) is not None and int(batch[k]) != int(ref.max())]
+    show = lambda v: f"{v[:6].tolist()}{'...' if len(v) > 6 else ''} ({len(v)} examples)"
+    rebuilt = {"cu_seq_lens_q": torch.from_numpy(cu), "cu_seq_lens_k": torch.from_numpy(cu),
+               "max_length_q": int(lengths.max()), "max_length_k": int(lengths.max()),
+               "seq_idx": torch.from_numpy(example_ids(lengths).astype(np.int32)).reshape(ids.shape)}
+    traps.append(_Trap("boundaries agree", bool(bad),
+                       f"{', '.join(bad)} disagree with the example lengths in {'position_ids' if 'position_ids' in fields else 'cu_seq_lens_q'} "
+                       f"{show(ref)}: e.g. {bad[0]} marks {show(fields[bad[0]]) if bad[0] in fields else int(batch[bad[0]])}; "
+                       f"{attn!r} reads the boundaries from {reader}, seq_idx is read by convolution and SSM kernels"
+                       if bad else f"{', '.join(fields) or 'no field'} mark the same {len(ref)} examples; {attn!r} reads {reader}",
+                       "rebuild cu_seq_lens_q/k, max_length_q/k and seq_idx from the lengths position_ids mark "
+                       "(FlatteningCollator builds all of them from one list of lengths)",
+                       lambda s: _with(s, {k: v for k, v in rebuilt.items() if k in bad}),
+                       "an implementation or kernel that reads the other field would split the examples differently"))
+    labels = batch["labels"].reshape(-1)
+    starts = torch.from_numpy(cu[1:-1].astype(np.int64))
+    starts = starts[starts % T != 0].to(labels.device)  # a row's first label is never a target
+    trained = int((labels[starts] != IGNORE_INDEX).sum())
+    traps.append(_Trap("first labels masked", trained > 0,
+                       f"{trained} of {len(lengths) - 1} examples after the first have a trained label at their first "
+                       f"token: the previous example's last token is trained to predict it" if trained else
+                       f"every example's first label is {IGNORE_INDEX}: no target is predicted from another example",
+                       f"set labels to {IGNORE_INDEX} at every example's first token (FlatteningCollator does)",
+                       lambda s: _with(s, {"labels": s.batch["labels"].reshape(-1).index_fill(0, starts, IGNORE_INDEX).reshape(ids.shape)}),
+                       exact=True))
+    use_cache = kwargs.get("use_cache")
+    use_cache = getattr(inner.config, "use_cache", False) if use_cache is None else use_cache  # transformers' None: the config's
+    traps.append(_Trap("cache off", bool(use_cache),
+                       "a cache is active (use_cache is True in the config and the forward call does not pass "
+                       "use_cache=False): transformers then ignores the boundaries in position_ids" if use_cache else "use_cache=False",
+                       "pass use_cache=False in every forward call of the training loop (or set model.config.use_cache = False)",
+                       lambda s: _with(s, kwargs={"use_cache": False})))
+    traps.append(_Trap("no attention_mask", "attention_mask" in batch,
+                       "the batch carries an attention_mask beside packed position_ids: transformers then builds the mask "
+                       "from it and ignores the boundaries" if "attention_mask" in batch else "no attention_mask in the batch",
+                       "drop attention_mask from packed batches (FlatteningCollator never adds one)",
+                       lambda s: _Setup({k: v for k, v in s.batch.items() if k != "attention_mask"}, s.kwargs, s.attn, s.padded)))
+    if pos is None: return traps
+    pos = torch.as_tensor(pos)
+    varlen_kw = {k: rebuilt[k] for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")}
+    traps.append(_Trap("2-D position_ids", pos.ndim != 2,
+                       f"position_ids have shape {tuple(pos.shape)} (3-D, mRoPE style): example boundaries cannot be read from them"
+                       if pos.ndim != 2 else f"position_ids have shape {tuple(pos.shape)}",
+                       f"pass cu_seq_lens_q/k and max_length_q/k (FlatteningCollator returns them) and {_USE_VARLEN}, "
+                       f"which reads the boundaries from them",
+                       lambda s: _with(s, {k: v for k, v in varlen_kw.items() if s.batch.get(k) is None}, attn=VARLEN)))
+    firsts = pos.reshape(-1)[torch.from_numpy(cu[:-1].astype(np.int64))] if pos.ndim == 2 else pos.reshape(-1, T)[0, :1]
+    wrong = firsts[firsts != start]
+    traps.append(_Trap("position_ids start", len(wrong) > 0,
+                       (f"examples start at position {int(wrong[0])}, the model expects {start}"
+                        + (f" (its position embedding reserves the ids up to padding_idx={start - 1})" if start else ""))
+                       if len(wrong) else f"examples start at position {start}, as the model expects",
+                       f"build batches with FlatteningCollator(position_ids_start={start})",
+                       lambda s: _with(s, {"position_ids": new_pos(pos)}) if pos.ndim == 2 else s))
+    return traps
+
+def check_packing(model,                        # a transformers causal LM, or any wrapper around one (torch.compile, PEFT, DDP...)
                   batch: dict,                  # a packed batch, exactly as the training loop passes it
                   forward_kwargs: dict | None = None,  # extra keyword arguments of the loop's forward call, e.g. {"use_cache": False}
-                  tolerance: float | None = None,  # largest difference counted as equal (default: `default_tolerance`)
+                  tolerance: float | None = None,  # largest packed vs padded difference counted as equal (default: `default_tolerance`)
                   grads: bool = True,           # also compare gradients (set False when backward is unavailable)
                  ) -> DoctorReport:
-    "Check that padding-free training of `model` on `batch` is clean: static traps, a contamination probe, packed == padded."
+    "Check that padding-free training of `model` on `batch` is clean: static traps, an exact contamination probe, packed == padded; every fix shown is measured first."
     t0 = time.perf_counter()
-    forward_kwargs = {} if forward_kwargs is None else dict(forward_kwargs)
-    attn = model.config._attn_implementation
-    tol = tolerance if tolerance is not None else default_tolerance(model.dtype)
-    lengths = batch_lengths(batch)
-    report = DoctorReport(model.config.model_type, attn, len(lengths), int(lengths.sum()))
+    runner, inner, wrappers = unwrap(model)
+    kwargs = {} if forward_kwargs is None else dict(forward_kwargs)
+    attn = inner.config._attn_implementation
+    tol = tolerance if tolerance is not None else default_tolerance(inner.dtype)
+    report = DoctorReport(inner.config.model_type, attn, 0, int(batch["input_ids"].numel()), tolerance=tol, wrappers=wrappers)
     add = report.findings.append
-    if not accepts_position_ids(model):
-        add(Finding("forward accepts position_ids", "fail", f"{type(model).__name__}.forward has no position_ids argument",
-                    "this model cannot tell examples apart in a flattened row: train it on padded batches "
-                    "(PaddingCollator), or choose a model whose forward takes position_ids"))
+    add(Finding("wrappers", "pass", f"{' > '.join(wrappers)} around {type(inner).__name__}: measured through "
+                f"{type(runner).__name__} (DDP-style `.module` wrappers are stepped through)" if wrappers
+                else f"no wrapper: {type(inner).__name__}"))
+    try:
+        lengths = batch_lengths(batch)
+        if batch.get("labels") is None: raise ValueError("the batch has no labels: the loss cannot be compared; "
+                                                         "build it with FlatteningCollator, which returns them")
+    except ValueError as e:
+        add(Finding("example boundaries and labels", "fail", str(e)))
         report.seconds = time.perf_counter() - t0
         return report
-    add(Finding("forward accepts position_ids", "pass", f"{type(model).__name__}.forward takes position_ids"))
+    report.n_examples = len(lengths)
+    takes_pos = accepts_position_ids(inner)
+    add(Finding("forward accepts position_ids", "pass" if takes_pos else "fail",
+                f"{type(inner).__name__}.forward {'takes' if takes_pos else 'has no'} position_ids argument"))
 
-    measured, error = None, None
-    try:
-        leak, own = contamination_probe(model, batch, forward_kwargs)
-        measured = (leak, own, compare_layouts(model, batch, forward_kwargs, grads))
-    except Exception as e: error = _error_reason(e, attn)
-    clean = measured is not None and measured[0] <= tol and measured[2].logits <= tol
+    given = _Setup(batch, kwargs, attn)
+    measured = _measure(runner, inner, given, grads)
+    clean = measured.clean(tol)
+    traps = _traps(inner, batch, kwargs, attn, lengths) if takes_pos else []
+    present = [t for t in traps if t.present]
+    candidates = []  # (what the fix is, the traps it fixes, the setup with it applied), tried in this order
+    if present:
+        fixed = given
+        for t in present: fixed = t.apply(fixed)
+        candidates.append(("", present, fixed))
+        if not clean and attn != VARLEN: candidates.append((_USE_VARLEN, present, _with(fixed, attn=VARLEN)))
+    elif not clean and takes_pos and attn != VARLEN: candidates.append((_USE_VARLEN, [], _with(given, attn=VARLEN)))
+    if not clean: candidates.append((_USE_PADDED, [], _Setup(batch, kwargs, attn, padded=True)))
+    cure = None
+    for extra, fixes, setup in candidates:
+        after = _measure(runner, inner, setup, grads=False)
+        if after.clean(tol):
+            cure = (extra, fixes)
+            report.verified_with = f"with them applied, {after}"
+            break
+    tried = [extra or "the fixes of the traps" for extra, _, _ in candidates]
+    cure_text = "" if cure is None else "; ".join([*(t.fix for t in cure[1]), *([cure[0]] if cure[0] else [])])
 
-    use_cache = forward_kwargs.get("use_cache", getattr(model.config, "use_cache", False))
-    add(_trap("cache off", bool(use_cache), clean,
-              "a cache is active (use_cache is True in the config and the forward call does not pass use_cache=False): "
-              "transformers then ignores the boundaries in position_ids", "use_cache=False",
-              "pass use_cache=False in every forward call of the training loop (or set model.config.use_cache = False)", attn))
-    add(_trap("no attention_mask", "attention_mask" in batch, clean,
-              "the batch carries an attention_mask beside packed position_ids: transformers then builds the mask from it "
-              "and ignores the boundaries", "no attention_mask in the batch",
-              "drop attention_mask from packed batches (FlatteningCollator never adds one)", attn))
-    pos = torch.as_tensor(batch["position_ids"])
-    add(_trap("2-D position_ids", pos.ndim != 2, clean,
-              f"position_ids have shape {tuple(pos.shape)} (3-D, mRoPE style): example boundaries cannot be read from them",
-              f"position_ids have shape {tuple(pos.shape)}",
-              f"pass cu_seq_lens_q/k and max_length_q/k (FlatteningCollator returns them) and use "
-              f"attn_implementation={VARLEN!r} or a flash-attn implementation, which read the boundaries from them", attn))
-    mixers = sequence_mixers(model)
-    add(Finding("sequence-mixing layers", "pass", "attention is the only layer that mixes tokens along the sequence")
-        if not mixers else
-        Finding("sequence-mixing layers", "warn" if clean else "fail",
-                f"layers {mixers} mix neighbouring tokens; seq_idx {'is' if 'seq_idx' in batch else 'is not'} in the batch",
-                "these layers keep examples apart only with seq_idx / cu_seq_lens and kernels that read them: "
-                "FlatteningCollator(return_seq_idx=True) on CUDA with causal-conv1d / mamba-ssm / flash-linear-attention "
-                "installed; without those kernels (e.g. on CPU) train this model on padded batches"))
-    start, first = expected_position_start(model), int(pos.reshape(-1, pos.shape[-1])[0, 0])
-    add(_trap("position_ids start", first != start, clean and first == start,
-              f"examples start at position {first}, the model expects {start} (its position embedding reserves the ids "
-              f"up to padding_idx={start - 1})" if start else f"examples start at position {first}, the model expects 0",
-              f"examples start at position {first}, as the model expects",
-              f"build batches with FlatteningCollator(position_ids_start={start})", attn))
-
-    alt = (f"use attn_implementation={VARLEN!r} (import workbench.attention; model.set_attn_implementation({VARLEN!r})) "
-           f"or fix the failed traps above")
-    if mixers: alt = f"the layers {mixers} mix tokens across example boundaries: see the fix of 'sequence-mixing layers'"
-    if error is not None:
-        add(Finding("model runs on the packed batch", "fail", error,
-                    "the model refuses this batch: read the message; the traps above say what to change"))
+    for t in traps:
+        if not t.present:
+            add(Finding(t.check, "pass", t.detail))
+            continue
+        harmless = clean and not t.exact
+        add(Finding(t.check, "warn" if harmless else "fail",
+                    f"{t.detail}; measured harmless with {attn!r} on this batch, but {t.exposed}" if harmless else t.detail,
+                    t.fix if cure is not None and t in cure[1] else ""))
+    if not takes_pos:
+        report["forward accepts position_ids"].fix = cure_text
+    if measured.error:
+        add(Finding("model runs on the packed batch", "fail", measured.error, cure_text))
     else:
-        leak, own, eq = measured
-        add(Finding("contamination probe", "pass" if leak <= tol else "fail",
-                    f"changing every token of example 0 moves its own logits by up to {own:.3g} and the other examples' by "
-                    f"{leak:.2g} (tolerance {tol:g})", "" if leak <= tol else f"information crosses examples: {alt}"))
+        report.cross_example_effect = measured.leak
+        try: sources = leak_sources(runner, batch, kwargs) if measured.leak else []
+        except Exception as e: sources = [f"a layer the doctor could not locate ({_error_reason(e, attn)})"]
+        nothing = "" if cure is not None else f"; no fix the doctor knows made it clean (measured: {'; '.join(tried)})"
+        add(Finding("sequence-mixing layers", "pass", "measured: no layer carries information from one example to another")
+            if not measured.leak else
+            Finding("sequence-mixing layers", "fail", f"information first crosses examples in {', '.join(sources) or 'the forward'}{nothing}",
+                    cure_text))
+        add(Finding("contamination probe", "pass" if not measured.leak else "fail",
+                    f"changing every token of the first (then the last) example moves its own logits by at least "
+                    f"{measured.own:.3g} and the other examples' by {measured.leak:.3g} (clean: exactly 0){nothing if measured.leak else ''}",
+                    cure_text if measured.leak else ""))
+        eq = measured.eq
+        report.layout_difference = eq.logits
         for name, value in (("logits", eq.logits), ("loss", eq.loss), ("gradients", eq.grads)):
             if value is None: continue
             add(Finding(f"packed == padded: {name}", "pass" if value <= tol else "fail",
-                        f"max |difference| {value:.2g} (tolerance {tol:g})",
-                        "" if value <= tol else f"the packed batch does not compute what the padded one does: {alt}"))
+                        f"max |difference| {value:.2g} (tolerance {tol:g})", "" if value <= tol else cure_text))
     report.seconds = time.perf_counter() - t0
     return report
 

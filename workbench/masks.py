@@ -192,10 +192,12 @@ def _cu_segments(batch: dict, B: int, T: int) -> np.ndarray:
 
 def effective_spec(batch: dict,                    # a collated batch: input_ids [B, T] and whatever else it carries
                    attn_implementation: str = "sdpa",  # the model's attention implementation (see IMPLEMENTATIONS)
-                   use_cache: bool = False,        # whether the forward builds a cache (transformers' default is True!)
+                   use_cache: bool | None = False, # whether the forward builds a cache; None: as transformers, the config's (default True!)
                    sliding_window: int | None = None,  # the model's sliding window (config.sliding_window), if any
+                   config=None,                    # the model's config, read for use_cache=None (without one: True, transformers' default)
                    ) -> MaskSpec:
     "The mask a transformers 5.x causal LM applies to `batch`, as a `MaskSpec` whose `path` says why."
+    if use_cache is None: use_cache = bool(getattr(config, "use_cache", True))  # what the model's forward does with None
     if attn_implementation not in IMPLEMENTATIONS:
         raise ValueError(f"unknown attn_implementation {attn_implementation!r}; choose one of {IMPLEMENTATIONS}")
     if "input_ids" not in batch: raise ValueError(f"batch has no input_ids (keys: {sorted(batch)})")
@@ -239,10 +241,10 @@ def effective_spec(batch: dict,                    # a collated batch: input_ids
                         query_ok=(np.cumsum(starts) > 0)[None])
     return spec(one_row, "flash: one causal mask per row" + dropped)
 
-def effective_mask(batch: dict, attn_implementation: str = "sdpa", use_cache: bool = False,
-                   sliding_window: int | None = None) -> np.ndarray:
+def effective_mask(batch: dict, attn_implementation: str = "sdpa", use_cache: bool | None = False,
+                   sliding_window: int | None = None, config=None) -> np.ndarray:
     "The `[B, T, T]` boolean query x key mask a transformers 5.x causal LM applies to `batch` (see `effective_spec`)."
-    return effective_spec(batch, attn_implementation, use_cache, sliding_window).dense()
+    return effective_spec(batch, attn_implementation, use_cache, sliding_window, config).dense()
 
 # %% ../nbs/02_masks.ipynb #c7c4cafb
 def example_grid(batch: dict, lengths=None) -> np.ndarray:
@@ -322,11 +324,12 @@ class MaskReport:
 def mask_report(batch: dict,                     # a collated batch
                 lengths: list | np.ndarray | None = None,  # example lengths of one packed row (needed for naive concatenation)
                 attn_implementation: str = "sdpa",  # the model's attention implementation
-                use_cache: bool = False,         # whether the forward builds a cache
+                use_cache: bool | None = False,  # whether the forward builds a cache (None: the config's, see `effective_spec`)
                 sliding_window: int | None = None,  # the model's sliding window, if any
+                config=None,                     # the model's config, read for use_cache=None
                 ) -> MaskReport:
     "Compare the mask the model applies to `batch` with the per-example mask it should apply."
-    return MaskReport(effective_spec(batch, attn_implementation, use_cache, sliding_window), example_grid(batch, lengths))
+    return MaskReport(effective_spec(batch, attn_implementation, use_cache, sliding_window, config), example_grid(batch, lengths))
 
 def cross_example_pairs(batch: dict, lengths=None, **kw) -> int:
     "How many allowed (query, key) pairs join real tokens of different examples (0 when packing is correct)."

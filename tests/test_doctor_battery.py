@@ -1,0 +1,262 @@
+"""The doctor against leaky and clean setups in fp32, bf16 and fp16, wrapped models, and models it once misjudged.
+
+A leak is a nonzero cross-example effect (exactly 0 for a clean model in every dtype), so weak leaks that a
+packed-vs-padded tolerance would pass are caught; every fix the doctor prints was measured clean first.
+"""
+import pytest
+import torch
+import transformers as tr
+
+from workbench.attention import KEY
+from workbench.core import cu_seq_lens, tiny_model
+from workbench.doctor import check_packing, default_tolerance, leak_sources, matrix_examples, unwrap
+from workbench.packing import FlatteningCollator
+
+NO_CACHE = {"use_cache": False}
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(scope="module")
+def packed():
+    return FlatteningCollator()(matrix_examples())
+
+
+def _verified(report):
+    "Every printed fix was measured: the report says with what, and it is clean."
+    fixes = [f for f in report.findings if f.fix]
+    assert fixes and "cross-example effect 0" in report.verified_with, report
+    return fixes
+
+
+class ShiftMix(torch.nn.Module):
+    "A weak token mixer (a one-tap convolution, causal or looking ahead) around a layer's MLP: the hand-made weak leak."
+    def __init__(self, mlp, scale, ahead=False):
+        super().__init__()
+        self.mlp, self.scale, self.ahead = mlp, scale, ahead
+    def forward(self, x):
+        shifted = torch.nn.functional.pad(x[:, 1:], (0, 0, 0, 1)) if self.ahead else torch.nn.functional.pad(x[:, :-1], (0, 0, 1, 0))
+        return self.mlp(x) + self.scale * shifted
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("impl", ["sdpa", "eager", KEY])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])
+def test_clean_setups_are_exactly_clean(packed, family, impl, dtype):
+    report = check_packing(tiny_model(family, attn_implementation=impl, dtype=dtype), packed, NO_CACHE)
+    assert report.clean and report.verdict == "clean", str(report)
+    assert report.cross_example_effect == 0.0 and report.layout_difference <= default_tolerance(dtype)
+    assert report.tolerance == default_tolerance(dtype) and not any(f.fix for f in report.findings)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_weak_leak_caught_in_every_dtype(packed, dtype):
+    "A mixer 1e-4 strong moves other examples' logits far below the half-type tolerances: caught all the same."
+    model = tiny_model("llama", dtype=dtype)
+    model.model.layers[1].mlp = ShiftMix(model.model.layers[1].mlp, 1e-4)
+    report = check_packing(model, packed, NO_CACHE)
+    assert not report.clean and 0 < report.cross_example_effect < 1e-2, report
+    assert report["contamination probe"].status == "fail"
+    assert "model.layers.1.mlp (ShiftMix" in report["sequence-mixing layers"].detail  # measured where it enters
+    if dtype == torch.bfloat16:  # the old rule (leak > tolerance) would have called it clean
+        assert report.cross_example_effect < default_tolerance(dtype)
+    assert "padded batches" in report["contamination probe"].fix and _verified(report)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_traps_caught_and_fixed_in_every_dtype(packed, dtype):
+    model = tiny_model("llama", dtype=dtype)
+    cache = check_packing(model, packed, {"use_cache": None})  # None means the config's use_cache: True
+    assert not cache.clean and cache["cache off"].status == "fail" and cache.cross_example_effect > 0
+    assert "use_cache=False" in cache["cache off"].fix and _verified(cache)
+    ones = check_packing(model, {**packed, "attention_mask": torch.ones_like(packed["input_ids"])}, NO_CACHE)
+    assert not ones.clean and ones["no attention_mask"].status == "fail" and "drop attention_mask" in ones["no attention_mask"].fix
+    labels = packed["labels"].clone()
+    labels[0, 1:] = packed["input_ids"][0, 1:]  # every first label trained (the loss leak the probe cannot see)
+    sick = check_packing(model, {**packed, "labels": labels}, NO_CACHE)
+    assert not sick.clean and sick["first labels masked"].status == "fail" and sick.cross_example_effect == 0
+    assert "4 of 4" in sick["first labels masked"].detail and "-100" in sick["first labels masked"].fix and _verified(sick)
+
+
+def _extra_boundary(batch):
+    "cu_seq_lens with one boundary more than position_ids (the second example split in two)."
+    cu = batch["cu_seq_lens_q"].tolist()
+    cu.insert(2, (cu[1] + cu[2]) // 2)
+    return {**batch, "cu_seq_lens_q": torch.tensor(cu, dtype=torch.int32), "cu_seq_lens_k": torch.tensor(cu, dtype=torch.int32)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_boundaries_checked_against_their_reader(packed, dtype):
+    bad = _extra_boundary(packed)
+    varlen = check_packing(tiny_model("llama", attn_implementation=KEY, dtype=dtype), bad, NO_CACHE)
+    assert not varlen.clean and varlen["boundaries agree"].status == "fail" and "reads the boundaries from cu_seq_lens_q" in varlen["boundaries agree"].detail
+    assert varlen.layout_difference > default_tolerance(dtype) and "rebuild cu_seq_lens" in varlen["boundaries agree"].fix and _verified(varlen)
+    sdpa = check_packing(tiny_model("llama", dtype=dtype), bad, NO_CACHE)  # sdpa reads position_ids: right, but warned
+    assert sdpa.clean and sdpa["boundaries agree"].status == "warn" and "rebuild cu_seq_lens" in sdpa["boundaries agree"].fix
+    assert not any(KEY in f.fix for f in sdpa.findings)  # the old false alarm suggested varlen, which really leaks here
+    seq = {**packed, "seq_idx": torch.zeros_like(packed["input_ids"], dtype=torch.int32)}  # seq_idx marks one example
+    assert "seq_idx" in check_packing(tiny_model("llama", dtype=dtype), seq, NO_CACHE)["boundaries agree"].detail
+
+
+def test_batch_without_position_ids(packed):
+    no_pos = {k: v for k, v in packed.items() if k != "position_ids"}
+    sdpa = check_packing(tiny_model("llama"), no_pos, NO_CACHE)
+    assert not sdpa.clean and sdpa["position_ids in the batch"].status == "fail" and _verified(sdpa)
+    # varlen reads cu_seq_lens, and RoPE only sees differences of positions: measured harmless, still warned
+    varlen = check_packing(tiny_model("llama", attn_implementation=KEY), no_pos, NO_CACHE)
+    assert varlen.clean and varlen["position_ids in the batch"].status == "warn" and _verified(varlen)
+    torch.manual_seed(0)  # absolute position embeddings: the positions themselves are wrong
+    gpt2 = tr.GPT2LMHeadModel._from_config(tr.GPT2Config(vocab_size=8192, n_embd=64, n_layer=2, n_head=4), attn_implementation=KEY).eval()
+    absolute = check_packing(gpt2, no_pos, NO_CACHE)
+    assert not absolute.clean and absolute.cross_example_effect == 0 and absolute["position_ids in the batch"].status == "fail"
+    assert "position_ids restarting" in absolute["position_ids in the batch"].fix and _verified(absolute)
+    nothing = {k: v for k, v in no_pos.items() if not k.startswith(("cu_seq", "max_length"))}
+    blind = check_packing(tiny_model("llama"), nothing, NO_CACHE)
+    assert not blind.clean and "FlatteningCollator" in blind["example boundaries and labels"].detail
+    unlabelled = check_packing(tiny_model("llama"), {k: v for k, v in packed.items() if k != "labels"}, NO_CACHE)
+    assert not unlabelled.clean and "no labels" in unlabelled["example boundaries and labels"].detail
+
+
+def test_model_without_position_ids_is_measured(packed):
+    torch.manual_seed(0)
+    bloom = tr.BloomForCausalLM(tr.BloomConfig(vocab_size=8192, hidden_size=64, n_layer=2, n_head=4)).eval()
+    report = check_packing(bloom, packed, NO_CACHE)
+    assert report["forward accepts position_ids"].status == "fail" and "PaddingCollator" in report["forward accepts position_ids"].fix
+    torch.manual_seed(0)  # OPT takes position_ids, but its sdpa mask ignores packing: measured, and the measured fix
+    opt = tr.OPTForCausalLM(tr.OPTConfig(vocab_size=8192, hidden_size=64, num_hidden_layers=2, ffn_dim=128,
+                                         num_attention_heads=4, word_embed_proj_dim=64)).eval()
+    sick = check_packing(opt, packed, NO_CACHE)
+    assert not sick.clean and KEY in sick["contamination probe"].fix and _verified(sick)
+
+
+def test_gpt2_conv1d_is_not_a_token_mixer(packed):
+    torch.manual_seed(0)
+    gpt2 = tr.GPT2LMHeadModel(tr.GPT2Config(vocab_size=8192, n_embd=64, n_layer=2, n_head=4)).eval()
+    report = check_packing(gpt2, packed, NO_CACHE)
+    assert report.clean and report["sequence-mixing layers"].status == "pass" and report.cross_example_effect == 0
+
+
+def test_mamba_hybrid_leak_caught_in_bf16(packed):
+    "A tiny Jamba (Mamba + attention + MoE) without mamba kernels: its SSM leaks weakly; bf16 tolerance would pass it."
+    torch.manual_seed(0)
+    cfg = tr.JambaConfig(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                         expert_layer_offset=1, num_experts=2, mamba_d_state=8, mamba_expand=2)
+    report = check_packing(tr.JambaForCausalLM(cfg).to(torch.bfloat16).eval(), packed, NO_CACHE)
+    assert not report.clean and 0 < report.cross_example_effect < default_tolerance(torch.bfloat16)
+    assert "JambaMambaMixer" in report["sequence-mixing layers"].detail and "padded batches" in report["contamination probe"].fix
+
+
+class KwargsOnly(torch.nn.Module):
+    "A wrapper whose forward(**kwargs) hides the signature."
+    def __init__(self, model):
+        super().__init__()
+        self.inner = model
+    def forward(self, **kwargs): return self.inner(**kwargs)
+
+
+class DDPLike(torch.nn.Module):
+    "Keeps the model in `.module`, as DistributedDataParallel and FSDP1 do."
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+    def forward(self, *args, **kwargs): return self.module(*args, **kwargs)
+
+
+@pytest.mark.parametrize("wrap", [KwargsOnly, DDPLike], ids=["forward(**kwargs)", "ddp-like"])
+def test_wrapped_models_are_measured(packed, wrap):
+    model = wrap(tiny_model("llama"))
+    assert unwrap(model)[1] is (model.inner if wrap is KwargsOnly else model.module)
+    clean = check_packing(model, packed, NO_CACHE)
+    assert clean.clean and clean.cross_example_effect == 0 and clean.wrappers == (wrap.__name__,)
+    sick = check_packing(model, packed)
+    assert not sick.clean and sick["cache off"].status == "fail" and _verified(sick)
+
+
+def test_peft_lora_is_measured(packed):
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny_model("qwen3"), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    clean = check_packing(model, packed, NO_CACHE)
+    assert clean.clean and clean.cross_example_effect == 0 and clean.wrappers[0] == "PeftModelForCausalLM", clean
+    assert clean["packed == padded: gradients"].status == "pass"  # the LoRA weights' gradients
+    sick = check_packing(model, packed)
+    assert not sick.clean and "self_attn" in sick["sequence-mixing layers"].detail and _verified(sick)
+
+
+def test_compiled_model_is_measured(packed):
+    "torch.compile: measured through the compiled module (dynamo with its eager backend: inductor on a CPU is slow)."
+    model = torch.compile(tiny_model("llama"), backend="eager")
+    report = check_packing(model, packed, NO_CACHE, grads=False)
+    assert report.clean and report.cross_example_effect == 0 and report.wrappers == ("OptimizedModule",), report
+    assert leak_sources(model, packed) and "self_attn" in leak_sources(model, packed)[0]  # hooks on the eager module
+
+
+def test_padded_fix_verified_without_padding():
+    "Examples of one length: their padded twin has an all-ones mask and still counts one example per row."
+    same = FlatteningCollator()([{"input_ids": f["input_ids"][:20]} for f in matrix_examples()])
+    model = tiny_model("llama")
+    model.model.layers[0].mlp = ShiftMix(model.model.layers[0].mlp, 1e-2)
+    report = check_packing(model, same, NO_CACHE)
+    assert not report.clean and "padded batches" in report["contamination probe"].fix and _verified(report)
+
+
+def test_moe_routing_does_not_fake_a_leak():
+    "A clean MoE whose grouped expert matmuls round by token count: plain forwards differ, the probe stays exactly 0."
+    from workbench.core import example_ids, load_sample
+    from workbench.doctor import _perturbed  # the probe's own perturbation, to show what it avoids
+    model = tiny_model("mixtral", hidden_size=1024, intermediate_size=1024, num_hidden_layers=1)
+    batch = FlatteningCollator()([{"input_ids": f["input_ids"][:40]} for f in load_sample("flan_like", limit=24)[20:24]])
+    examples = torch.from_numpy(example_ids(torch.diff(batch["cu_seq_lens_q"]).numpy()))
+    with torch.no_grad():
+        base = model(**batch, use_cache=False).logits[0]
+        moved = max((model(**_perturbed(batch, examples, w, model.config.vocab_size, 0), use_cache=False).logits[0] - base)[examples != w].abs().max()
+                    for w in (0, 3))
+    assert moved > 0  # rounding from the grouped matmuls' shapes, not a leak
+    report = check_packing(model, batch, NO_CACHE)
+    assert report.clean and report.cross_example_effect == 0 and model.config._experts_implementation == "grouped_mm"
+
+
+class Noisy(torch.nn.Module):
+    "A layer that is not deterministic (fresh noise every pass): no probe can be exact on it."
+    def __init__(self, mlp):
+        super().__init__()
+        self.mlp = mlp
+    def forward(self, x): return self.mlp(x) + 1e-3 * torch.randn_like(x)
+
+
+def test_nondeterministic_model_is_refused_not_judged(packed):
+    model = tiny_model("llama")
+    model.model.layers[0].mlp = Noisy(model.model.layers[0].mlp)
+    threads = torch.get_num_threads()
+    report = check_packing(model, packed, NO_CACHE)
+    assert not report.clean and "identical forward passes differ" in report["model runs on the packed batch"].detail
+    assert torch.get_num_threads() == threads  # restored
+
+
+def test_real_ddp_is_stepped_through(packed, tmp_path):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(tiny_model("llama"))
+        report = check_packing(ddp, packed, NO_CACHE)
+        assert report.clean and report.wrappers == ("DistributedDataParallel",) and report.cross_example_effect == 0
+        sick = check_packing(ddp, packed)
+        assert not sick.clean and _verified(sick)
+    finally: dist.destroy_process_group()
+
+
+def test_leak_backwards_and_two_packed_rows(packed):
+    "A mixer that looks ahead leaks from later examples into earlier ones (the probe changes the last example too); a batch of two packed rows."
+    model = tiny_model("llama")
+    model.model.layers[0].mlp = ShiftMix(model.model.layers[0].mlp, 1e-3, ahead=True)
+    assert check_packing(model, packed, NO_CACHE).cross_example_effect > 0
+    feats = matrix_examples()
+    rows = [FlatteningCollator(pad_to_multiple_of=96)(part) for part in (feats[:2], feats[2:])]
+    two = {k: torch.cat([r[k] for r in rows]) for k in ("input_ids", "labels", "position_ids")}
+    report = check_packing(tiny_model("qwen2"), two, NO_CACHE)
+    assert report.clean and report.n_examples == 7 and report.cross_example_effect == 0, str(report)
+    assert not check_packing(tiny_model("qwen2"), two).clean  # the cache trap, on both rows
+
+
+def test_not_a_transformers_model_is_a_clear_error(packed):
+    with pytest.raises(TypeError, match="holds no transformers PreTrainedModel"):
+        check_packing(torch.nn.Linear(4, 4), packed)
