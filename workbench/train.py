@@ -35,8 +35,8 @@ from .ulysses import ParallelGrid, check_sp, global_loss, register_ulysses, shar
 __all__ = ['DTYPES', 'PRESETS', 'CHECKPOINTS', 'SAVE_WAIT', 'flag', 'TrainConfig', 'load_features', 'check_token_ids',
            'model_config', 'build_model', 'peak_memory_bytes', 'expected_memory', 'memory_readout', 'write_metrics',
            'read_metrics', 'truncate_metrics', 'plan_id', 'checkpoints', 'latest_checkpoint', 'commit_checkpoint',
-           'check_resume', 'check_out', 'save_checkpoint', 'load_checkpoint', 'train_rank', 'preflight_run', 'run',
-           'main']
+           'check_resume', 'check_out', 'save_checkpoint', 'load_checkpoint', 'attention_key', 'train_rank',
+           'preflight_run', 'run', 'main']
 
 # %% ../nbs/08_train.ipynb #aa8d263e
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}  # besides "auto"
@@ -173,7 +173,6 @@ def model_config(cfg: TrainConfig):
 def build_model(cfg: TrainConfig, attn_implementation: str, device: torch.device):
     "The model of `cfg.model` with the given attention, seeded, in train mode (checkpoint weights loaded when present)."
     from transformers import AutoModelForCausalLM
-    if attn_implementation == VARLEN_KEY: register_varlen()  # the workbench's own key needs no import to remember
     dtype = DTYPES.get(cfg.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     config = model_config(cfg)
     torch.manual_seed(cfg.seed)
@@ -352,6 +351,11 @@ def _device() -> torch.device:
 def _endless(sampler):
     while True: yield from sampler  # the sampler moves to the next epoch (new order) at the end of each pass
 
+def attention_key(cfg: TrainConfig) -> str:
+    "The attention the model runs: `cfg.attn` wrapped in Ulysses when the sequence is split, `cfg.attn` itself when not."
+    if cfg.attn == VARLEN_KEY: register_varlen()  # the workbench's own key needs no import to remember
+    return register_ulysses(cfg.attn) if cfg.sp > 1 else cfg.attn
+
 def train_rank(cfg: TrainConfig) -> list[float]:
     "Train on this process as one rank of the `cfg.dp` x `cfg.sp` grid; return the loss of every step it trained."
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -362,7 +366,7 @@ def train_rank(cfg: TrainConfig) -> list[float]:
     device = _device()
     grid = ParallelGrid.build(cfg.sp, device.type)
     wait = dist.new_group(backend="gloo", timeout=SAVE_WAIT) if dist.is_initialized() else None  # for checkpoint saves
-    model = build_model(cfg, register_ulysses(cfg.attn), device)
+    model = build_model(cfg, attention_key(cfg), device)
     check_sp(model.config, cfg.sp, world_size=world)
     if cfg.shard: model = shard_model(model, grid, cpu_offload=cfg.cpu_offload)  # before the optimizer sees the parameters
     features = load_features(cfg.data)
@@ -413,8 +417,10 @@ def preflight_run(cfg: TrainConfig):
     "Refuse, before any process starts, a run that would fail inside one: model, attention, run directory, data."
     config = model_config(cfg)
     check_sp(config, cfg.sp, world_size=cfg.world)
-    try: register_ulysses(cfg.attn)
-    except ValueError as e: raise ValueError(f"attn (--attn) {cfg.attn!r}: {e}") from None
+    from transformers import AutoModelForCausalLM
+    try:  # on the meta device: no memory, but the model's own refusal of an attention it cannot use
+        with torch.device("meta"): AutoModelForCausalLM.from_config(config, attn_implementation=attention_key(cfg))
+    except (ValueError, KeyError) as e: raise ValueError(f"attn (--attn) {cfg.attn!r}: {e}") from None
     check_out(cfg)
     check_token_ids(load_features(cfg.data), config.vocab_size, cfg.data)
 
@@ -451,6 +457,8 @@ def _config(p: argparse.ArgumentParser, a: argparse.Namespace, world: int) -> Tr
     if nproc and nproc != cfg.world: p.error(f"--nproc {nproc} but --sp x --dp = {cfg.sp} x {cfg.dp} = {cfg.world}")
     return cfg
 
+_INTERRUPTS = {"KeyboardInterrupt", "SignalException"}  # what SIGINT becomes in this process and in a rank (RankError.exc_type)
+
 def main(argv=None) -> list[float]:
     "Command line: `python -m workbench.train --sp 2 --nproc 2 --steps 5 --out runs/x` (or under torchrun without --nproc)."
     p = _parser()
@@ -464,7 +472,8 @@ def main(argv=None) -> list[float]:
             finally: dist.destroy_process_group()
         else: losses = run(cfg)  # checks the config before it forks anything
     except ValueError as e: p.error(str(e))  # what preflight_run and the launcher refuse: usage errors, exit code 2
-    except KeyboardInterrupt:
+    except BaseException as e:  # Ctrl-C: KeyboardInterrupt here, torch elastic's SignalException in the ranks
+        if _INTERRUPTS.isdisjoint({type(e).__name__, getattr(e, "exc_type", None)}): raise
         found = latest_checkpoint(Path(cfg.out), say=lambda _: None)
         where = f"the last complete checkpoint is {found[0]}; --resume continues from it" if found else "no checkpoint was written yet"
         print(f"interrupted: {where}", file=sys.stderr)
