@@ -420,7 +420,9 @@ def preflight_run(cfg: TrainConfig):
     from transformers import AutoModelForCausalLM
     try:  # on the meta device: no memory, but the model's own refusal of an attention it cannot use
         with torch.device("meta"): AutoModelForCausalLM.from_config(config, attn_implementation=attention_key(cfg))
-    except (ValueError, KeyError) as e: raise ValueError(f"attn (--attn) {cfg.attn!r}: {e}") from None
+    except ValueError as e: raise ValueError(f"attn (--attn) {cfg.attn!r}: {e}") from None
+    except KeyError: raise ValueError(f"attn (--attn) {cfg.attn!r}: {config.model_type} models do not look attention up in "
+                                      f"transformers' AttentionInterface, so they cannot run a registered one: use sdpa or eager") from None
     check_out(cfg)
     check_token_ids(load_features(cfg.data), config.vocab_size, cfg.data)
 
