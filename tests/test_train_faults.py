@@ -237,3 +237,20 @@ def test_a_save_slower_than_the_collective_timeout_does_not_kill_the_run(tmp_pat
     assert r.returncode == 0, r.stderr[-3000:]
     from workbench.train import checkpoints
     assert [(d.name, m is not None) for d, m in checkpoints(out)] == [("step-000002", True)]  # only the last: no --save-every
+
+
+def test_ctrl_c_of_a_single_process_run_exits_130_and_resumes(tmp_path, reference):
+    "SIGINT to a terminal run of one process after 2 steps: exit code 130, the last checkpoint named, resume equals the reference."
+    out = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "workbench.train", *ARGS, "--out", str(out)], cwd=ROOT, env=_env(),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _wait_rows(out, 2, time.time() + TIMEOUT)
+        os.killpg(p.pid, signal.SIGINT)
+        code, err = p.wait(timeout=60), p.stderr.read()
+    finally:
+        if p.poll() is None: os.killpg(p.pid, signal.SIGKILL); p.wait(timeout=10)
+    assert code == 130 and "--resume continues from it" in err, (code, err[-2000:])
+    r = _cli(*ARGS, "--out", str(out), "--resume")
+    assert r.returncode == 0, r.stderr[-3000:]
+    _check_against(out, reference)

@@ -43,3 +43,29 @@ def test_one_step_of_every_family(tmp_path, tiny_data, family, attn):
     assert len(losses) == 1 and 0 < losses[0] < 20, losses
     readout = [l for l in printed.splitlines() if "memory readout" in l or "expected per-rank peak" in l]
     assert len(readout) == 1, printed  # the planner's peak, or one line saying why there is none
+
+
+def test_the_gpu_long_preset_trains_a_step(tmp_path):
+    "--preset gpu-long (workbench_varlen, checkpointing, tiled loss) with a short row, on the CPU fallback."
+    losses, printed, error = _main("--preset", "gpu-long", "--steps", "1", "--max-tokens", "1024", "--out", str(tmp_path))
+    assert losses is not None and len(losses) == 1 and 0 < losses[0] < 20, error
+
+
+def test_workbench_varlen_needs_no_import_first():
+    "A fresh interpreter that never imported workbench.attention can still name the key (and import workbench has no side effect)."
+    import subprocess, sys
+    code = ("import sys, workbench; assert 'workbench.attention' not in sys.modules and 'transformers' not in sys.modules\n"
+            "from workbench.ulysses import register_ulysses; assert 'workbench.attention' not in sys.modules\n"
+            "print(register_ulysses('workbench_varlen'))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ulysses_workbench_varlen", r.stderr[-2000:]
+
+
+def test_resume_refuses_data_that_changed_under_the_same_name(tmp_path, tiny_data):
+    data = tmp_path / "ids.jsonl"
+    data.write_text(open(tiny_data).read())
+    args = ["--steps", "2", "--max-tokens", "64", "--data", str(data), "--out", str(tmp_path / "run")]
+    assert _main(*args)[0] is not None
+    data.write_text(open(tiny_data).read() + json.dumps({"input_ids": list(range(1, 60))}) + "\n")
+    losses, _, error = _main(*args[:1], "4", *args[2:], "--resume")
+    assert losses is None and "packs differently" in error, error
