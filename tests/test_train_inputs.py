@@ -69,3 +69,9 @@ def test_resume_refuses_data_that_changed_under_the_same_name(tmp_path, tiny_dat
     data.write_text(open(tiny_data).read() + json.dumps({"input_ids": list(range(1, 60))}) + "\n")
     losses, _, error = _main(*args[:1], "4", *args[2:], "--resume")
     assert losses is None and "packs differently" in error, error
+
+
+def test_gemma2_trains_with_the_attention_its_refusals_name(tmp_path, tiny_data):
+    losses, _, error = _main("--model", "gemma2", "--attn", "eager", "--steps", "1", "--max-tokens", "64",
+                             "--data", tiny_data, "--out", str(tmp_path))
+    assert losses is not None and 0 < losses[0] < 20, error

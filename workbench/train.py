@@ -459,7 +459,14 @@ def _config(p: argparse.ArgumentParser, a: argparse.Namespace, world: int) -> Tr
     if nproc and nproc != cfg.world: p.error(f"--nproc {nproc} but --sp x --dp = {cfg.sp} x {cfg.dp} = {cfg.world}")
     return cfg
 
-_INTERRUPTS = {"KeyboardInterrupt", "SignalException"}  # what SIGINT becomes in this process and in a rank (RankError.exc_type)
+_INTERRUPTS = ("KeyboardInterrupt", "SignalException")  # what SIGINT becomes here and in torch elastic's ranks
+
+def _interrupted(e: BaseException) -> bool:
+    "Whether `e` came of Ctrl-C: an interrupt itself, raised while handling one (a torn write), or a rank's error that did."
+    chain = []
+    while e is not None and e not in chain: chain.append(e); e = e.__cause__ or e.__context__
+    text = " ".join(getattr(x, "worker_traceback", "") for x in chain)  # a RankError carries the rank's own traceback
+    return any(type(x).__name__ in _INTERRUPTS for x in chain) or any(f"{n}:" in text for n in _INTERRUPTS)
 
 def main(argv=None) -> list[float]:
     "Command line: `python -m workbench.train --sp 2 --nproc 2 --steps 5 --out runs/x` (or under torchrun without --nproc)."
@@ -474,8 +481,8 @@ def main(argv=None) -> list[float]:
             finally: dist.destroy_process_group()
         else: losses = run(cfg)  # checks the config before it forks anything
     except ValueError as e: p.error(str(e))  # what preflight_run and the launcher refuse: usage errors, exit code 2
-    except BaseException as e:  # Ctrl-C: KeyboardInterrupt here, torch elastic's SignalException in the ranks
-        if _INTERRUPTS.isdisjoint({type(e).__name__, getattr(e, "exc_type", None)}): raise
+    except BaseException as e:
+        if not _interrupted(e): raise
         found = latest_checkpoint(Path(cfg.out), say=lambda _: None)
         where = f"the last complete checkpoint is {found[0]}; --resume continues from it" if found else "no checkpoint was written yet"
         print(f"interrupted: {where}", file=sys.stderr)
