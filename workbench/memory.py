@@ -43,7 +43,15 @@ def preset_config(name: str, **overrides):
     return getattr(transformers, cls)(**{**fields, **overrides})
 
 # %% ../nbs/12_memory.ipynb #d069da11
-_QK_NORM = {"qwen3": True, "llama": False, "mistral": False, "qwen2": False}  # measured families: per-head q/k norm?
+def _built_layout(config) -> tuple[int, bool]:
+    "Weight-matrix parameters and whether the attention norms queries and keys, read off the model built on the meta device."
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"): model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
+    matrices = sum(p.numel() for p in model.parameters() if p.dim() >= 2)
+    qk_norm = any(n.split(".")[-2] in ("q_norm", "q_layernorm") for n, _ in model.named_parameters())
+    return matrices, qk_norm
+
+_LAYOUTS: dict[str, tuple[int, bool]] = {}  # config JSON -> _built_layout (max_context asks for the same config often)
 
 @dataclass(frozen=True)
 class Shape:
@@ -53,15 +61,25 @@ class Shape:
 
     @classmethod
     def of(cls, config) -> "Shape":
-        "Read a transformers config (or a `Shape`)."
+        "Read a transformers config (or a `Shape`); refuse one whose model is not a dense gated-MLP decoder."
         if isinstance(config, Shape): return config
-        kind = getattr(config, "model_type", None)
-        if kind not in _QK_NORM:
-            raise ValueError(f"model_type {kind!r} is not a measured family; supported: {sorted(_QK_NORM)}")
+        kind = getattr(config, "model_type", type(config).__name__)
+        dims = {k: getattr(config, k, None) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                                      "intermediate_size", "vocab_size")}
+        missing = sorted(k for k, v in dims.items() if not isinstance(v, int))
+        if missing: raise ValueError(f"cannot read a {kind} config as a decoder: it has no integer {', '.join(missing)}")
+        key = config.to_json_string()
+        if key not in _LAYOUTS: _LAYOUTS[key] = _built_layout(config)
+        matrices, qk_norm = _LAYOUTS[key]
         heads = config.num_attention_heads
-        return cls(config.hidden_size, config.num_hidden_layers, heads, config.num_key_value_heads or heads,
-                   getattr(config, "head_dim", None) or config.hidden_size // heads, config.intermediate_size,
-                   config.vocab_size, bool(config.tie_word_embeddings), _QK_NORM[kind])
+        shape = cls(config.hidden_size, config.num_hidden_layers, heads, getattr(config, "num_key_value_heads", None) or heads,
+                    getattr(config, "head_dim", None) or config.hidden_size // heads, config.intermediate_size,
+                    config.vocab_size, bool(getattr(config, "tie_word_embeddings", False)), qk_norm)
+        if matrices != shape.matrices:
+            raise ValueError(f"cannot model {kind}'s memory: its weight matrices hold {matrices:,} parameters, a decoder "
+                             f"with gated MLPs of this shape {shape.matrices:,} (mixture of experts, a two-matrix MLP "
+                             f"or extra projections are not modelled)")
+        return shape
 
     @property
     def q(self) -> int: return self.heads * self.head_dim       # query (and attention output) width
@@ -72,6 +90,11 @@ class Shape:
         "Parameters of one decoder layer (attention, MLP, norms)."
         attn = 2 * self.hidden * self.q + 2 * self.hidden * self.kv + (2 * self.head_dim if self.qk_norm else 0)
         return attn + 3 * self.hidden * self.intermediate + 2 * self.hidden
+    @property
+    def matrices(self) -> int:
+        "Parameters in weight matrices: embeddings, untied head, attention and gated-MLP projections."
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.layers * (
+            2 * self.hidden * (self.q + self.kv) + 3 * self.hidden * self.intermediate)
     @property
     def params(self) -> int:
         "Parameter count (embeddings, attention, MLP, norms, untied head)."

@@ -5,11 +5,16 @@
 # %% ../nbs/08_train.ipynb #c717fc3d
 from __future__ import annotations
 import argparse
+import hashlib
 import json
+import math
 import os
 import resource
+import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass, fields, replace
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +22,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm  # the text bar: forked ranks cannot draw notebook widgets
 
+from .attention import KEY as VARLEN_KEY, register as register_varlen
 from .core import SAMPLES, load_records, load_sample, load_tokenizer, model_families, tiny_config, tokenize_records
 from .launch import launch
 from .memory import Levers, estimate
@@ -26,18 +32,28 @@ from .shard import full_state, is_sharded, load_full_state, reduce_gradients, sh
 from .ulysses import ParallelGrid, check_sp, global_loss, register_ulysses, shard_batch, sp_forward
 
 # %% auto #0
-__all__ = ['PRESETS', 'TrainConfig', 'load_features', 'model_config', 'build_model', 'peak_memory_bytes', 'expected_memory',
-           'write_metrics', 'save_checkpoint', 'load_checkpoint', 'train_rank', 'run', 'main']
+__all__ = ['DTYPES', 'PRESETS', 'CHECKPOINTS', 'SAVE_WAIT', 'flag', 'TrainConfig', 'load_features', 'check_token_ids',
+           'model_config', 'build_model', 'peak_memory_bytes', 'expected_memory', 'memory_readout', 'write_metrics',
+           'read_metrics', 'truncate_metrics', 'plan_id', 'checkpoints', 'latest_checkpoint', 'commit_checkpoint',
+           'check_resume', 'check_out', 'save_checkpoint', 'load_checkpoint', 'attention_key', 'train_rank',
+           'preflight_run', 'run', 'main']
 
 # %% ../nbs/08_train.ipynb #aa8d263e
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}  # besides "auto"
+_AT_LEAST = dict(sp=1, dp=1, steps=1, max_tokens=1, grad_accum=1, seed=0, loss_chunk=0, mlp_chunk=0, save_every=0, keep=1)
+
+def flag(name: str) -> str:
+    "The command-line flag of a `TrainConfig` field."
+    return "--" + name.replace("_", "-")
+
 @dataclass
 class TrainConfig:
     "Everything one training run needs."
     model: str = "llama"        # a shipped tiny family (data_samples/configs) or a local checkpoint directory
-    data: str = "flan_like"     # a shipped sample (flan_like, orca_like, long_docs) or a local .jsonl/.json/.parquet file
+    data: str = "flan_like"     # a shipped sample (flan_like, orca_like, long_docs) or a local .jsonl/.json/.parquet/.csv file
     sp: int = 1                 # processes sharing one sequence (Ulysses)
     dp: int = 1                 # data-parallel replicas
-    steps: int = 10             # optimizer steps
+    steps: int = 10             # optimizer steps (a resumed run continues up to this step)
     max_tokens: int = 2048      # tokens per packed row (one row per micro-step per DP replica, cut into `sp` shards)
     grad_accum: int = 1         # micro-steps per optimizer step (the loss is token-weighted over all of them)
     lr: float = 1e-3            # AdamW learning rate
@@ -52,14 +68,27 @@ class TrainConfig:
     cpu_offload: bool = False   # with shard: keep the sharded states and the optimizer step in host memory
     dtype: str = "auto"         # auto: bf16 on CUDA, fp32 on CPU; or float32 / bfloat16 / float64
     save_every: int = 0         # save a checkpoint every this many steps (0: only at the end)
-    resume: bool = False        # continue from the checkpoint in `out` if there is one
-    out: str = "runs/latest"    # run directory: config.json, metrics.jsonl, checkpoint/
+    keep: int = 2               # complete checkpoints kept in `out/checkpoints` (the newest; older ones are deleted)
+    timeout_s: float = 120.0    # collective timeout of the process group, seconds (checkpoint saves wait outside it)
+    resume: bool = False        # continue from the newest complete checkpoint in `out` if there is one
+    out: str = "runs/latest"    # run directory: config.json, metrics.jsonl, checkpoints/
     name: str = ""              # label of the run in dashboards
 
     @property
     def world(self) -> int: return self.sp * self.dp
 
     def __post_init__(self):  # before anything plans or launches: the planner would otherwise name its own option
+        for name, low in _AT_LEAST.items():
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                raise ValueError(f"{name} ({flag(name)}) must be an integer >= {low}, got {v!r}")
+        for name in ("lr", "timeout_s"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"{name} ({flag(name)}) must be a positive number, got {v!r}")
+        if self.dtype not in ("auto", *DTYPES):
+            why = " (float16 training needs loss scaling, which this loop does not do: use bfloat16)" if self.dtype == "float16" else ""
+            raise ValueError(f"dtype (--dtype) {self.dtype!r} is not one of {['auto', *DTYPES]}{why}")
         if self.offload_checkpoints and not self.checkpointing:
             raise ValueError("offload_checkpoints moves activation checkpoints to the host: set checkpointing=True as well")
         if self.cpu_offload and not self.shard:
@@ -73,38 +102,78 @@ PRESETS = {
 }
 
 # %% ../nbs/08_train.ipynb #7c106dd0
+_KINDS = {"input_ids": ("input_ids",), "prompt + completion": ("prompt", "completion"), "text": ("text",)}
+
+def _kind(row: dict) -> str | None: return next((k for k, cols in _KINDS.items() if all(c in row for c in cols)), None)
+
+def _read_jsonl(path: Path) -> list[dict]:
+    "The rows of a JSON-lines file, or an error naming the first line that is not a JSON object."
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        try: row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} line {i}: not valid JSON ({e.msg}, column {e.colno}): fix or delete the line") from None
+        if not isinstance(row, dict): raise ValueError(f"{path} line {i}: a JSON object is needed, got {type(row).__name__}")
+        rows.append(row)
+    return rows
+
+def _read_file(data: str) -> list[dict]:
+    path = Path(data)
+    if not path.is_file(): raise ValueError(f"data (--data) {data!r} is neither a shipped sample {[*SAMPLES, 'long_docs']} nor a file")
+    if path.suffix == ".jsonl": return _read_jsonl(path)
+    kind = {".json": "json", ".parquet": "parquet", ".csv": "csv"}.get(path.suffix)
+    if kind is None: raise ValueError(f"data (--data) {data}: cannot read {path.suffix!r} files; use .jsonl, .json, .parquet or .csv")
+    from datasets import load_dataset
+    try: return load_dataset(kind, data_files=str(path), split="train").to_list()
+    except Exception as e: raise ValueError(f"data (--data) {data}: cannot be read as {kind} ({type(e).__name__}: {e})") from None
+
+def _check_rows(data: str, records: list[dict]) -> str:
+    "The kind of columns every row has, or an error naming the first row that differs or holds the wrong types."
+    if not records: raise ValueError(f"data (--data) {data} has no rows: give a file with at least one example")
+    kind = _kind(records[0])
+    for i, r in enumerate(records, 1):
+        if _kind(r) != kind or kind is None:
+            first = f"row 1 has {kind}, " if kind else ""
+            raise ValueError(f"{data} row {i}: {first}row {i} has columns {sorted(r)}; every row needs input_ids, "
+                             f"prompt + completion, or text (the same on every row)")
+        if kind == "input_ids" and not (isinstance(r["input_ids"], list) and r["input_ids"]
+                                        and all(isinstance(x, int) and not isinstance(x, bool) for x in r["input_ids"])):
+            raise ValueError(f"{data} row {i}: input_ids must be a non-empty list of integer token ids")
+        if kind != "input_ids" and not all(isinstance(r[c], str) for c in _KINDS[kind]):
+            raise ValueError(f"{data} row {i}: {' and '.join(_KINDS[kind])} must be strings")
+    return kind
+
 def load_features(data: str, tokenizer=None) -> list[dict]:
     "Token features of a shipped sample or a local data file (prompt/completion, text or input_ids columns)."
     tokenizer = tokenizer or load_tokenizer()
     if data in SAMPLES: return load_sample(data, tokenizer)
-    if data == "long_docs": records = load_records("long_docs")
-    else:
-        path = Path(data)
-        if not path.exists(): raise ValueError(f"data {data!r} is neither a shipped sample {[*SAMPLES, 'long_docs']} nor a file")
-        from datasets import load_dataset
-        kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}.get(path.suffix)
-        if kind is None: raise ValueError(f"cannot read {path.suffix!r} files: use .jsonl, .json, .parquet or .csv")
-        records = load_dataset(kind, data_files=str(path), split="train").to_list()
-    cols = set(records[0]) if records else set()
-    if "input_ids" in cols: return [{"input_ids": list(r["input_ids"])} for r in records]
-    if {"prompt", "completion"} <= cols: return tokenize_records(records, tokenizer)
-    if "text" in cols:
-        ids = tokenizer([r["text"] for r in records], add_special_tokens=False)["input_ids"]
-        return [{"input_ids": [tokenizer.bos_token_id, *x, tokenizer.eos_token_id]} for x in ids]
-    raise ValueError(f"{data}: found columns {sorted(cols)}; need input_ids, prompt + completion, or text")
+    records = load_records(data) if data == "long_docs" else _read_file(data)
+    kind = _check_rows(data, records)
+    if kind == "input_ids": return [{"input_ids": list(r["input_ids"])} for r in records]
+    if kind == "prompt + completion": return tokenize_records(records, tokenizer)
+    ids = tokenizer([r["text"] for r in records], add_special_tokens=False)["input_ids"]
+    return [{"input_ids": [tokenizer.bos_token_id, *x, tokenizer.eos_token_id]} for x in ids]
+
+def check_token_ids(features: list[dict], vocab_size: int, data: str):
+    "Refuse a token id outside the model's vocabulary, naming the row (the embedding would fail with an index error)."
+    for i, f in enumerate(features, 1):
+        bad = next((x for x in f["input_ids"] if not 0 <= x < vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"{data} row {i}: token id {bad} is outside the model's vocabulary of {vocab_size} "
+                             f"(ids 0..{vocab_size - 1}): tokenize with the model's tokenizer or choose another --model")
 
 def model_config(cfg: TrainConfig):
     "The transformers config of `cfg.model`: a shipped tiny family or a checkpoint directory."
     from transformers import AutoConfig
     if cfg.model in model_families(): return tiny_config(cfg.model)
     if (Path(cfg.model) / "config.json").exists(): return AutoConfig.from_pretrained(cfg.model)
-    raise ValueError(f"model {cfg.model!r} is neither a shipped family {model_families()} nor a directory with config.json")
+    raise ValueError(f"model (--model) {cfg.model!r} is neither a shipped family {model_families()} nor a directory "
+                     f"with config.json")
 
 def build_model(cfg: TrainConfig, attn_implementation: str, device: torch.device):
     "The model of `cfg.model` with the given attention, seeded, in train mode (checkpoint weights loaded when present)."
     from transformers import AutoModelForCausalLM
-    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
-             "bfloat16": torch.bfloat16, "float64": torch.float64}[cfg.dtype]
+    dtype = DTYPES.get(cfg.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     config = model_config(cfg)
     torch.manual_seed(cfg.seed)
     weights = cfg.model not in model_families() and any(p.suffix in (".safetensors", ".bin") for p in Path(cfg.model).iterdir())
@@ -131,6 +200,13 @@ def expected_memory(cfg: TrainConfig):
     return estimate(model_config(cfg), seq, cfg.sp, cfg.dp, levers=levers, zero_stage=3 if cfg.shard else 0,
                     optimizer_offload=cfg.cpu_offload, param_offload=cfg.cpu_offload, runtime_gib=0)
 
+def memory_readout(cfg: TrainConfig) -> tuple[int | None, str]:
+    "The planned per-rank peak in bytes and the line saying it, or None and the line saying why the planner cannot."
+    try: plan = expected_memory(cfg)
+    except ValueError as e: return None, f"memory readout: none for this model ({e}); training anyway"
+    host = f"; host memory for the offloads {plan.host_gib:.3f} GiB" if plan.host_gib else ""
+    return plan.total, f"expected per-rank peak (planner, bf16): {plan.gib:.3f} GiB{host}"
+
 # %% ../nbs/08_train.ipynb #92a8a776
 def _rank() -> int: return dist.get_rank() if dist.is_initialized() else 0
 
@@ -138,23 +214,134 @@ def write_metrics(out: Path, **row):
     "Append one JSON line to `out/metrics.jsonl`."
     with (out / "metrics.jsonl").open("a") as f: f.write(json.dumps(row) + "\n")
 
-def save_checkpoint(out: Path, step: int, model, opt, sampler, grid: ParallelGrid):
-    "Save the state needed to continue after `step` optimizer steps (a collective when the model is sharded)."
-    ckpt = out / "checkpoint"; ckpt.mkdir(parents=True, exist_ok=True)
-    if grid.sp_rank == 0: (ckpt / f"sampler{grid.dp_rank}.json").write_text(json.dumps(sampler.state_dict()))
-    state = full_state(model, opt) if is_sharded(model) else {"model": model.state_dict(), "opt": opt.state_dict()}
-    if _rank() == 0: torch.save({**state, "step": step}, ckpt / "state.pt")
-    if dist.is_initialized(): dist.barrier()
+def read_metrics(out: Path) -> list[dict]:
+    "The rows of `out/metrics.jsonl`, skipping a line a killed process left half-written."
+    path = Path(out) / "metrics.jsonl"
+    rows = []
+    for line in (path.read_text().splitlines() if path.exists() else []):
+        try: rows.append(json.loads(line))
+        except json.JSONDecodeError: pass
+    return rows
 
-def load_checkpoint(out: Path, model, opt, sampler, grid: ParallelGrid) -> int:
-    "Restore a checkpoint saved by `save_checkpoint`; return the step to continue from (0 when there is none)."
-    ckpt = out / "checkpoint"
-    if not (ckpt / "state.pt").exists(): return 0
-    state = torch.load(ckpt / "state.pt", map_location="cpu", weights_only=True)
+def _replace_file(path: Path, text: str):
+    "Write `path` whole, then rename it into place: a reader never sees half of it."
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text); tmp.replace(path)
+
+def truncate_metrics(out: Path, step: int):
+    "Keep only the rows of steps before `step` (the steps a resumed run will not train again)."
+    _replace_file(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in read_metrics(out) if r["step"] < step))
+
+# %% ../nbs/08_train.ipynb #a0f4e3c0
+CHECKPOINTS = "checkpoints"  # out/checkpoints/step-000012/{state.pt, manifest.json}
+_MAY_CHANGE = ("steps", "save_every", "keep", "timeout_s", "resume", "out", "name")  # what a resumed run may change
+SAVE_WAIT = timedelta(days=365)  # how long the other ranks wait for rank 0's save: outside the collective timeout
+
+def _identity(cfg: TrainConfig) -> dict: return {k: v for k, v in asdict(cfg).items() if k not in _MAY_CHANGE}
+
+def plan_id(plan) -> str:
+    "A fingerprint of the packing plan: it changes when the data file (or how it packs) changes."
+    h = hashlib.sha256(np.asarray(plan.length, dtype=np.int64).tobytes())
+    for b in plan.bins: h.update(np.asarray(b, dtype=np.int64).tobytes() + b"|")
+    return h.hexdigest()[:16]
+
+def _fsync_dir(path: Path):
+    fd = os.open(path, os.O_RDONLY)
+    try: os.fsync(fd)
+    finally: os.close(fd)
+
+def _write_synced(path: Path, write):
+    "Create `path` with `write(file)`, then flush it to the disk."
+    with open(path, "wb") as f:
+        write(f); f.flush(); os.fsync(f.fileno())
+
+def _manifest(d: Path) -> dict | None:
+    "The manifest of checkpoint directory `d` if it is complete (every file present at the size recorded), else None."
+    try: m = json.loads((d / "manifest.json").read_text())
+    except (OSError, ValueError): return None
+    files_ok = all((d / n).is_file() and (d / n).stat().st_size == size for n, size in m.get("files", {}).items())
+    return m if files_ok and m.get("files") and m.get("step") == int(d.name.split("-")[1]) else None
+
+def checkpoints(out: Path) -> list[tuple[Path, dict | None]]:
+    "Every `step-*` directory of `out/checkpoints` with its manifest (None when incomplete), oldest first."
+    dirs = sorted((Path(out) / CHECKPOINTS).glob("step-*"), key=lambda d: int(d.name.split("-")[1]))
+    return [(d, _manifest(d)) for d in dirs]
+
+def latest_checkpoint(out: Path, say=print) -> tuple[Path, dict] | None:
+    "The newest complete checkpoint of `out` and its manifest; `say` names each newer one skipped as incomplete."
+    for d, m in reversed(checkpoints(out)):
+        if m is not None: return d, m
+        say(f"skipping {d}: incomplete (no manifest, or a file shorter than it records)")
+    return None
+
+def commit_checkpoint(out: Path, step: int, state: dict, manifest: dict, keep: int) -> Path:
+    "Write checkpoint `step` as one unit: files into a temporary directory, flushed, renamed into place; keep the newest `keep`."
+    root = Path(out) / CHECKPOINTS; root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".tmp-*"): shutil.rmtree(stale)  # left by a save that was killed
+    tmp, final = root / f".tmp-step-{step:06d}", root / f"step-{step:06d}"
+    tmp.mkdir()
+    _write_synced(tmp / "state.pt", lambda f: torch.save(state, f))
+    files = {"state.pt": (tmp / "state.pt").stat().st_size}
+    _write_synced(tmp / "manifest.json", lambda f: f.write(json.dumps({**manifest, "step": step, "files": files}).encode()))
+    _fsync_dir(tmp)
+    if final.exists(): shutil.rmtree(final)  # only an incomplete one (resume starts after the newest complete one)
+    tmp.rename(final); _fsync_dir(root)
+    for old, _ in checkpoints(out)[:-keep]: shutil.rmtree(old)
+    return final
+
+def check_resume(cfg: TrainConfig, manifest: dict, where: Path, plan: str | None = None):
+    "Refuse to continue from a checkpoint of another run: name every field that differs, or a step count below it."
+    diff = [k for k, v in manifest["config"].items() if getattr(cfg, k, None) != v]
+    if diff:
+        was = ", ".join(f"{k}={manifest['config'][k]!r} ({flag(k)}; this run has {getattr(cfg, k)!r})" for k in diff)
+        raise ValueError(f"cannot resume from {where}: it was written with {was}. Pass the same values to continue that "
+                         f"run, or a new --out to start another")
+    if plan is not None and manifest["plan"] != plan:
+        raise ValueError(f"cannot resume from {where}: the data {cfg.data!r} packs differently from when it was written "
+                         f"(the file changed?): restore the data or start a new --out")
+    if cfg.steps < manifest["step"]:
+        raise ValueError(f"cannot resume from {where}: it is at step {manifest['step']} and steps (--steps) is {cfg.steps}: "
+                         f"pass --steps {manifest['step']} or more (more continues the run)")
+
+def check_out(cfg: TrainConfig):
+    "Refuse a run directory that is a file, a new run over another run's checkpoints, or a resume from another config."
+    out = Path(cfg.out)
+    if out.exists() and not out.is_dir(): raise ValueError(f"out (--out) {cfg.out!r} is a file: pass a directory for the run")
+    found = latest_checkpoint(out, say=lambda _: None)
+    if found and not cfg.resume:
+        raise ValueError(f"out (--out) {cfg.out!r} holds a checkpoint of step {found[1]['step']}: pass --resume to "
+                         f"continue that run, or a new --out (or delete {found[0].parent}) to start another")
+    if found and cfg.resume: check_resume(cfg, found[1], found[0])
+
+def _rng_state() -> dict:
+    return {"cpu": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})}
+
+def _set_rng_state(s: dict):
+    torch.set_rng_state(s["cpu"])
+    if "cuda" in s: torch.cuda.set_rng_state(s["cuda"])
+
+def save_checkpoint(out: Path, step: int, model, opt, sampler, cfg: TrainConfig, plan: str, wait_group=None):
+    "Save everything needed to continue after `step` steps as one checkpoint, written by rank 0 (a collective)."
+    mine = {"sampler": sampler.state_dict(), "rng": _rng_state()}  # this rank's data position and generators
+    ranks = [mine]
+    if dist.is_initialized(): ranks = [None] * dist.get_world_size(); dist.all_gather_object(ranks, mine, group=wait_group)
+    state = full_state(model, opt) if is_sharded(model) else {"model": model.state_dict(), "opt": opt.state_dict()}
+    if _rank() == 0:
+        commit_checkpoint(out, step, {**state, "ranks": ranks}, {"config": _identity(cfg), "plan": plan}, cfg.keep)
+    if dist.is_initialized(): dist.barrier(group=wait_group)  # the others wait here, not under the collective timeout
+
+def load_checkpoint(out: Path, model, opt, sampler, cfg: TrainConfig, plan: str) -> int:
+    "Restore the newest complete checkpoint of `out` after checking it belongs to this run; return its step (0: none)."
+    found = latest_checkpoint(out, say=print if _rank() == 0 else lambda _: None)
+    if found is None: return 0
+    where, manifest = found
+    check_resume(cfg, manifest, where, plan)
+    state = torch.load(where / "state.pt", map_location="cpu", weights_only=True)
     if is_sharded(model): load_full_state(model, opt, state)
     else: model.load_state_dict(state["model"]); opt.load_state_dict(state["opt"])
-    sampler.load_state_dict(json.loads((ckpt / f"sampler{grid.dp_rank}.json").read_text()))
-    return int(state["step"])
+    mine = state["ranks"][_rank()]
+    sampler.load_state_dict(mine["sampler"]); _set_rng_state(mine["rng"])
+    return manifest["step"]
 
 # %% ../nbs/08_train.ipynb #2a3225fe
 def _device() -> torch.device:
@@ -164,29 +351,37 @@ def _device() -> torch.device:
 def _endless(sampler):
     while True: yield from sampler  # the sampler moves to the next epoch (new order) at the end of each pass
 
+def attention_key(cfg: TrainConfig) -> str:
+    "The attention the model runs: `cfg.attn` wrapped in Ulysses when the sequence is split, `cfg.attn` itself when not."
+    if cfg.attn == VARLEN_KEY: register_varlen()  # the workbench's own key needs no import to remember
+    return register_ulysses(cfg.attn) if cfg.sp > 1 else cfg.attn
+
 def train_rank(cfg: TrainConfig) -> list[float]:
-    "Train on this process as one rank of the `cfg.dp` x `cfg.sp` grid; return the loss of every step."
+    "Train on this process as one rank of the `cfg.dp` x `cfg.sp` grid; return the loss of every step it trained."
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world != cfg.world:
         raise ValueError(f"the config asks for sp x dp = {cfg.sp} x {cfg.dp} = {cfg.world} processes but {world} are "
                          f"running: launch {cfg.world} processes or change sp/dp")
+    check_out(cfg)
     device = _device()
     grid = ParallelGrid.build(cfg.sp, device.type)
-    model = build_model(cfg, register_ulysses(cfg.attn), device)
+    wait = dist.new_group(backend="gloo", timeout=SAVE_WAIT) if dist.is_initialized() else None  # for checkpoint saves
+    model = build_model(cfg, attention_key(cfg), device)
     check_sp(model.config, cfg.sp, world_size=world)
     if cfg.shard: model = shard_model(model, grid, cpu_offload=cfg.cpu_offload)  # before the optimizer sees the parameters
     features = load_features(cfg.data)
+    check_token_ids(features, model.config.vocab_size, cfg.data)
     plan = plan_bins([len(f["input_ids"]) for f in features], cfg.max_tokens, overlong="split", seed=cfg.seed)
+    pid = plan_id(plan)
     sampler = TokenBudgetSampler(plan, seed=cfg.seed, num_replicas=cfg.dp, rank=grid.dp_rank)
     pieces, collate = plan.dataset(features), FlatteningCollator(pad_to_multiple_of=cfg.sp)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     out = Path(cfg.out); out.mkdir(parents=True, exist_ok=True)
-    start = load_checkpoint(out, model, opt, sampler, grid) if cfg.resume else 0
+    start = load_checkpoint(out, model, opt, sampler, cfg, pid) if cfg.resume else 0
     if _rank() == 0:
-        tmp = out / "config.json.tmp"  # written whole, then renamed: a dashboard never reads half a file
-        tmp.write_text(json.dumps({**asdict(cfg), "plan": repr(plan), "expected_peak_bytes": expected_memory(cfg).total}, indent=1))
-        tmp.replace(out / "config.json")
-        if start == 0: (out / "metrics.jsonl").write_text("")
+        _replace_file(out / "config.json", json.dumps({**asdict(cfg), "plan": repr(plan),
+                                                       "expected_peak_bytes": memory_readout(cfg)[0]}, indent=1))
+        truncate_metrics(out, start)  # a resumed run logs each step once: rows past the checkpoint go
     if dist.is_initialized(): dist.barrier()
     bins, losses, t_run = _endless(sampler), [], time.perf_counter()
     for step in tqdm(range(start, cfg.steps), desc=f"train sp={cfg.sp} dp={cfg.dp}", disable=_rank() != 0):
@@ -213,20 +408,31 @@ def train_rank(cfg: TrainConfig) -> list[float]:
                       tokens_per_s=everyone[0].item() / seconds,
                       peak_mem_bytes=peak_memory_bytes(device), a2a_share=(grid.clock.seconds - comm0) / seconds,
                       time=time.perf_counter() - t_run)
-        if cfg.save_every and (step + 1) % cfg.save_every == 0: save_checkpoint(out, step + 1, model, opt, sampler, grid)
-    save_checkpoint(out, cfg.steps, model, opt, sampler, grid)
+        if step + 1 == cfg.steps or cfg.save_every and (step + 1) % cfg.save_every == 0:
+            save_checkpoint(out, step + 1, model, opt, sampler, cfg, pid, wait)
     return losses
 
 # %% ../nbs/08_train.ipynb #3129907b
-def run(cfg: TrainConfig, timeout_s: float = 120) -> list[float]:
+def preflight_run(cfg: TrainConfig):
+    "Refuse, before any process starts, a run that would fail inside one: model, attention, run directory, data."
+    config = model_config(cfg)
+    check_sp(config, cfg.sp, world_size=cfg.world)
+    from transformers import AutoModelForCausalLM
+    try:  # on the meta device: no memory, but the model's own refusal of an attention it cannot use
+        with torch.device("meta"): AutoModelForCausalLM.from_config(config, attn_implementation=attention_key(cfg))
+    except ValueError as e: raise ValueError(f"attn (--attn) {cfg.attn!r}: {e}") from None
+    except KeyError: raise ValueError(f"attn (--attn) {cfg.attn!r}: {config.model_type} models do not look attention up in "
+                                      f"transformers' AttentionInterface, so they cannot run a registered one: use sdpa or eager") from None
+    check_out(cfg)
+    check_token_ids(load_features(cfg.data), config.vocab_size, cfg.data)
+
+def run(cfg: TrainConfig) -> list[float]:
     "Train `cfg` on `cfg.sp * cfg.dp` forked processes (from a notebook or a script); return the per-step losses."
-    plan = expected_memory(cfg)
-    host = f"; host memory for the offloads {plan.host_gib:.3f} GiB" if plan.host_gib else ""
-    print(f"expected per-rank peak (planner, bf16): {plan.gib:.3f} GiB{host}")
+    preflight_run(cfg)
+    print(memory_readout(cfg)[1])
     results = launch(train_rank, cfg, num_processes=cfg.world, sp_size=cfg.sp, model_config=model_config(cfg),
-                     timeout_s=timeout_s)
-    rows = [json.loads(l) for l in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
-    peaks = {r["rank"]: r["peak_mem_bytes"] / 2**30 for r in rows}
+                     timeout_s=cfg.timeout_s)
+    peaks = {r["rank"]: r["peak_mem_bytes"] / 2**30 for r in read_metrics(Path(cfg.out))}
     print("measured per-rank peak: " + ", ".join(f"rank {k} {v:.3f} GiB" for k, v in sorted(peaks.items())))
     return results[0]
 
@@ -235,29 +441,53 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", choices=sorted(PRESETS), help="start from a named configuration")
     p.add_argument("--nproc", type=int, help="processes to launch here (dp defaults to nproc / sp); omit under torchrun")
     for f in fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type in ("bool", bool): p.add_argument(flag, action="store_true", default=None)
-        else: p.add_argument(flag, type=type(f.default), default=None)
+        if f.type in ("bool", bool): p.add_argument(flag(f.name), action="store_true", default=None)
+        else: p.add_argument(flag(f.name), type=type(f.default), default=None)
     return p
+
+def _config(p: argparse.ArgumentParser, a: argparse.Namespace, world: int) -> TrainConfig:
+    "The run's config from parsed flags and the launcher's world size, or a usage error naming the flag."
+    given = {f.name: getattr(a, f.name) for f in fields(TrainConfig) if getattr(a, f.name) is not None}
+    try: cfg = replace(PRESETS[a.preset] if a.preset else TrainConfig(), **given)
+    except ValueError as e: p.error(str(e))
+    if a.nproc is not None and a.nproc < 1: p.error(f"--nproc must be at least 1 process, got {a.nproc}")
+    nproc = a.nproc or (world if world > 1 else None)
+    if nproc and nproc % cfg.sp:
+        p.error(f"--nproc {nproc} is not a multiple of --sp {cfg.sp}: the processes form a dp x sp grid; "
+                f"use --nproc {cfg.sp * max(1, nproc // cfg.sp)} or an --sp that divides {nproc}")
+    if nproc and "dp" not in given: cfg = replace(cfg, dp=nproc // cfg.sp)
+    if nproc and nproc != cfg.world: p.error(f"--nproc {nproc} but --sp x --dp = {cfg.sp} x {cfg.dp} = {cfg.world}")
+    return cfg
+
+_INTERRUPTS = ("KeyboardInterrupt", "SignalException")  # what SIGINT becomes here and in torch elastic's ranks
+
+def _interrupted(e: BaseException) -> bool:
+    "Whether `e` came of Ctrl-C: an interrupt itself, raised while handling one (a torn write), or a rank's error that did."
+    chain = []
+    while e is not None and e not in chain: chain.append(e); e = e.__cause__ or e.__context__
+    text = " ".join(getattr(x, "worker_traceback", "") for x in chain)  # a RankError carries the rank's own traceback
+    return any(type(x).__name__ in _INTERRUPTS for x in chain) or any(f"{n}:" in text for n in _INTERRUPTS)
 
 def main(argv=None) -> list[float]:
     "Command line: `python -m workbench.train --sp 2 --nproc 2 --steps 5 --out runs/x` (or under torchrun without --nproc)."
-    a = _parser().parse_args(argv)
-    given = {f.name: getattr(a, f.name) for f in fields(TrainConfig) if getattr(a, f.name) is not None}
-    cfg = replace(PRESETS[a.preset] if a.preset else TrainConfig(), **given)
+    p = _parser()
     world = int(os.environ.get("WORLD_SIZE", 1))  # > 1 when torchrun / accelerate launch started the processes
-    nproc = a.nproc or (world if world > 1 else None)
-    if nproc and "dp" not in given: cfg = replace(cfg, dp=nproc // cfg.sp)
-    if nproc and nproc != cfg.world: raise SystemExit(f"{nproc} processes but sp x dp = {cfg.sp} x {cfg.dp} = {cfg.world}")
-    if world > 1:  # join the launcher's process group
-        from datetime import timedelta
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(seconds=120))
-        rank = dist.get_rank()
-        try: losses = train_rank(cfg)
-        finally: dist.destroy_process_group()
-    else:
-        rank, losses = 0, run(cfg)
-    if rank == 0: print(json.dumps({"out": cfg.out, "losses": losses}))
+    cfg = _config(p, p.parse_args(argv), world)
+    try:
+        if world > 1:  # join the launcher's process group
+            preflight_run(cfg)
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(seconds=cfg.timeout_s))
+            try: losses = train_rank(cfg)
+            finally: dist.destroy_process_group()
+        else: losses = run(cfg)  # checks the config before it forks anything
+    except ValueError as e: p.error(str(e))  # what preflight_run and the launcher refuse: usage errors, exit code 2
+    except BaseException as e:
+        if not _interrupted(e): raise
+        found = latest_checkpoint(Path(cfg.out), say=lambda _: None)
+        where = f"the last complete checkpoint is {found[0]}; --resume continues from it" if found else "no checkpoint was written yet"
+        print(f"interrupted: {where}", file=sys.stderr)
+        raise SystemExit(130) from None
+    if int(os.environ.get("RANK", 0)) == 0: print(json.dumps({"out": cfg.out, "losses": losses}))
     return losses
 
 # %% ../nbs/08_train.ipynb #7c4027cd

@@ -340,6 +340,8 @@ def register_ulysses(inner: str = "sdpa") -> str:
     "Register `ulysses_<inner>` with transformers' attention and mask interfaces (idempotent); return the key."
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
+    from workbench.attention import KEY, register
+    if inner == KEY: register()  # the workbench's own varlen key resolves where it is named: no import to remember
     known = ["eager", *AttentionInterface()]
     if inner not in known or inner.startswith("ulysses_"):
         raise ValueError(f"no attention implementation {inner!r} to wrap; registered: {sorted(k for k in known if not k.startswith('ulysses_'))}")

@@ -1,0 +1,256 @@
+"workbench.train never loses work: kill -9 at seeded points (inside the save too), kill one rank of two, Ctrl-C; every resume equals an uninterrupted run."
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS = 6
+ARGS = ["--steps", str(STEPS), "--max-tokens", "256", "--save-every", "1", "--data", "orca_like"]
+TIMEOUT = 120
+
+# Run by the single-process trials instead of `python -m workbench.train`: it makes the trainer SIGKILL itself at the
+# k-th call of one write (a fault the test chooses; the library has no such switch), then runs the normal CLI.
+KILLER = r'''
+import io, os, pathlib, signal, sys
+import torch
+import workbench.train as T
+point, k, args = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+calls = [0]
+def due():
+    calls[0] += 1
+    return calls[0] == k
+def die(): os.kill(os.getpid(), signal.SIGKILL)
+if point == "in torch.save":                       # half of state.pt written, then killed
+    real_save = torch.save
+    def save(obj, f, *a, **kw):
+        if not due(): return real_save(obj, f, *a, **kw)
+        buf = io.BytesIO(); real_save(obj, buf); f.write(buf.getvalue()[: len(buf.getvalue()) // 2]); f.flush(); die()
+    torch.save = save
+elif point == "before the manifest":                 # state.pt complete, manifest not yet written
+    real_write = T._write_synced
+    def write(path, fn):
+        if path.name == "manifest.json" and due(): die()
+        return real_write(path, fn)
+    T._write_synced = write
+elif point == "before the rename":                   # the whole checkpoint flushed in its temporary directory
+    real_rename = pathlib.Path.rename
+    def rename(self, target):
+        if self.name.startswith(".tmp-") and due(): die()
+        return real_rename(self, target)
+    pathlib.Path.rename = rename
+elif point == "while pruning":                       # the new checkpoint in place, an old one half deleted
+    real_rmtree = T.shutil.rmtree
+    def rmtree(path, *a, **kw):
+        if pathlib.Path(path).name.startswith("step-") and due():
+            next(pathlib.Path(path).iterdir()).unlink(); die()
+        return real_rmtree(path, *a, **kw)
+    T.shutil.rmtree = rmtree
+elif point == "slow save":                           # every save takes `k` seconds (not a kill: a slow disk)
+    import time
+    real_save = torch.save
+    def save(obj, f, *a, **kw):
+        time.sleep(k); return real_save(obj, f, *a, **kw)
+    torch.save = save
+elif point == "mid metrics line":                    # half a JSON line in metrics.jsonl
+    real_metrics = T.write_metrics
+    def metrics(out, **row):
+        if not due(): return real_metrics(out, **row)
+        with (out / "metrics.jsonl").open("a") as f: f.write(str(row)[:20]); f.flush()
+        die()
+    T.write_metrics = metrics
+T.main(args)
+'''
+POINTS = ("in torch.save", "before the manifest", "before the rename", "while pruning", "mid metrics line", "after n rows")
+
+
+def _env():
+    return {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _cli(*args, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "workbench.train", *args], cwd=ROOT, env=_env(), capture_output=True,
+                          text=True, timeout=TIMEOUT, **kw)
+
+
+def _rows(out: Path) -> list[dict]:
+    return [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _check_against(out: Path, reference: list[dict], rtol: float = 0.0):
+    "Each (step, rank) exactly once, and every loss equal to the uninterrupted run's within 1e-6 (or `rtol` relative)."
+    rows = _rows(out)
+    keys = [(r["step"], r["rank"]) for r in rows]
+    assert sorted(keys) == sorted((r["step"], r["rank"]) for r in reference), keys
+    want = {(r["step"], r["rank"]): r["loss"] for r in reference}
+    diffs = [(abs(r["loss"] - want[r["step"], r["rank"]]), abs(want[r["step"], r["rank"]])) for r in rows]
+    assert all(d <= 1e-6 + rtol * w for d, w in diffs), diffs
+    return max(d for d, _ in diffs)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ref")
+    r = _cli(*ARGS, "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    return _rows(out)
+
+
+def _left(out: Path) -> int:
+    "Steps still to train: after the newest complete checkpoint."
+    from workbench.train import latest_checkpoint
+    found = latest_checkpoint(out, say=lambda _: None)
+    return STEPS - (found[1]["step"] if found else 0)
+
+
+def _killed_run(tmp: Path, out: Path, point: str, k: int, resume: bool) -> int:
+    "One trainer process killed at the k-th call of `point` (or by the test after k more metrics rows); its exit code."
+    args = [*ARGS, "--out", str(out), *(["--resume"] if resume else [])]
+    if point == "after n rows":
+        p = subprocess.Popen([sys.executable, "-m", "workbench.train", *args], cwd=ROOT, env=_env(),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            _wait_rows(out, STEPS - _left(out) + k, time.time() + TIMEOUT)
+            p.kill()
+        finally: code = p.wait(timeout=TIMEOUT)
+        return code
+    script = tmp / "killer.py"
+    script.write_text(KILLER)
+    r = subprocess.run([sys.executable, str(script), point, str(k), *args], cwd=ROOT, env=_env(), capture_output=True,
+                       text=True, timeout=TIMEOUT)
+    assert r.returncode in (0, -signal.SIGKILL), r.stderr[-3000:]
+    return r.returncode
+
+
+@pytest.mark.parametrize("chain", range(3))
+def test_kill_9_at_seeded_points_then_resume_equals_uninterrupted(tmp_path, reference, chain):
+    "Each chain kills the trainer 4 times at seeded points (resuming after each), then resumes to the end: 12 kills."
+    rng, out, report = random.Random(chain), tmp_path / "run", []
+    for i in range(4):
+        left = _left(out)  # k stays within the calls still to come, so every fault fires before the run ends
+        point = rng.choice(POINTS if left >= 4 else [p for p in POINTS if p != "while pruning"])
+        k = rng.randint(1, left - 3 if point == "while pruning" else left - 1 if point == "after n rows" else left)
+        code = _killed_run(tmp_path, out, point, k, resume=i > 0)
+        report.append((point, k, code))
+        assert code == -signal.SIGKILL, report
+    r = _cli(*ARGS, "--out", str(out), "--resume")
+    assert r.returncode == 0, (report, r.stderr[-3000:])
+    worst = _check_against(out, reference)
+    from workbench.train import checkpoints
+    complete = [d.name for d, m in checkpoints(out) if m is not None]
+    assert complete == [f"step-{STEPS - 1:06d}", f"step-{STEPS:06d}"], complete  # --keep 2 (a half-pruned one is ignored)
+    assert not list((out / "checkpoints").glob(".tmp-*"))
+    print(f"chain {chain}: {report}, resumed, max |loss diff| {worst:.1e}")
+
+
+def _ranks(p: subprocess.Popen, n: int, deadline: float) -> list[psutil.Process]:
+    "The rank processes, once all `n` exist: the launcher forks them in rank order, so by pid they are ranks 0, 1, ..."
+    while time.time() < deadline:
+        mine = psutil.Process(p.pid).cmdline()
+        found = [c for c in psutil.Process(p.pid).children(recursive=True) if c.cmdline() == mine]
+        if len(found) == n: return sorted(found, key=lambda c: c.pid)
+        if p.poll() is not None: raise RuntimeError(f"the run ended (exit {p.returncode}) before its ranks were seen")
+        time.sleep(0.02)
+    raise TimeoutError("the ranks never appeared")
+
+
+def _wait_rows(out: Path, n: int, deadline: float):
+    while time.time() < deadline:
+        if (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= n: return
+        time.sleep(0.01)
+    raise TimeoutError(f"fewer than {n} metrics rows")
+
+
+ARGS_2 = [*ARGS[2:], "--steps", str(2 * STEPS), "--nproc", "2", "--sp", "2"]  # 12 steps: room to kill mid-run
+
+
+@pytest.fixture(scope="module")
+def reference_2(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ref2")
+    r = _cli(*ARGS_2, "--out", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return _rows(out)
+
+
+def _interrupt_two_ranks(out: Path, fault: str, rows: int, resume: bool, extra=()) -> int:
+    "Start an SP=2 run, wait for `rows` new metrics rows, then `fault` (kill -9 rank 0 / rank 1, or SIGINT the group)."
+    before = len(_rows(out)) if (out / "metrics.jsonl").exists() else 0
+    p = subprocess.Popen([sys.executable, "-m", "workbench.train", *ARGS_2, *extra, "--out", str(out), *(["--resume"] if resume else [])],
+                         cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    try:
+        deadline = time.time() + TIMEOUT
+        ranks = _ranks(p, 2, deadline)
+        _wait_rows(out, before + rows, deadline)
+        if fault == "SIGINT": os.killpg(p.pid, signal.SIGINT)  # Ctrl-C in a terminal reaches every process of the group
+        else: ranks[int(fault[-1])].kill()
+        code = p.wait(timeout=60)  # the launcher notices and stops every rank
+        err = p.stderr.read()
+        _, alive = psutil.wait_procs(ranks, timeout=10)
+        assert not alive, f"ranks left running after {fault}: {alive}"
+    finally:
+        if p.poll() is None: os.killpg(p.pid, signal.SIGKILL); p.wait(timeout=10)
+    assert code != 0, f"the run finished before the fault ({fault} after {rows} rows)"
+    if fault == "SIGINT": assert "interrupted" in err, err[-2000:]
+    return code
+
+
+@pytest.mark.parametrize("trial", range(3))
+def test_kill_one_rank_of_two_or_ctrl_c_then_resume_equals_uninterrupted(tmp_path, reference_2, trial):
+    "Two faults per trial on an SP=2 run (kill -9 of a seeded rank, or SIGINT to the group), each after a seeded number of rows."
+    rng, out, report = random.Random(100 + trial), tmp_path / "run", []
+    for i in range(2):
+        fault = "SIGINT" if (trial, i) in ((0, 1), (2, 0)) else f"kill -9 rank {rng.randint(0, 1)}"
+        rows = rng.randint(1, 6)  # of 24 (12 steps x 2 ranks), so the fault always lands mid-run
+        report.append((fault, rows, _interrupt_two_ranks(out, fault, rows, resume=i > 0)))
+    r = _cli(*ARGS_2, "--out", str(out), "--resume")
+    assert r.returncode == 0, (report, r.stderr[-3000:])
+    worst = _check_against(out, reference_2)
+    print(f"SP=2 trial {trial}: {report}, resumed, max |loss diff| {worst:.1e}")
+
+
+def test_sharded_run_killed_resumes_to_the_same_losses(tmp_path, reference_2):
+    "FSDP2-sharded states: kill -9 rank 1 mid-run, resume; the same steps as the unsharded run (FSDP2 sums in another order)."
+    out = tmp_path / "run"
+    code = _interrupt_two_ranks(out, "kill -9 rank 1", 4, resume=False, extra=["--shard"])
+    r = _cli(*ARGS_2, "--shard", "--out", str(out), "--resume")
+    assert r.returncode == 0, r.stderr[-3000:]
+    worst = _check_against(out, reference_2, rtol=1e-5)
+    print(f"sharded: kill -9 rank 1 after 4 rows, exit {code}, resumed, max |loss diff| {worst:.1e}")
+
+
+def test_a_save_slower_than_the_collective_timeout_does_not_kill_the_run(tmp_path):
+    "Each save sleeps 6 s under a 3 s collective timeout: the other rank waits outside the timed collectives."
+    script, out = tmp_path / "faults.py", tmp_path / "run"
+    script.write_text(KILLER)
+    r = subprocess.run([sys.executable, str(script), "slow save", "6", "--steps", "2", "--max-tokens", "256", "--data",
+                        "orca_like", "--nproc", "2", "--sp", "2", "--timeout-s", "3", "--out", str(out)],
+                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    from workbench.train import checkpoints
+    assert [(d.name, m is not None) for d, m in checkpoints(out)] == [("step-000002", True)]  # only the last: no --save-every
+
+
+def test_ctrl_c_of_a_single_process_run_exits_130_and_resumes(tmp_path, reference):
+    "SIGINT to a terminal run of one process after 2 steps: exit code 130, the last checkpoint named, resume equals the reference."
+    out = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "workbench.train", *ARGS, "--out", str(out)], cwd=ROOT, env=_env(),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _wait_rows(out, 2, time.time() + TIMEOUT)
+        os.killpg(p.pid, signal.SIGINT)
+        code, err = p.wait(timeout=60), p.stderr.read()
+    finally:
+        if p.poll() is None: os.killpg(p.pid, signal.SIGKILL); p.wait(timeout=10)
+    assert code == 130 and "--resume continues from it" in err, (code, err[-2000:])
+    r = _cli(*ARGS, "--out", str(out), "--resume")
+    assert r.returncode == 0, r.stderr[-3000:]
+    _check_against(out, reference)

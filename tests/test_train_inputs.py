@@ -1,0 +1,77 @@
+"workbench.train from the command line: one step of every shipped family (sdpa and workbench_varlen), and a clear error for every misuse."
+import contextlib
+import io
+import json
+
+import pytest
+
+from workbench.core import model_families
+from workbench.train import main
+
+# the (family, attention) pairs the model itself cannot run, and the words of the refusal each gets
+REFUSED = {("gemma2", "sdpa"): "does not support", ("gemma2", "workbench_varlen"): "softcapping",
+           ("falcon", "workbench_varlen"): "AttentionInterface"}
+
+
+def _main(*argv) -> tuple[list | None, str, str]:
+    "Run the CLI in-process: (losses or None, stdout, the usage error or the failing rank's error)."
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err): return main(list(argv)), out.getvalue(), ""
+    except SystemExit as e:
+        assert e.code == 2, (e.code, err.getvalue())
+        return None, out.getvalue(), err.getvalue().strip().splitlines()[-1]
+    except RuntimeError as e: return None, out.getvalue(), str(e)  # a rank's own error (RankError)
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "ids.jsonl"
+    path.write_text("".join(json.dumps({"input_ids": list(range(1 + i, 40 + 3 * i))}) + "\n" for i in range(8)))
+    return str(path)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "workbench_varlen"])
+@pytest.mark.parametrize("family", model_families())
+def test_one_step_of_every_family(tmp_path, tiny_data, family, attn):
+    losses, printed, error = _main("--model", family, "--attn", attn, "--steps", "1", "--max-tokens", "64",
+                                   "--data", tiny_data, "--out", str(tmp_path))
+    if (family, attn) in REFUSED:
+        assert losses is None and REFUSED[family, attn] in error, error
+        return
+    assert losses is not None, error
+    assert len(losses) == 1 and 0 < losses[0] < 20, losses
+    readout = [l for l in printed.splitlines() if "memory readout" in l or "expected per-rank peak" in l]
+    assert len(readout) == 1, printed  # the planner's peak, or one line saying why there is none
+
+
+def test_the_gpu_long_preset_trains_a_step(tmp_path):
+    "--preset gpu-long (workbench_varlen, checkpointing, tiled loss) with a short row, on the CPU fallback."
+    losses, printed, error = _main("--preset", "gpu-long", "--steps", "1", "--max-tokens", "1024", "--out", str(tmp_path))
+    assert losses is not None and len(losses) == 1 and 0 < losses[0] < 20, error
+
+
+def test_workbench_varlen_needs_no_import_first():
+    "A fresh interpreter that never imported workbench.attention can still name the key (and import workbench has no side effect)."
+    import subprocess, sys
+    code = ("import sys, workbench; assert 'workbench.attention' not in sys.modules and 'transformers' not in sys.modules\n"
+            "from workbench.ulysses import register_ulysses; assert 'workbench.attention' not in sys.modules\n"
+            "print(register_ulysses('workbench_varlen'))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ulysses_workbench_varlen", r.stderr[-2000:]
+
+
+def test_resume_refuses_data_that_changed_under_the_same_name(tmp_path, tiny_data):
+    data = tmp_path / "ids.jsonl"
+    data.write_text(open(tiny_data).read())
+    args = ["--steps", "2", "--max-tokens", "64", "--data", str(data), "--out", str(tmp_path / "run")]
+    assert _main(*args)[0] is not None
+    data.write_text(open(tiny_data).read() + json.dumps({"input_ids": list(range(1, 60))}) + "\n")
+    losses, _, error = _main(*args[:1], "4", *args[2:], "--resume")
+    assert losses is None and "packs differently" in error, error
+
+
+def test_gemma2_trains_with_the_attention_its_refusals_name(tmp_path, tiny_data):
+    losses, _, error = _main("--model", "gemma2", "--attn", "eager", "--steps", "1", "--max-tokens", "64",
+                             "--data", tiny_data, "--out", str(tmp_path))
+    assert losses is not None and 0 < losses[0] < 20, error
