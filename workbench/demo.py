@@ -6,6 +6,7 @@
 from __future__ import annotations
 import argparse
 import html
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -74,6 +75,7 @@ def doctor_section(report: HtmlReport, tokenizer=None):
 
 def sp_section(report: HtmlReport, out: Path, steps: int = 6):
     "Train the same data on one process and with SP=2 over two processes; add the loss comparison and the run figures."
+    for sp in (1, 2): shutil.rmtree(out / f"sp{sp}", ignore_errors=True)  # the demo's own runs start afresh each time
     losses = {sp: run(TrainConfig(sp=sp, steps=steps, max_tokens=1024, out=str(out / f"sp{sp}"), name=f"SP={sp}"))
               for sp in (1, 2)}
     rows = [(f"step {i}", f"SP=1 {a:.6f}   SP=2 {b:.6f}   |diff| {abs(a - b):.1e}") for i, (a, b) in enumerate(zip(*losses.values()))]

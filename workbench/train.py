@@ -459,7 +459,7 @@ def _config(p: argparse.ArgumentParser, a: argparse.Namespace, world: int) -> Tr
     if nproc and nproc != cfg.world: p.error(f"--nproc {nproc} but --sp x --dp = {cfg.sp} x {cfg.dp} = {cfg.world}")
     return cfg
 
-_INTERRUPTS = ("KeyboardInterrupt", "SignalException")  # what SIGINT becomes here and in torch elastic's ranks
+_INTERRUPTS = ("KeyboardInterrupt",)  # what SIGINT becomes in this process (launch's ranks ignore it; the parent ends them)
 
 def _interrupted(e: BaseException) -> bool:
     "Whether `e` came of Ctrl-C: an interrupt itself, raised while handling one (a torn write), or a rank's error that did."
