@@ -139,6 +139,16 @@ def test_a_collective_timeout_ends_the_launch_without_a_deadline_naming_the_stuc
     _no_descendants()
 
 
+def test_a_peer_that_vanishes_just_after_the_timeout_is_named_with_its_exit_code():
+    "The collective times out on rank 1 a moment before rank 0 exits by itself: rank 0 and its exit code are the news."
+    def late_exit():
+        if dist.get_rank() == 0: time.sleep(4); os._exit(3)
+        dist.barrier()
+    with pytest.raises(RankError) as e: launch(late_exit, num_processes=2, cpu=True, quiet=True, timeout_s=3)
+    assert e.value.rank == 0 and e.value.exitcode == 3, e.value
+    _no_descendants()
+
+
 def test_mismatched_collectives_report_the_raise():
     "When every peer waits in a collective (they do not match), the rank whose collective failed is reported as it is."
     def mismatched():

@@ -200,13 +200,22 @@ def _past_deadline(running: dict, exchange: Path, deadline_s: float, world_size:
     if waiting: cause += f"; {'rank' if len(waiting) == 1 else 'ranks'} {', '.join(map(str, waiting))} waited for it"
     return RankError(rank, world_size, cause, stacks[rank])
 
-def _culprit(failure: RankError, running: dict, exchange: Path, world_size: int) -> RankError:
-    "A rank whose collective failed (raised inside torch.distributed) while a peer still runs outside it: blame the peer."
+def _in_collective(failure: RankError) -> bool:
+    "Did this rank raise inside torch.distributed (a collective that failed: perhaps a peer's fault)?"
     frames = [l for l in failure.worker_traceback.splitlines() if l.lstrip().startswith("File ")]
-    if failure.exc_type is None or not running or not frames or "torch/distributed" not in frames[-1]: return failure
+    return failure.exc_type is not None and bool(frames) and "torch/distributed" in frames[-1]
+
+def _culprit(failed: dict, running: dict, exchange: Path, world_size: int) -> RankError:
+    "The first real failure: when it is a failed collective, look at the peers first: one that vanished meanwhile, else one stuck outside."
+    failure = _first_failure(failed, exchange, world_size)
+    if not running or not _in_collective(failure): return failure
     end = time.monotonic() + 2  # peers that failed too are on their way out: they are not the stuck one
     while (alive := {r: p for r, p in running.items() if p.is_alive()}) and time.monotonic() < end:
         mp.connection.wait([p.sentinel for p in alive.values()], max(0, end - time.monotonic()))
+    gone = {r: p for r, p in running.items() if r not in alive and not (exchange / f"result{r}.pkl").exists()}
+    for p in gone.values(): p.join()
+    failure = _first_failure({**failed, **gone}, exchange, world_size)  # a peer that vanished outranks every raise
+    if not _in_collective(failure): return failure
     stacks = _stacks(alive, exchange)
     stuck = next((r for r, s in stacks.items() if s and not _waits(s)), None)
     if stuck is None: return failure  # every live peer waits in a collective too: a mismatch, the raise is the news
@@ -226,8 +235,7 @@ def _watch(ranks: list, exchange: Path, deadline_s: float | None) -> RankError |
         for p in ended.values(): p.join()
         failed = {r: p for r, p in ended.items() if not (exchange / f"result{r}.pkl").exists()}
         if failed:
-            rest = {r: p for r, p in running.items() if r not in ended}
-            return _culprit(_first_failure(failed, exchange, len(ranks)), rest, exchange, len(ranks))
+            return _culprit(failed, {r: p for r, p in running.items() if r not in ended}, exchange, len(ranks))
         for r in ended: del running[r]
 
 
