@@ -17,8 +17,8 @@ from .core import IGNORE_INDEX, cu_seq_lens, example_ids, lengths_from_positions
 
 # %% auto #0
 __all__ = ['OVERLONG', 'Flat', 'flatten_features', 'FlatteningCollator', 'PaddingCollator', 'NaiveConcatCollator',
-           'per_example_logits', 'Plan', 'plan_bins', 'PlannedFeatures', 'TokenBudgetSampler', 'ResumableLoader',
-           'synthetic_lengths', 'PackingReport', 'packing_report']
+           'per_example_logits', 'lengths_of', 'Plan', 'plan_bins', 'PlannedFeatures', 'TokenBudgetSampler',
+           'ResumableLoader', 'synthetic_lengths', 'PackingReport', 'packing_report']
 
 # %% ../nbs/01_packing.ipynb #269dc2db
 def _lengths(cols: list) -> np.ndarray:
@@ -234,6 +234,47 @@ def per_example_logits(model, batch: dict, lengths) -> list[torch.Tensor]:
     if logits.shape[0] > 1: return [logits[i, :n] for i, n in enumerate(lengths)]
     return list(logits[0].split(list(lengths)))
 
+# %% ../nbs/01_packing.ipynb #a4eb5fd7
+def _arrow_lengths(ds, column: str) -> np.ndarray:
+    "Row lengths of list column `column` of a `datasets.Dataset`, computed in Arrow (honours `select` and `shuffle`)."
+    import pyarrow as pa, pyarrow.compute as pc
+    if column not in ds.column_names:
+        raise KeyError(f"the dataset has no {column!r} column (it has {ds.column_names}): tokenize it first, or name the column")
+    col = ds.select_columns([column]).with_format("arrow")[:][column]
+    if not pa.types.is_list(col.type) and not pa.types.is_large_list(col.type):
+        raise TypeError(f"column {column!r} holds {col.type}, not token lists: tokenize the text into ids first")
+    if pa.types.is_list(col.type.value_type) or pa.types.is_large_list(col.type.value_type):  # [1, T] rows from a tokenizer
+        outer = pc.list_value_length(col).to_numpy(zero_copy_only=False)
+        if (outer != 1).any():
+            i = int(np.flatnonzero(outer != 1)[0])
+            raise ValueError(f"row {i} of {column!r} is a batch of {outer[i]} sequences: one example per row, please "
+                             f"(`ds.map(..., batched=True)` that returns one list per example)")
+        col = pc.list_flatten(col)
+    return pc.list_value_length(col).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+
+def lengths_of(data, column: str = "input_ids") -> np.ndarray:
+    """Token counts of every example of `data`: lengths as given, token rows, feature dicts, or a `datasets.Dataset`
+    (or one of its columns), whose lengths come from Arrow without reading a row into Python."""
+    import datasets
+    if isinstance(data, datasets.IterableDataset):
+        raise TypeError("an IterableDataset has no lengths before it is read: pack it as it streams "
+                        "(`stream_bins`), or materialise a part of it with `Dataset.from_generator`")
+    if isinstance(data, datasets.Dataset): return _arrow_lengths(data, column)
+    if isinstance(data, datasets.arrow_dataset.Column): return _arrow_lengths(data.source, data.column_name)
+    if isinstance(data, (np.ndarray, torch.Tensor)) and data.ndim == 1:
+        if data.dtype.is_floating_point if isinstance(data, torch.Tensor) else not np.issubdtype(data.dtype, np.integer):
+            raise TypeError(f"lengths must be integers, got {data.dtype}")
+        return np.asarray(data, dtype=np.int64)
+    data = list(data)
+    if not data or all(isinstance(n, (int, np.integer)) for n in data): return np.asarray(data, dtype=np.int64)
+    if isinstance(data[0], Mapping):
+        missing = next((i for i, f in enumerate(data) if column not in f), None)
+        if missing is not None:
+            raise KeyError(f"example {missing} has no {column!r} (it has {sorted(data[missing])}): tokenize it first")
+        return np.fromiter((len(_as_row(f[column], i, column)) for i, f in enumerate(data)), dtype=np.int64, count=len(data))
+    return np.fromiter((len(_as_row(r, i, column)) for i, r in enumerate(data)), dtype=np.int64, count=len(data))
+
+
 # %% ../nbs/01_packing.ipynb #8e59e0fa
 def _bfd(lengths: np.ndarray, capacity: int, rng: np.random.Generator) -> np.ndarray:
     "Best-fit decreasing: the bin of every item (lengths in [1, capacity]). Ties between equal lengths are shuffled by `rng`."
@@ -308,10 +349,11 @@ class Plan:
         "A map-style dataset of this plan's pieces over `features` (what `TokenBudgetSampler` indexes)."
         return PlannedFeatures(features, self)
 
-def plan_bins(lengths, capacity: int, overlong: str = "error", seed: int = 0) -> Plan:
+def plan_bins(lengths,  # per-example token counts, or anything `lengths_of` reads (a `Dataset`, feature dicts)
+              capacity: int, overlong: str = "error", seed: int = 0) -> Plan:
     "Pack examples of `lengths` into bins of at most `capacity` tokens with global best-fit decreasing."
     if overlong not in OVERLONG: raise ValueError(f"overlong must be one of {OVERLONG}, got {overlong!r}")
-    lengths = np.asarray(lengths, dtype=np.int64)
+    lengths = lengths_of(lengths)
     if capacity < 1: raise ValueError(f"capacity must be a positive token count, got {capacity}")
     if (lengths <= 0).any():
         i = int(np.flatnonzero(lengths <= 0)[0])
@@ -494,7 +536,7 @@ class PackingReport:
 
 def packing_report(lengths, batch_size: int = 8, capacity: int | None = None, name: str = "dataset", seed: int = 0) -> PackingReport:
     "Measure padded batching of `lengths` against a token-budget plan (default budget: `batch_size` mean-length examples)."
-    lengths = np.asarray(lengths, dtype=np.int64)
+    lengths = lengths_of(lengths)
     if len(lengths) < batch_size: raise ValueError(f"{len(lengths)} examples cannot fill one batch of {batch_size}")
     capacity = capacity or int(max(lengths.max(), -(-batch_size * lengths.mean() // 64) * 64))
     order = np.random.default_rng(seed).permutation(len(lengths))
