@@ -4,11 +4,13 @@
 
 # %% ../nbs/01_packing.ipynb #8de9a9e6
 from __future__ import annotations
+import bisect
 import heapq
 import warnings
+from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from itertools import chain
+from dataclasses import asdict, dataclass, field
+from itertools import chain, islice
 
 import numpy as np
 import torch
@@ -18,7 +20,8 @@ from .core import IGNORE_INDEX, cu_seq_lens, example_ids, lengths_from_positions
 # %% auto #0
 __all__ = ['OVERLONG', 'Flat', 'flatten_features', 'FlatteningCollator', 'PaddingCollator', 'NaiveConcatCollator',
            'per_example_logits', 'lengths_of', 'Plan', 'plan_bins', 'PlannedFeatures', 'TokenBudgetSampler',
-           'ResumableLoader', 'synthetic_lengths', 'PackingReport', 'packing_report']
+           'ResumableLoader', 'synthetic_lengths', 'PackingReport', 'packing_report', 'OnlineBestFit', 'StreamReport',
+           'PackedStream']
 
 # %% ../nbs/01_packing.ipynb #269dc2db
 def _lengths(cols: list) -> np.ndarray:
@@ -241,8 +244,13 @@ def _arrow_lengths(ds, column: str) -> np.ndarray:
     if column not in ds.column_names:
         raise KeyError(f"the dataset has no {column!r} column (it has {ds.column_names}): tokenize it first, or name the column")
     col = ds.select_columns([column]).with_format("arrow")[:][column]
+    if len(col) == 0: return np.zeros(0, dtype=np.int64)
     if not pa.types.is_list(col.type) and not pa.types.is_large_list(col.type):
         raise TypeError(f"column {column!r} holds {col.type}, not token lists: tokenize the text into ids first")
+    if col.null_count:
+        i = int(np.flatnonzero(pc.is_null(col).to_numpy(zero_copy_only=False))[0])
+        raise ValueError(f"row {i} of {column!r} is missing (null): drop such rows first "
+                         f"(`ds.filter(lambda r: r[{column!r}] is not None)`)")
     if pa.types.is_list(col.type.value_type) or pa.types.is_large_list(col.type.value_type):  # [1, T] rows from a tokenizer
         outer = pc.list_value_length(col).to_numpy(zero_copy_only=False)
         if (outer != 1).any():
@@ -258,7 +266,7 @@ def lengths_of(data, column: str = "input_ids") -> np.ndarray:
     import datasets
     if isinstance(data, datasets.IterableDataset):
         raise TypeError("an IterableDataset has no lengths before it is read: pack it as it streams "
-                        "(`stream_bins`), or materialise a part of it with `Dataset.from_generator`")
+                        "(`PackedStream`), or materialise a part of it with `Dataset.from_generator`")
     if isinstance(data, datasets.Dataset): return _arrow_lengths(data, column)
     if isinstance(data, datasets.arrow_dataset.Column): return _arrow_lengths(data.source, data.column_name)
     if isinstance(data, (np.ndarray, torch.Tensor)) and data.ndim == 1:
@@ -389,6 +397,16 @@ def _cut_documents(seq_lengths, lo: int, n: int) -> list[int]:
     a, b = np.maximum(ends - np.asarray(seq_lengths).reshape(-1), lo), np.minimum(ends, lo + n)
     return (b - a)[b > a].tolist()
 
+def _cut_example(f: dict, lo: int, n: int, T: int) -> dict:
+    "Tokens `[lo, lo + n)` of feature dict `f` whose rows have `T` tokens: every per-token column sliced, the rest kept."
+    def cut(k, v):
+        if k == "seq_lengths" and v is not None: return _cut_documents(v, lo, n)  # TRL's packed rows
+        if not _is_row(v): return v
+        if getattr(v, "ndim", 1) == 2 and len(v) == 1: return v[:, lo:lo + n]  # a [1, T] tensor or array
+        if len(v) == 1 and _is_row(v[0]) and len(v[0]) == T: return [v[0][lo:lo + n]]  # a [1, T] list (a Dataset's row)
+        return v[lo:lo + n] if len(v) == T else v
+    return {k: cut(k, v) for k, v in f.items()}
+
 class PlannedFeatures(torch.utils.data.Dataset):
     "The pieces of a `Plan` over a sequence of features: piece `i` is a slice of example `plan.example[i]`."
     def __init__(self, features, plan: Plan): self.features, self.plan = features, plan
@@ -400,13 +418,7 @@ class PlannedFeatures(torch.utils.data.Dataset):
         if lo + n > T or (lo + n < T and n != self.plan.capacity):  # only a split or truncated piece ends early
             raise ValueError(f"piece {i} is tokens [{lo}, {lo + n}) of example {e}, which has {T}: the plan was made from "
                              f"other lengths; plan the lengths of these features (len of each example's input_ids row)")
-        if lo == 0 and n == T: return f
-        def cut(k, v):
-            if k == "seq_lengths" and v is not None: return _cut_documents(v, lo, n)  # TRL's packed rows
-            if not _is_row(v): return v
-            if getattr(v, "ndim", 1) == 2 and len(v) == 1: return v[:, lo:lo + n]  # a [1, T] tensor or array
-            return v[lo:lo + n] if len(v) == T else v
-        return {k: cut(k, v) for k, v in f.items()}
+        return f if lo == 0 and n == T else _cut_example(f, lo, n, T)
 
 # %% ../nbs/01_packing.ipynb #45dda825
 class TokenBudgetSampler(torch.utils.data.Sampler):
@@ -544,3 +556,197 @@ def packing_report(lengths, batch_size: int = 8, capacity: int | None = None, na
     groups = [*order[:n_full].reshape(-1, batch_size)] + ([order[n_full:]] if n_full < len(order) else [])
     steps = np.array([(lengths[g].sum(), len(g) * lengths[g].max()) for g in groups], dtype=np.int64)
     return PackingReport(name, lengths, batch_size, steps, plan_bins(lengths, capacity, overlong="truncate", seed=seed))
+
+# %% ../nbs/01_packing.ipynb #d125f6c2
+class OnlineBestFit:
+    """Online best fit over a bounded buffer. Each item joins the open bin it fills most tightly (a new bin when none
+    has room). A full bin closes at once, and while more than `buffer_size` items are held the fullest open bin closes.
+    `flush` repacks what is left with best-fit decreasing. Deterministic."""
+    def __init__(self, capacity: int,  # token budget of one bin
+                 buffer_size: int):     # most items held in open bins between calls
+        if capacity < 1: raise ValueError(f"capacity must be a positive token count, got {capacity}")
+        if buffer_size < 1: raise ValueError(f"buffer_size must be at least 1 example, got {buffer_size}")
+        self.capacity, self.buffer_size = capacity, buffer_size
+        self.rooms, self.open, self.held, self.next_bin = [], {}, 0, 0
+
+    def _close(self, b: int) -> list:
+        items = self.open.pop(b)
+        self.held -= len(items)
+        return [item for _, item in items]
+
+    def add(self, length: int, item) -> list[list]:
+        "Put `item` of `length` tokens (1..capacity) in a bin; return the bins this closes (their items in arrival order)."
+        i = bisect.bisect_left(self.rooms, (length, -1))  # the tightest room that still fits `length`
+        if i < len(self.rooms): room, b = self.rooms.pop(i)
+        else: room, b, self.next_bin = self.capacity, self.next_bin, self.next_bin + 1; self.open[b] = []
+        self.open[b].append((length, item)); self.held += 1
+        closed = [self._close(b)] if room == length else []
+        if not closed: bisect.insort(self.rooms, (room - length, b))
+        while self.held > self.buffer_size: closed.append(self._close(self.rooms.pop(0)[1]))  # the fullest bin
+        return closed
+
+    def flush(self) -> list[list]:
+        "Close every open bin: the items still held, repacked with best-fit decreasing."
+        items = [it for b in sorted(self.open) for it in self.open[b]]
+        bin_of = _bfd(np.array([n for n, _ in items], dtype=np.int64), self.capacity, np.random.default_rng(0))
+        bins = {}
+        for b, (_, item) in zip(bin_of.tolist(), items): bins.setdefault(b, []).append(item)
+        self.rooms, self.open, self.held = [], {}, 0
+        return [bins[b] for b in sorted(bins)]
+
+    def state_dict(self) -> dict:
+        return {"rooms": list(self.rooms), "open": {b: list(v) for b, v in self.open.items()}, "held": self.held, "next_bin": self.next_bin}
+
+    def load_state_dict(self, state: dict):
+        self.rooms, self.open = [tuple(r) for r in state["rooms"]], {b: list(v) for b, v in state["open"].items()}
+        self.held, self.next_bin = state["held"], state["next_bin"]
+
+
+# %% ../nbs/01_packing.ipynb #0cd9aa0d
+@dataclass
+class StreamReport:
+    "What one pass of a `PackedStream` packed, and the fill a global plan reaches on the same pieces."
+    capacity: int
+    buffer_size: int
+    examples: int = 0     # examples read from the source
+    bins: int = 0         # bins packed (over all ranks)
+    tokens: int = 0       # tokens in those bins
+    truncated: int = 0    # examples cut to `capacity`
+    split: int = 0        # examples split into several pieces
+    dropped: int = 0      # examples left out
+    lost_tokens: int = 0  # tokens removed by truncate or drop
+    repeated: int = 0     # bins served a second time at the end so every rank takes the same number of steps
+    piece_counts: np.ndarray = None  # how many pieces had each length 0..capacity (memory: capacity + 1 counters)
+
+    def __post_init__(self):
+        if self.piece_counts is None: self.piece_counts = np.zeros(self.capacity + 1, dtype=np.int64)
+    @property
+    def fill(self) -> float: return self.tokens / (self.bins * self.capacity) if self.bins else 0.0
+    def global_plan(self) -> Plan:
+        "`plan_bins` over the same pieces: the fill a pass that knew every length in advance reaches."
+        return plan_bins(np.repeat(np.arange(self.capacity + 1), self.piece_counts), self.capacity)
+    def __repr__(self):
+        g = self.global_plan().fill
+        return (f"StreamReport({self.examples} examples, {self.bins} bins of {self.capacity} tokens, fill {self.fill:.4f} "
+                f"vs {g:.4f} for the global plan ({self.fill / g if g else 0:.2%}), buffer {self.buffer_size}; truncated "
+                f"{self.truncated}, split {self.split}, dropped {self.dropped}, tokens lost {self.lost_tokens}, "
+                f"bins repeated {self.repeated})")
+
+class PackedStream(torch.utils.data.IterableDataset):
+    """Bins of at most `capacity` tokens packed as a stream of feature dicts is read (`OnlineBestFit` over a buffer of
+    `buffer_size` examples), each bin a list of features for `FlatteningCollator` (or `collate_fn(bin)`).
+
+    Every token is kept once unless `overlong` says otherwise, and the report counts it. Under data parallelism every
+    rank packs the whole stream (the same bins on every rank, no communication) and serves every `num_replicas`-th bin;
+    when the bins do not divide evenly, the ranks short of one at the end repeat a bin of the last round (counted in
+    `report.repeated`), so all ranks take the same number of steps. One pass over the source is one epoch.
+    `state_dict()` after a step resumes exactly at the next one: it holds the position in the source and the buffer."""
+    def __init__(self, source,             # re-iterable feature dicts: an IterableDataset, a Dataset, a list...
+                 capacity: int,            # token budget of one bin
+                 buffer_size: int = 2000,  # examples held while packing (memory is bounded by them)
+                 overlong: str = "error",  # an example longer than `capacity`: error, truncate, split or drop
+                 column: str = "input_ids",
+                 collate_fn=None,          # applied to each bin (e.g. a FlatteningCollator); None yields the bin itself
+                 num_replicas: int = 1,    # data-parallel ranks
+                 rank: int = 0):           # this process's rank in [0, num_replicas)
+        if overlong not in OVERLONG: raise ValueError(f"overlong must be one of {OVERLONG}, got {overlong!r}")
+        if num_replicas < 1 or not 0 <= rank < num_replicas:
+            raise ValueError(f"rank {rank} is outside num_replicas={num_replicas}: need 0 <= rank < num_replicas")
+        OnlineBestFit(capacity, buffer_size)  # refuses a bad capacity or buffer before any data is read
+        self.source, self.capacity, self.buffer_size, self.overlong, self.column = source, capacity, buffer_size, overlong, column
+        self.collate_fn, self.num_replicas, self.rank = collate_fn, num_replicas, rank
+        self.epoch, self._saved, self._live, self._passes = 0, None, None, 0
+        self.report = StreamReport(capacity, buffer_size)
+
+    def _pieces(self, f, i: int) -> list[tuple[int, dict]]:
+        "Example `i` as (length, feature) pieces under `capacity`, following `overlong`; refuses what cannot be packed."
+        if not isinstance(f, Mapping): raise TypeError(f"example {i} is a {type(f).__name__}: the stream must yield feature dicts")
+        v = f.get(self.column)
+        if v is None:
+            raise ValueError(f"example {i} has no {self.column!r} (it has {sorted(f)}): tokenize it first, or name the column")
+        if isinstance(v, str):
+            raise ValueError(f"example {i}: {self.column} is text ({v[:30]!r}): tokenize it into token ids first")
+        n, cap, r = len(_as_row(v, i, self.column)), self.capacity, self.report
+        if n == 0: raise ValueError(f"example {i} has no tokens: remove empty examples before packing")
+        if n <= cap: return [(n, f)]
+        if self.overlong == "error":
+            raise ValueError(f"example {i} has {n} tokens, more than capacity={cap}: pass overlong='truncate', 'split' "
+                             f"or 'drop', or raise the capacity")
+        if self.overlong == "drop": r.dropped += 1; r.lost_tokens += n; return []
+        if self.overlong == "truncate": r.truncated += 1; r.lost_tokens += n - cap; return [(cap, _cut_example(f, 0, cap, n))]
+        r.split += 1
+        return [(min(cap, n - lo), _cut_example(f, lo, min(cap, n - lo), n)) for lo in range(0, n, cap)]
+
+    def _serve(self, s: dict):
+        "Yield the bins ready in `s` that belong to this rank (each counted when handed over)."
+        k, r = self.num_replicas, self.report
+        while s["ready"]:
+            b = s["ready"].popleft()
+            g, r.bins = r.bins, r.bins + 1
+            r.tokens += sum(n for n, _ in b)
+            if k > 1: s["round"] = [b] if g % k == 0 else s["round"] + [b]  # kept for the repeat at the end
+            if g % k == self.rank: s["served"] += 1; yield b
+
+    def __iter__(self):
+        if torch.utils.data.get_worker_info() is not None:
+            raise RuntimeError("PackedStream packs in the process that iterates it and its state is that process's: use "
+                               "DataLoader(stream, batch_size=None, num_workers=0); packing costs microseconds per example")
+        if iter(self.source) is self.source and self._passes:
+            raise TypeError("the source is a one-shot iterator and was already read: pass a re-iterable source (a list, "
+                            "a Dataset, an IterableDataset)")
+        self._passes += 1
+        s, self._saved = self._saved, None
+        if s is None:
+            self.report = StreamReport(self.capacity, self.buffer_size)
+            s = {"consumed": 0, "served": 0, "ready": deque(), "round": [], "packer": None}
+        packer = OnlineBestFit(self.capacity, self.buffer_size)
+        if s["packer"]: packer.load_state_dict(s["packer"])
+        self._live = (s, packer)
+        if hasattr(self.source, "set_epoch"): self.source.set_epoch(self.epoch)
+        it = iter(self.source)
+        if s["consumed"] and sum(1 for _ in islice(it, s["consumed"])) < s["consumed"]:
+            raise ValueError(f"the source has fewer than the {s['consumed']} examples read before the state was saved: "
+                             f"resume over the same source")
+        for f in it:
+            i, s["consumed"] = s["consumed"], s["consumed"] + 1
+            self.report.examples = s["consumed"]
+            for n, piece in self._pieces(f, i):
+                self.report.piece_counts[n] += 1
+                s["ready"].extend(packer.add(n, (n, piece)))
+            for b in self._serve(s): yield self._out(b)
+        s["ready"].extend(packer.flush())
+        for b in self._serve(s): yield self._out(b)
+        steps, k = -(-self.report.bins // self.num_replicas), self.num_replicas
+        self.report.repeated = steps * k - self.report.bins
+        if s["served"] < steps:  # this rank is short of one bin in the last round: repeat one of that round's bins
+            s["served"] += 1
+            yield self._out(s["round"][self.rank % len(s["round"])])
+        self.epoch, self._live = self.epoch + 1, None
+
+    def _out(self, b: list):
+        b = [f for _, f in b]
+        return self.collate_fn(b) if self.collate_fn else b
+
+    def set_epoch(self, epoch: int): self.epoch = epoch  # passed on to the source's own set_epoch (a shuffled IterableDataset)
+
+    def state_dict(self) -> dict:
+        "Where the pass stands after the last bin handed over: examples read, bins held, counts (the next pass if none runs)."
+        cfg = {"capacity": self.capacity, "buffer_size": self.buffer_size, "overlong": self.overlong,
+               "num_replicas": self.num_replicas, "rank": self.rank}
+        if self._live is None: return {**cfg, "epoch": self.epoch, "pass": None}
+        s, packer = self._live
+        r = self.report
+        return {**cfg, "epoch": self.epoch, "pass": {**s, "ready": list(s["ready"]), "round": list(s["round"]),
+                "packer": packer.state_dict(), "report": asdict(r)}}
+
+    def load_state_dict(self, state: dict):
+        "Resume: the next iteration skips the examples already read and continues from the saved buffer."
+        for k in ("capacity", "buffer_size", "overlong", "num_replicas", "rank"):
+            if state.get(k) != getattr(self, k):
+                raise ValueError(f"state was saved with {k}={state.get(k)!r} but this stream has {k}={getattr(self, k)!r}: "
+                                 f"rebuild it as the run that saved it")
+        self.epoch, p = state["epoch"], state["pass"]
+        if p is not None:
+            self.report = StreamReport(**p["report"])
+            self._saved = {**p, "ready": deque(p["ready"]), "round": list(p["round"])}
+
