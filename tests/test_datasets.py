@@ -9,7 +9,7 @@ from datasets import Dataset
 from hypothesis import given, settings, strategies as st
 from torch.utils.data import DataLoader
 
-from workbench.packing import FlatteningCollator, PackedStream, lengths_of, plan_bins
+from workbench.packing import FlatteningCollator, PackedStream, lengths_of, packing_report, plan_bins
 
 
 def _features(lengths, offset: int = 0) -> list[dict]:
@@ -82,6 +82,8 @@ def test_an_iterable_dataset_with_none_rows_and_1xT_rows():
 
 def test_hostile_streams_name_what_is_wrong():
     with pytest.raises(ValueError, match="example 0 has no 'input_ids'.*tokenize"): list(PackedStream([{"text": "hi"}], 8))
+    with pytest.raises(ValueError, match=r"example 0 has no 'input_ids' \(it has \['text'\]\)"):
+        list(PackedStream(Dataset.from_list([{"text": "hi"}]), 8))
     with pytest.raises(ValueError, match="example 1: input_ids is text"): list(PackedStream([{"input_ids": [1]}, {"input_ids": "hi"}], 8))
     with pytest.raises(ValueError, match="example 0 has no tokens"): list(PackedStream([{"input_ids": []}], 8))
     with pytest.raises(ValueError, match="must hold integers"): list(PackedStream([{"input_ids": [0.5, 1.5]}], 8))
@@ -122,6 +124,10 @@ def test_edges_of_size():
     lengths = [5, 3, 7, 2, 6, 1, 4]  # a stream shorter than the buffer is one global best-fit-decreasing pass
     stream = PackedStream(_features(lengths), 8, buffer_size=100)
     assert len(list(stream)) == len(plan_bins(lengths, 8).bins) and stream.report.fill == stream.report.global_plan().fill
+    tensors = [{"input_ids": torch.arange(10).reshape(1, 10), "completion_mask": torch.ones(1, 10, dtype=torch.long)}]
+    pieces = [f for b in PackedStream(tensors, 4, overlong="split") for f in b]  # [1, T] tensors, as a tokenizer returns
+    assert [f["input_ids"].tolist() for f in pieces] == [[[0, 1, 2, 3]], [[4, 5, 6, 7]], [[8, 9]]]
+    assert [f["completion_mask"].shape for f in pieces] == [(1, 4), (1, 4), (1, 2)]
     one = PackedStream(_features([3] * 6), 8, buffer_size=1)  # a buffer of one example: at most two per bin
     assert [len(b) for b in one] == [2, 2, 2]
 
@@ -148,6 +154,7 @@ def test_plan_dataset_over_a_selected_dataset_with_1xT_rows():
     _check_kept(bins, [{"input_ids": r["input_ids"][0], "idx": r["idx"]} for r in ds], 8)
     batch = FlatteningCollator()([{"input_ids": f["input_ids"]} for f in bins[0]])
     assert batch["input_ids"].shape[1] == plan.bin_tokens[0]
+    assert str(packing_report(ds, batch_size=2)) == str(packing_report([len(r["input_ids"][0]) for r in ds], batch_size=2))
 
 
 def test_hf_trainer_steps_through_a_packed_stream(tmp_path):
