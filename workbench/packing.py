@@ -645,7 +645,7 @@ class PackedStream(torch.utils.data.IterableDataset):
                  capacity: int,            # token budget of one bin
                  buffer_size: int = 2000,  # examples held while packing (memory is bounded by them)
                  overlong: str = "error",  # an example longer than `capacity`: error, truncate, split or drop
-                 column: str = "input_ids",
+                 column: str = "input_ids",  # the token column whose length counts
                  collate_fn=None,          # applied to each bin (e.g. a FlatteningCollator); None yields the bin itself
                  num_replicas: int = 1,    # data-parallel ranks
                  rank: int = 0):           # this process's rank in [0, num_replicas)
