@@ -131,6 +131,7 @@ def _json_rows(path: Path) -> list[dict]:
             raise ValueError(f"{path} line {e.lineno}: not valid JSON ({e.msg}, column {e.colno}): fix it") from None
     rows = []
     for i, line in enumerate(text.splitlines(), 1):
+        if not line.strip(): continue  # datasets skips blank lines too
         try: rows.append(json.loads(line))
         except json.JSONDecodeError as e:
             raise ValueError(f"{path} line {i}: not valid JSON ({e.msg}, column {e.colno}): fix or delete the line") from None
