@@ -13,10 +13,14 @@ Outputs (all next to this script):
   solutions (seeded RNG), homogeneous token lengths.
 * ``long_docs.jsonl``  a handful of whole stdlib source files (20K-200K tokens)
   for sequence-parallel / long-context work.
+* ``chat_like.jsonl``  200 conversations ``{"messages": [{"role", "content"}...]}``
+  made of flan_like and orca_like records (one to three user/assistant
+  exchanges, sometimes a system turn first).
 * ``tokenizer/``       byte-level BPE (vocab 8192) trained on the text above
   (all ~7.8K candidate docstring records, of which flan_like is a subset, plus
   orca_like and long_docs), loadable with
-  ``transformers.PreTrainedTokenizerFast.from_pretrained``.
+  ``transformers.PreTrainedTokenizerFast.from_pretrained``; its chat template
+  marks the assistant turns with ``{% generation %}`` (assistant token masks).
 * ``configs/<family>/config.json``  tiny random-init llama / mistral / qwen2
   configs.
 
@@ -48,7 +52,7 @@ STDLIB = Path(sysconfig.get_paths()["stdlib"])
 SEED = 1234
 VOCAB_SIZE = 8192
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]  # ids 0, 1, 2, 3
-N_FLAN, N_ORCA = 4000, 2000
+N_FLAN, N_ORCA, N_CHAT = 4000, 2000, 200
 MIN_TOKENS, MAX_TOKENS = 8, 2048
 SKIP_DIRS = {"site-packages", "test", "tests", "idle_test", "__pycache__", "lib-dynload",
              "pydoc_data", "turtledemo", "ensurepip", "lib2to3"}
@@ -519,6 +523,35 @@ def long_doc_rows():
     return rows
 
 
+# ------------------------------------------------------------------- chat
+SYSTEM_TURNS = ["You are a concise assistant for Python and arithmetic questions.",
+                "Answer as the Python documentation would.", "Explain your reasoning step by step."]
+# Role headers as plain text, bos first, eos closing every assistant turn; {% generation %} marks the trained tokens
+# (what `apply_chat_template(..., return_assistant_tokens_mask=True)` reads).
+CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{{- '<|' + message['role'] + '|>\\n' }}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{%- generation %}{{- message['content'] + eos_token }}{%- endgeneration %}{{- '\\n' }}"
+    "{%- else %}{{- message['content'] + '\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|assistant|>\\n' }}{%- endif %}")
+
+
+def chat_rows(flan, orca):
+    """Conversations from shipped records: each exchange is a record's prompt (user) and completion (assistant)."""
+    rng = random.Random(SEED + 3)
+    pool = flan + orca
+    rows = []
+    for _ in range(N_CHAT):
+        messages = [{"role": "system", "content": rng.choice(SYSTEM_TURNS)}] if rng.random() < 0.3 else []
+        for r in rng.sample(pool, rng.choice((1, 1, 2, 3))):
+            messages += [{"role": "user", "content": r["prompt"]}, {"role": "assistant", "content": r["completion"]}]
+        rows.append({"messages": messages})
+    return rows
+
+
 # ------------------------------------------------------------------- tokenizer
 def train_tokenizer(texts):
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
@@ -538,7 +571,7 @@ def save_tokenizer(tok, folder):
     write_json(folder / "special_tokens_map.json", special)
     write_json(folder / "tokenizer_config.json", dict(
         special, tokenizer_class="PreTrainedTokenizerFast", model_max_length=262144,
-        clean_up_tokenization_spaces=False, padding_side="right"))
+        clean_up_tokenization_spaces=False, padding_side="right", chat_template=CHAT_TEMPLATE))
 
 
 def token_lengths(tok, rows, keys=("prompt", "completion")):
@@ -587,6 +620,7 @@ def main():
     write_jsonl(OUT / "flan_like.jsonl", flan)
     write_jsonl(OUT / "orca_like.jsonl", orca)
     write_jsonl(OUT / "long_docs.jsonl", docs)
+    write_jsonl(OUT / "chat_like.jsonl", chat_rows(flan, orca))
     save_tokenizer(tok, OUT / "tokenizer")
     for family, cfg in model_configs(tok).items():
         write_json(OUT / "configs" / family / "config.json", cfg)

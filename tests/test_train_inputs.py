@@ -75,3 +75,35 @@ def test_gemma2_trains_with_the_attention_its_refusals_name(tmp_path, tiny_data)
     losses, _, error = _main("--model", "gemma2", "--attn", "eager", "--steps", "1", "--max-tokens", "64",
                              "--data", tiny_data, "--out", str(tmp_path))
     assert losses is not None and 0 < losses[0] < 20, error
+
+
+def test_a_chat_file_trains_only_its_assistant_turns(tmp_path):
+    "--data chat.jsonl: messages rendered with the shipped chat template; the step's trained tokens are the assistant turns'."
+    from workbench.core import load_tokenizer
+    from workbench.train import read_metrics
+    turn = lambda role, content: {"role": role, "content": content}
+    convs = [[turn("system", "Be brief."), turn("user", "What is 2 + 2?"), turn("assistant", "4.")],
+             [turn("user", "Name a colour."), turn("assistant", "Blue."), turn("user", "Another?"), turn("assistant", "Red.")]]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
+    losses, _, error = _main("--steps", "1", "--max-tokens", "256", "--data", str(data), "--out", str(tmp_path / "run"))
+    assert losses is not None and 0 < losses[0] < 20, error
+    tok = load_tokenizer()
+    answers = sum(len(tok(t["content"], add_special_tokens=False)["input_ids"]) + 1 for c in convs for t in c if t["role"] == "assistant")
+    assert [r["trained"] for r in read_metrics(tmp_path / "run")] == [answers]  # both conversations fit one row
+
+
+def test_load_features_names_the_row_in_every_json_shape(tmp_path):
+    "A JSON array, blank lines, an empty CSV cell, booleans for ids: each read or named by its row or line."
+    from workbench.train import load_features
+    cases = {"arr.json": (json.dumps([{"text": "a"}, 5]), "arr.json row 2: a JSON object is needed, got int"),
+             "broken.json": ('[{"text": "a"},\n {"text": "b"\n]', "broken.json line 3: not valid JSON"),
+             "gaps.jsonl": ('{"text": "a"}\n\n{"text": 1}\n', "gaps.jsonl row 2: text must be strings"),
+             "cells.csv": ("prompt,completion\nhi,there\nyo,\n", "row 2: row 1 has prompt + completion, row 2 has columns ['prompt']"),
+             "bools.jsonl": ('{"input_ids": [true, false]}\n', "row 1: input_ids must be a non-empty list of integer token ids")}
+    for name, (text, words) in cases.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError) as e: load_features(str(tmp_path / name))
+        assert words in str(e.value), (name, str(e.value))
+    (tmp_path / "ok.jsonl").write_text('{"text": "a"}\n\n{"text": "b"}\n')
+    assert len(load_features(str(tmp_path / "ok.jsonl"))) == 2

@@ -15,11 +15,11 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from .packing import FlatteningCollator, plan_bins, synthetic_lengths
+from .packing import FlatteningCollator, PackedStream, plan_bins, synthetic_lengths
 
 # %% auto #0
 __all__ = ['best_times', 'print_table', 'flan_batches', 'time_collator', 'bench_collation', 'bench_planning',
-           'bench_plan_capacity', 'main']
+           'bench_plan_capacity', 'bench_streaming', 'main']
 
 # %% ../nbs/10_bench.ipynb #2ac6290c
 def best_times(fns: list, repeats: int = 5) -> list[float]:
@@ -129,6 +129,31 @@ def bench_plan_capacity(capacities=(8192, 65536, 1_000_000, 50_000_000, 1_000_00
                      "bins": r["bins"], "fill": r["fill"]})
     return rows
 
+# %% ../nbs/10_bench.ipynb #6957130a
+def bench_streaming(n: int = 200_000, capacities=(2048, 8192), buffer_sizes=(1, 10, 100, 1000, 5000),
+                    trl: bool = True, seed: int = 0) -> list[dict]:
+    "Fill of `PackedStream` against `plan_bins` on the same FLAN-like lengths by buffer size, with TRL's windowed BFD beside it."
+    lengths = synthetic_lengths("flan", n, seed)
+    ids = np.arange(lengths.max())
+    feats = [{"input_ids": ids[:k]} for k in lengths.tolist()]
+    ds = _token_dataset(lengths) if trl else None
+    rows = []
+    for capacity in capacities:
+        best = plan_bins(lengths, capacity, seed=seed).fill
+        for b in tqdm(buffer_sizes, desc=f"streaming at {capacity}"):
+            stream = PackedStream(feats, capacity, buffer_size=b)
+            t = time.perf_counter(); steps = sum(1 for _ in stream); seconds = time.perf_counter() - t
+            r = stream.report
+            assert (r.examples, r.tokens, r.bins) == (n, int(lengths.sum()), steps), "the stream lost a token"
+            row = {"capacity": capacity, "buffer": b, "global fill": best, "stream fill": r.fill,
+                   "stream/global": r.fill / best, "us/example": seconds / n * 1e6, "TRL window fill": "-", "TRL/global": "-"}
+            if trl and b >= 10:  # a window of 1 is one map call per example: minutes, and the fill of no packing
+                from trl import pack_dataset
+                fill = float(lengths.sum()) / (len(pack_dataset(ds, capacity, map_kwargs={"batch_size": b})) * capacity)
+                row.update({"TRL window fill": fill, "TRL/global": fill / best})
+            rows.append(row)
+    return rows
+
 # %% ../nbs/10_bench.ipynb #291c2323
 def main(argv=None):
     "Run the packing benchmarks at full size and print their tables."
@@ -141,6 +166,7 @@ def main(argv=None):
     print_table(bench_collation(repeats=a.repeats), f"Collation: FLAN-like batches, tokens/s (best of {a.repeats} interleaved rounds)")
     print_table(bench_planning(a.examples, a.capacity, trl=not a.no_trl), "Planning: FLAN-like lengths")
     print_table(bench_plan_capacity(n=a.examples), "Planning by capacity: FLAN-like lengths, each capacity in a fresh process")
+    print_table(bench_streaming(trl=not a.no_trl), "Streaming: PackedStream fill vs the global plan by buffer size (TRL windows of the same size)")
 
 # %% ../nbs/10_bench.ipynb #ef514dc7
 #| eval: false

@@ -9,6 +9,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import resource
 import shutil
 import sys
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from tqdm import tqdm  # the text bar: forked ranks cannot draw notebook widgets
 
 from .attention import KEY as VARLEN_KEY, register as register_varlen
-from .core import SAMPLES, load_records, load_sample, load_tokenizer, model_families, tiny_config, tokenize_records
+from .core import SAMPLES, data_dir, load_sample, load_tokenizer, model_families, tiny_config, tokenize_records
 from .launch import launch
 from .memory import Levers, estimate
 from .packing import FlatteningCollator, TokenBudgetSampler, plan_bins
@@ -32,11 +33,11 @@ from .shard import full_state, is_sharded, load_full_state, reduce_gradients, sh
 from .ulysses import ParallelGrid, check_sp, global_loss, register_ulysses, shard_batch, sp_forward
 
 # %% auto #0
-__all__ = ['DTYPES', 'PRESETS', 'CHECKPOINTS', 'SAVE_WAIT', 'flag', 'TrainConfig', 'load_features', 'check_token_ids',
-           'model_config', 'build_model', 'peak_memory_bytes', 'expected_memory', 'memory_readout', 'write_metrics',
-           'read_metrics', 'truncate_metrics', 'plan_id', 'checkpoints', 'latest_checkpoint', 'commit_checkpoint',
-           'check_resume', 'check_out', 'save_checkpoint', 'load_checkpoint', 'attention_key', 'train_rank',
-           'preflight_run', 'run', 'main']
+__all__ = ['DTYPES', 'PRESETS', 'CHECKPOINTS', 'SAVE_WAIT', 'flag', 'TrainConfig', 'chat_features', 'load_features',
+           'check_token_ids', 'model_config', 'build_model', 'peak_memory_bytes', 'expected_memory', 'memory_readout',
+           'write_metrics', 'read_metrics', 'truncate_metrics', 'plan_id', 'checkpoints', 'latest_checkpoint',
+           'commit_checkpoint', 'check_resume', 'check_out', 'save_checkpoint', 'load_checkpoint', 'attention_key',
+           'train_rank', 'preflight_run', 'run', 'main']
 
 # %% ../nbs/08_train.ipynb #aa8d263e
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}  # besides "auto"
@@ -102,30 +103,56 @@ PRESETS = {
 }
 
 # %% ../nbs/08_train.ipynb #7c106dd0
-_KINDS = {"input_ids": ("input_ids",), "prompt + completion": ("prompt", "completion"), "text": ("text",)}
+_KINDS = {"input_ids": ("input_ids",), "prompt + completion": ("prompt", "completion"), "messages": ("messages",),
+          "text": ("text",)}
+_READERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}  # suffix -> datasets' builder
+_ROLES = ("system", "user", "assistant", "tool")
+_GENERATION = re.compile(r"{%-?\s*generation\s*-?%}")
 
-def _kind(row: dict) -> str | None: return next((k for k, cols in _KINDS.items() if all(c in row for c in cols)), None)
+def _kind(row: dict) -> str | None:
+    return next((k for k, cols in _KINDS.items() if all(row.get(c) is not None for c in cols)), None)
 
-def _read_jsonl(path: Path) -> list[dict]:
-    "The rows of a JSON-lines file, or an error naming the first line that is not a JSON object."
+def _data_path(data: str) -> Path:
+    "The file behind `data`: a shipped JSON-lines sample by name, else a local file."
+    shipped = sorted(p.stem for p in data_dir().glob("*.jsonl"))
+    if data in shipped: return data_dir() / f"{data}.jsonl"
+    path = Path(data)
+    if not path.is_file(): raise ValueError(f"data (--data) {data!r} is neither a shipped sample {shipped} nor a file")
+    if path.suffix not in _READERS:
+        raise ValueError(f"data (--data) {data}: cannot read {path.suffix!r} files; use .jsonl, .json, .parquet or .csv")
+    return path
+
+def _json_rows(path: Path) -> list[dict]:
+    "The rows of a JSON-lines file or a JSON array as written, or an error naming the first line that is not a JSON object."
+    text = path.read_text()
+    if text.lstrip().startswith("["):
+        try: return _objects(path, json.loads(text), "row")
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} line {e.lineno}: not valid JSON ({e.msg}, column {e.colno}): fix it") from None
     rows = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
-        try: row = json.loads(line)
+    for i, line in enumerate(text.splitlines(), 1):
+        if not line.strip(): continue  # datasets skips blank lines too
+        try: rows.append(json.loads(line))
         except json.JSONDecodeError as e:
             raise ValueError(f"{path} line {i}: not valid JSON ({e.msg}, column {e.colno}): fix or delete the line") from None
-        if not isinstance(row, dict): raise ValueError(f"{path} line {i}: a JSON object is needed, got {type(row).__name__}")
-        rows.append(row)
+    return _objects(path, rows, "line")
+
+def _objects(path: Path, rows: list, unit: str) -> list[dict]:
+    bad = next((i for i, r in enumerate(rows, 1) if not isinstance(r, dict)), None)
+    if bad: raise ValueError(f"{path} {unit} {bad}: a JSON object is needed, got {type(rows[bad - 1]).__name__}")
     return rows
 
-def _read_file(data: str) -> list[dict]:
-    path = Path(data)
-    if not path.is_file(): raise ValueError(f"data (--data) {data!r} is neither a shipped sample {[*SAMPLES, 'long_docs']} nor a file")
-    if path.suffix == ".jsonl": return _read_jsonl(path)
-    kind = {".json": "json", ".parquet": "parquet", ".csv": "csv"}.get(path.suffix)
-    if kind is None: raise ValueError(f"data (--data) {data}: cannot read {path.suffix!r} files; use .jsonl, .json, .parquet or .csv")
-    from datasets import load_dataset
-    try: return load_dataset(kind, data_files=str(path), split="train").to_list()
-    except Exception as e: raise ValueError(f"data (--data) {data}: cannot be read as {kind} ({type(e).__name__}: {e})") from None
+def _check_messages(data: str, i: int, turns):
+    "Refuse a conversation the chat template cannot render or that trains nothing, naming its row and turn."
+    if not isinstance(turns, list) or not turns:
+        raise ValueError(f"{data} row {i}: messages must be a non-empty list of {{role, content}} turns")
+    for j, t in enumerate(turns, 1):
+        if not isinstance(t, dict): raise ValueError(f"{data} row {i} turn {j}: a {{role, content}} object is needed, got {type(t).__name__}")
+        if t.get("role") not in _ROLES: raise ValueError(f"{data} row {i} turn {j}: role {t.get('role')!r} is not one of {list(_ROLES)}")
+        if not isinstance(t.get("content"), str):
+            raise ValueError(f"{data} row {i} turn {j}: content must be a string, got {type(t.get('content')).__name__}")
+    if not any(t["role"] == "assistant" for t in turns):
+        raise ValueError(f"{data} row {i}: no assistant turn, so nothing would be trained: add one or drop the row")
 
 def _check_rows(data: str, records: list[dict]) -> str:
     "The kind of columns every row has, or an error naming the first row that differs or holds the wrong types."
@@ -134,23 +161,53 @@ def _check_rows(data: str, records: list[dict]) -> str:
     for i, r in enumerate(records, 1):
         if _kind(r) != kind or kind is None:
             first = f"row 1 has {kind}, " if kind else ""
-            raise ValueError(f"{data} row {i}: {first}row {i} has columns {sorted(r)}; every row needs input_ids, "
-                             f"prompt + completion, or text (the same on every row)")
+            raise ValueError(f"{data} row {i}: {first}row {i} has columns {sorted(k for k, v in r.items() if v is not None)}; "
+                             f"every row needs input_ids, prompt + completion, messages, or text (the same on every row)")
         if kind == "input_ids" and not (isinstance(r["input_ids"], list) and r["input_ids"]
                                         and all(isinstance(x, int) and not isinstance(x, bool) for x in r["input_ids"])):
             raise ValueError(f"{data} row {i}: input_ids must be a non-empty list of integer token ids")
-        if kind != "input_ids" and not all(isinstance(r[c], str) for c in _KINDS[kind]):
+        if kind == "messages": _check_messages(data, i, r["messages"])
+        elif kind != "input_ids" and not all(isinstance(r[c], str) for c in _KINDS[kind]):
             raise ValueError(f"{data} row {i}: {' and '.join(_KINDS[kind])} must be strings")
     return kind
 
+def _read_rows(data: str, path: Path) -> tuple[list[dict], str]:
+    "The rows of `path` read with `datasets` and their kind; a JSON file that fails is reread as written to name the row."
+    from datasets import load_dataset
+    reader = _READERS[path.suffix]
+    try: rows = load_dataset(reader, data_files=str(path), split="train").to_list()
+    except Exception as e:
+        if reader == "json": _check_rows(data, _json_rows(path))  # names the line or row Arrow could not read
+        raise ValueError(f"data (--data) {data}: cannot be read as {reader} ({type(e).__name__}: {e})") from None
+    try: return rows, _check_rows(data, rows)
+    except ValueError:
+        if reader == "json": _check_rows(data, _json_rows(path))  # Arrow unifies types over rows: name the row as written
+        raise
+
+def chat_features(conversations: list[list[dict]], tokenizer) -> list[dict]:
+    "Conversations rendered with the tokenizer's chat template: `input_ids` and `assistant_masks` (only assistant turns train)."
+    template = tokenizer.chat_template
+    template = template.get("default") if isinstance(template, dict) else template
+    if not template:
+        raise ValueError("rows hold messages but the tokenizer has no chat template: set tokenizer.chat_template to one that "
+                         "wraps each assistant turn in {% generation %}...{% endgeneration %} (the shipped "
+                         "data_samples/tokenizer has one), or give prompt/completion rows")
+    if not _GENERATION.search(template):
+        raise ValueError("the tokenizer's chat template has no {% generation %} markers, so the assistant tokens cannot be "
+                         "told from the prompt: wrap each assistant turn's content in {% generation %}...{% endgeneration %} "
+                         "(as data_samples/tokenizer/tokenizer_config.json does)")
+    out = tokenizer.apply_chat_template(conversations, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    return [{"input_ids": list(ids), "assistant_masks": list(m)} for ids, m in zip(out["input_ids"], out["assistant_masks"])]
+
 def load_features(data: str, tokenizer=None) -> list[dict]:
-    "Token features of a shipped sample or a local data file (prompt/completion, text or input_ids columns)."
+    """Token features of a shipped sample or a local JSON-lines, JSON, Parquet or CSV file read with `datasets`: rows of
+    prompt + completion (completions train), messages (chat template; assistant turns train), text, or input_ids."""
     tokenizer = tokenizer or load_tokenizer()
     if data in SAMPLES: return load_sample(data, tokenizer)
-    records = load_records(data) if data == "long_docs" else _read_file(data)
-    kind = _check_rows(data, records)
+    records, kind = _read_rows(data, _data_path(data))
     if kind == "input_ids": return [{"input_ids": list(r["input_ids"])} for r in records]
     if kind == "prompt + completion": return tokenize_records(records, tokenizer)
+    if kind == "messages": return chat_features([r["messages"] for r in records], tokenizer)
     ids = tokenizer([r["text"] for r in records], add_special_tokens=False)["input_ids"]
     return [{"input_ids": [tokenizer.bos_token_id, *x, tokenizer.eos_token_id]} for x in ids]
 
