@@ -153,11 +153,13 @@ def test_ddp_two_ranks_equal_reference(flan, tmp_path, kind, max_tokens):
 
 
 # ---------------------------------------------------------------- resume through Trainer's checkpoints
-def test_token_budget_resume_is_exact(flan, tmp_path):
-    raw, ds = flan[:N], Dataset.from_list(flan[:N])
+@pytest.mark.parametrize("n,bins", [(N, None), (6, 2)], ids=["mid-epoch", "epoch-boundary"])
+def test_token_budget_resume_is_exact(flan, tmp_path, n, bins):
+    ds = Dataset.from_list(flan[:n])
     mk = lambda d, **kw: PackedTrainer(model=tiny_model("llama").train(), args=args(d, max_steps=4, **kw), train_dataset=ds,
                                        max_tokens=1024)
     full = mk(tmp_path / "full"); full.train()
+    if bins: assert len(full.plan.bins) == bins  # the checkpoint after step 2 ends epoch 0: the resume starts epoch 1
     half = mk(tmp_path / "half", save_strategy="steps", save_steps=2)
     half.train()  # 4 steps, a checkpoint after step 2: as if the run had been killed after it
     resumed = mk(tmp_path / "half"); resumed.train(resume_from_checkpoint=str(tmp_path / "half" / "checkpoint-2"))
@@ -232,6 +234,20 @@ def test_check_trainer_flags_the_faults_and_passes_a_correct_setup(flan, tmp_pat
         assert good._repr_markdown_().startswith("**Trainer check")
 
 
+def test_check_trainer_on_other_collators(flan, tmp_path):
+    "transformers' and TRL's padding-free collators pass; TRL's padding collator is not packed: a warning, no doctor."
+    from transformers import DataCollatorWithFlattening
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+    ds = prepare_dataset(Dataset.from_list(flan[:N]))
+    mk = lambda c: Trainer(model=tiny_model("llama").train(), args=args(tmp_path, per_device_train_batch_size=4),
+                           train_dataset=ds, data_collator=c)
+    for c in (DataCollatorWithFlattening(), DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)):
+        r = check_trainer(mk(c), grads=False)
+        assert r.clean and r.doctor.cross_example_effect == 0, r
+    r = check_trainer(mk(DataCollatorForLanguageModeling(pad_token_id=0)), grads=False)
+    assert r.clean and r["collator"].status == "warn" and r.doctor is None
+
+
 # ---------------------------------------------------------------- what users hand it
 def test_prepare_dataset_inputs(flan):
     raw = [dict(f) for f in flan[:4]]
@@ -277,6 +293,9 @@ def test_overlong_and_streams(flan, tmp_path):
         t = mk(ds, max_tokens=longest - 1, overlong="truncate")
     assert t.plan.truncated == 1
     with pytest.raises(ValueError, match="overlong must be one of"): mk(ds, max_tokens=256, overlong="cut")
+    with pytest.raises(ValueError, match="train_sampling_strategy"):
+        PackedTrainer(model=tiny_model("llama"), args=args(tmp_path, train_sampling_strategy="group_by_length"),
+                      train_dataset=ds, max_tokens=1024)
     with pytest.raises(TypeError, match="stream_bins"):
         mk(IterableDataset.from_generator(lambda: iter(flan[:N])), max_tokens=1024)
 
