@@ -275,6 +275,24 @@ class NoLabelsLlama(LlamaForCausalLM):
         return super().forward(input_ids=input_ids, position_ids=position_ids, **kwargs)
 
 
+class StrictLlama(LlamaForCausalLM):
+    "A model whose forward has no **kwargs: it rejects the collator's varlen keys."
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, use_cache=None):
+        return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               labels=labels, use_cache=use_cache)
+
+
+def test_check_trainer_flags_varlen_keys_a_strict_forward_rejects(flan, tmp_path):
+    torch.manual_seed(0)
+    model = StrictLlama(tiny_config("llama")).train()
+    ds = prepare_dataset(Dataset.from_list(flan[:N]))
+    mk = lambda c: Trainer(model=model, args=args(tmp_path, per_device_train_batch_size=4), train_dataset=ds, data_collator=c)
+    r = check_trainer(mk(FlatteningCollator()), grads=False)
+    assert r["forward takes the varlen keys"].fix == "FlatteningCollator(return_flash_attn_kwargs=False)"
+    assert "model runs on the packed batch" in r.failed()  # the doctor's run meets the same TypeError
+    assert check_trainer(mk(FlatteningCollator(return_flash_attn_kwargs=False)), grads=False).clean  # the fix works
+
+
 def test_guard_refuses_removed_labels(flan, tmp_path):
     torch.manual_seed(0)
     model = NoLabelsLlama(tiny_config("llama")).train()
@@ -298,6 +316,20 @@ def test_overlong_and_streams(flan, tmp_path):
                       train_dataset=ds, max_tokens=1024)
     with pytest.raises(TypeError, match="stream_bins"):
         mk(IterableDataset.from_generator(lambda: iter(flan[:N])), max_tokens=1024)
+
+
+def test_sft_on_raw_text_keeps_trls_labels(tmp_path):
+    "Raw prompt/completion text: TRL tokenizes and builds the labels; the workbench leaves them as they are (no double fold)."
+    from workbench.core import load_records, load_tokenizer
+    raw = Dataset.from_list(load_records("flan_like")[:N])
+    t = PackedSFTTrainer(model=tiny_model("llama"), args=args(tmp_path, SFTConfig), train_dataset=raw,
+                         processing_class=load_tokenizer(), max_tokens=1024)
+    by_ids = {tuple(r["input_ids"]): r["labels"] for r in t.train_dataset}
+    batch = next(iter(t.get_train_dataloader()))
+    cu, ids, labels = batch["cu_seq_lens_q"].tolist(), batch["input_ids"][0].tolist(), batch["labels"][0].tolist()
+    for a, b in zip(cu[:-1], cu[1:]):
+        want = by_ids[tuple(ids[a:b])]
+        assert labels[a:b] == [IGNORE_INDEX] + want[1:] and IGNORE_INDEX in want[1:]  # TRL masked the prompt
 
 
 def test_sft_padding_free_flag_is_refused_with_the_reason(flan, tmp_path):
