@@ -248,6 +248,29 @@ def test_check_trainer_on_other_collators(flan, tmp_path):
     assert r.clean and r["collator"].status == "warn" and r.doctor is None
 
 
+def test_label_smoothing_packed_equals_padded(flan):
+    "Trainer's LabelSmoother skips -100, and every packed example's first label is -100: packed == padded."
+    from transformers.trainer_pt_utils import LabelSmoother
+    from workbench.doctor import padded_twin
+    model, smooth = tiny_model("llama"), LabelSmoother(epsilon=0.1)
+    packed = FlatteningCollator(return_flash_attn_kwargs=False)([fold_example(f) for f in flan[:4]])
+    padded = padded_twin(packed)
+    with torch.no_grad():
+        a = smooth(model(**{k: v for k, v in packed.items() if k != "labels"}, use_cache=False), packed["labels"], shift_labels=True)
+        b = smooth(model(**{k: v for k, v in padded.items() if k != "labels"}, use_cache=False), padded["labels"], shift_labels=True)
+    torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+def test_check_trainer_reentrant_checkpointing_with_frozen_embeddings(flan, tmp_path):
+    model = tiny_model("llama").train()
+    model.get_input_embeddings().weight.requires_grad_(False)  # what PEFT does
+    t = Trainer(model=model, train_dataset=prepare_dataset(Dataset.from_list(flan[:N])), data_collator=FlatteningCollator(),
+                args=args(tmp_path, per_device_train_batch_size=4, activation_checkpointing=True,
+                          activation_checkpointing_kwargs={"use_reentrant": True}))
+    r = check_trainer(t, grads=False)
+    assert r["activation checkpointing"].status == "warn" and "use_reentrant': False" in r["activation checkpointing"].fix
+
+
 # ---------------------------------------------------------------- what users hand it
 def test_prepare_dataset_inputs(flan):
     raw = [dict(f) for f in flan[:4]]
