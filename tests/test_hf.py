@@ -292,6 +292,25 @@ def test_prepare_dataset_inputs(flan):
     assert prepare_dataset(Dataset.from_list([{"prompt": "a", "completion": "b"}]))[0] == {"prompt": "a", "completion": "b"}
 
 
+class TorchFeatures(torch.utils.data.Dataset):
+    "A user's torch Dataset: tensors per item, and an index that wraps around (no IndexError ends a loop over it)."
+    def __init__(self, features): self.features = features
+    def __len__(self): return len(self.features)
+    def __getitem__(self, i):
+        f = self.features[i % len(self.features)]
+        return {k: torch.tensor(v) for k, v in f.items()}
+
+
+@pytest.mark.parametrize("wrap", [list, TorchFeatures], ids=["list of dicts", "torch Dataset"])
+def test_other_datasets_give_the_same_batches(flan, tmp_path, wrap):
+    raw = flan[:N]
+    mk = lambda d: PackedTrainer(model=tiny_model("llama"), args=args(tmp_path), train_dataset=d, max_tokens=1024)
+    want, got = mk(Dataset.from_list(raw)), mk(wrap(raw))
+    assert got.plan.bins and all((a == b).all() for a, b in zip(want.plan.bins, got.plan.bins))
+    for a, b in zip(want.get_train_dataloader(), got.get_train_dataloader()):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a if torch.is_tensor(a[k]))
+
+
 class NoLabelsLlama(LlamaForCausalLM):
     "A model whose forward names no labels: Trainer's column removal drops them."
     def forward(self, input_ids=None, position_ids=None, **kwargs):
