@@ -1,0 +1,392 @@
+"""workbench.hf: Trainer / SFTTrainer with default arguments equal a padded, correctly masked reference; check_trainer;
+packed eval split == unpacked eval; token-budget resume is exact; 2-process DDP."""
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from datasets import Dataset, IterableDataset
+from transformers import LlamaForCausalLM, Trainer, TrainingArguments
+from trl import SFTConfig, SFTTrainer
+
+from workbench.core import IGNORE_INDEX, load_sample, tiny_config, tiny_model
+from workbench.hf import (LabelGuard, PackedSFTTrainer, PackedTrainer, check_trainer, fold_example, prepare_dataset,
+                          split_packed)
+from workbench.launch import launch
+from workbench.packing import FlatteningCollator, PaddingCollator
+
+N, STEPS = 32, 2
+
+
+@pytest.fixture(scope="module")
+def flan():
+    return load_sample("flan_like", limit=2 * N)
+
+
+def chat_features(flan):
+    "Two-turn chats from pairs of FLAN examples: assistant_masks 1 on each assistant turn only (non-contiguous)."
+    out = []
+    for a, b in zip(flan[0::2], flan[1::2]):
+        ids, mask = [], []
+        for f in (a, b):
+            ids += f["input_ids"]; mask += f["completion_mask"]
+        out.append({"input_ids": ids, "assistant_masks": mask})
+    return out
+
+
+def masked(f):
+    "The reference labels of one raw feature: -100 wherever any loss mask is 0."
+    m = np.ones(len(f["input_ids"]), dtype=bool)
+    for k in ("completion_mask", "assistant_masks"):
+        if k in f: m &= np.asarray(f[k], dtype=bool)
+    return [t if k else IGNORE_INDEX for t, k in zip(f["input_ids"], m)]
+
+
+class Recorder:
+    "A collator that records the input_ids of every batch it collates (the steps the trainer took)."
+    def __init__(self, collator=None): self.collator, self.batches = collator or FlatteningCollator(), []
+    def __call__(self, features, *a, **k):
+        self.batches.append([list(map(int, f["input_ids"])) for f in features])
+        return self.collator(features, *a, **k)
+
+
+def args(tmp_path, cls=TrainingArguments, **kw):
+    """Default arguments apart from what a test must set: logging every step (to compare per-step losses), and for
+    SFTConfig fp32 (its default is bf16, which no 1e-5 comparison survives)."""
+    fp32 = dict(bf16=False) if cls is SFTConfig else {}
+    return cls(**{**dict(output_dir=str(tmp_path), max_steps=STEPS, report_to=[], use_cpu=True, save_strategy="no",
+                         logging_steps=1, disable_tqdm=True), **fp32, **kw})
+
+
+def losses(trainer): return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def reference(steps, raw, n_steps, lr=5e-5, max_grad_norm=1.0):  # Trainer's defaults (SFTConfig: lr 2e-5)
+    "Per-step losses of a hand loop on padded batches with correct masks; `steps` are the examples of each step."
+    by_ids = {tuple(f["input_ids"]): masked(f) for f in raw}
+    model = tiny_model("llama").train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, fused=True)  # Trainer's default optimizer
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, (n_steps - s) / n_steps))  # linear to 0
+    out = []
+    for exs in steps:
+        batch = PaddingCollator()([{"input_ids": ids, "labels": by_ids[tuple(ids)]} for ids in exs])
+        loss = model(**batch, use_cache=False).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        opt.step(); sched.step(); opt.zero_grad()
+        out.append(loss.item())
+    return out
+
+
+def run(kind, raw, tmp_path, max_tokens=None, **kw):
+    "Train STEPS steps with default arguments; return (trainer, logged losses, examples of each step)."
+    rec, ds = Recorder(), Dataset.from_list(raw)
+    model = tiny_model("llama").train()
+    if kind == "Trainer+prepare_dataset":  # the plain drop-in: no subclass
+        t = Trainer(model=model, args=args(tmp_path, **kw), train_dataset=prepare_dataset(ds), data_collator=rec)
+    elif kind == "PackedTrainer":
+        t = PackedTrainer(model=model, args=args(tmp_path, **kw), train_dataset=ds, data_collator=rec, max_tokens=max_tokens)
+    else:
+        from workbench.core import load_tokenizer
+        t = PackedSFTTrainer(model=model, args=args(tmp_path, SFTConfig, **kw), train_dataset=ds, data_collator=rec,
+                             processing_class=load_tokenizer(), max_tokens=max_tokens)
+    t.train()
+    # accelerate's loader collates one batch ahead (to know the last one): keep the batches the steps consumed
+    return t, losses(t), rec.batches[:STEPS * t.args.gradient_accumulation_steps]
+
+
+# ---------------------------------------------------------------- the trap, measured
+def test_default_trainer_drops_masks_silently(flan, tmp_path):
+    "The trap: plain Trainer with default arguments removes completion_mask, so its loss covers the prompt too."
+    raw = flan[:N]
+    rec = Recorder()
+    t = Trainer(model=tiny_model("llama").train(), args=args(tmp_path), train_dataset=Dataset.from_list(raw), data_collator=rec)
+    t.train()
+    ref = reference(rec.batches[:STEPS], raw, STEPS)
+    assert abs(losses(t)[0] - ref[0]) > 1e-3  # trained on prompt tokens
+
+
+# ---------------------------------------------------------------- default arguments == padded, masked reference
+CASES = [("completion", "Trainer+prepare_dataset", None), ("completion", "PackedTrainer", None),
+         ("completion", "PackedTrainer", 1024), ("completion", "PackedSFTTrainer", None),
+         ("completion", "PackedSFTTrainer", 1024), ("chat", "PackedTrainer", 2048), ("chat", "PackedSFTTrainer", None)]
+
+
+@pytest.mark.parametrize("data,kind,max_tokens", CASES)
+def test_losses_equal_padded_reference(flan, tmp_path, data, kind, max_tokens):
+    raw = flan[:N] if data == "completion" else chat_features(flan)
+    t, got, steps = run(kind, raw, tmp_path, max_tokens)
+    assert len(got) == STEPS and len(steps) == STEPS
+    if max_tokens: assert all(sum(map(len, s)) <= max_tokens for s in steps) and len(t.get_train_dataloader()) == len(t.plan.bins)
+    else: assert all(len(s) == 8 for s in steps)
+    np.testing.assert_allclose(got, reference(steps, raw, STEPS, t.args.learning_rate), atol=1e-5, rtol=0)
+
+
+def test_gradient_accumulation_is_token_weighted(flan, tmp_path):
+    "Two micro-batches of different token counts per step: the loss is sum of token losses / trained tokens of both."
+    raw = flan[:N]
+    t, got, steps = run("PackedTrainer", raw, tmp_path, 600, gradient_accumulation_steps=2)
+    merged = [steps[0] + steps[1], steps[2] + steps[3]]
+    assert sum(map(len, steps[0])) != sum(map(len, steps[1]))
+    np.testing.assert_allclose(got, reference(merged, raw, STEPS), atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------- DDP: 2 forked gloo ranks
+def _ddp_rank(raw, out_dir, kind, max_tokens):
+    import torch.distributed as dist
+    from pathlib import Path
+    t, got, steps = run(kind, raw, Path(out_dir) / str(dist.get_rank()), max_tokens)
+    return dict(world_size=t.args.world_size, rank=t.args.process_index, losses=got, steps=steps,
+                n_steps=len(t.get_train_dataloader()), lr=t.args.learning_rate)
+
+
+@pytest.mark.parametrize("kind,max_tokens", [("PackedTrainer", 1024), ("PackedSFTTrainer", None)])
+def test_ddp_two_ranks_equal_reference(flan, tmp_path, kind, max_tokens):
+    raw = flan[:N]
+    res = launch(_ddp_rank, raw, str(tmp_path), kind, max_tokens, num_processes=2, deadline_s=120, quiet=True)
+    assert [r["world_size"] for r in res] == [2, 2] and [r["rank"] for r in res] == [0, 1]
+    assert res[0]["n_steps"] == res[1]["n_steps"]  # the same step count on every rank
+    steps = [a + b for a, b in zip(res[0]["steps"], res[1]["steps"])]  # one step = both ranks' examples
+    assert not set(map(tuple, res[0]["steps"][0])) & set(map(tuple, res[1]["steps"][0]))  # each rank its own examples
+    np.testing.assert_allclose(res[0]["losses"], reference(steps, raw, STEPS, res[0]["lr"]), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(res[0]["losses"], res[1]["losses"], atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------- resume through Trainer's checkpoints
+@pytest.mark.parametrize("n,bins", [(N, None), (6, 2)], ids=["mid-epoch", "epoch-boundary"])
+def test_token_budget_resume_is_exact(flan, tmp_path, n, bins):
+    ds = Dataset.from_list(flan[:n])
+    mk = lambda d, **kw: PackedTrainer(model=tiny_model("llama").train(), args=args(d, max_steps=4, **kw), train_dataset=ds,
+                                       max_tokens=1024)
+    full = mk(tmp_path / "full"); full.train()
+    if bins: assert len(full.plan.bins) == bins  # the checkpoint after step 2 ends epoch 0: the resume starts epoch 1
+    half = mk(tmp_path / "half", save_strategy="steps", save_steps=2)
+    half.train()  # 4 steps, a checkpoint after step 2: as if the run had been killed after it
+    resumed = mk(tmp_path / "half"); resumed.train(resume_from_checkpoint=str(tmp_path / "half" / "checkpoint-2"))
+    assert len(losses(resumed)) == 4 and losses(resumed) == losses(full)  # steps 1-2 from the checkpoint, 3-4 resumed
+    for a, b in zip(full.model.parameters(), resumed.model.parameters()): torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+# ---------------------------------------------------------------- eval split
+def _metrics(p):
+    "Token accuracy, trained-token count and the mean logit of each target (a random model's accuracy is about 0)."
+    logits, target = p.predictions[:, :-1], p.label_ids[:, 1:]
+    keep = target != IGNORE_INDEX
+    picked = np.take_along_axis(logits, np.where(keep, target, 0)[..., None], -1)[..., 0]
+    return {"accuracy": float((logits.argmax(-1)[keep] == target[keep]).mean()), "n": int(keep.sum()),
+            "target_logit": float(picked[keep].mean())}
+
+
+def test_packed_eval_split_equals_unpacked(flan, tmp_path):
+    ev = prepare_dataset(Dataset.from_list(flan[N:N + 12]))  # eval batches of 8 and 4 (of different lengths)
+    kw = dict(model=tiny_model("llama"), args=args(tmp_path), eval_dataset=ev, compute_metrics=_metrics)
+    packed, padded = PackedTrainer(**kw), Trainer(**kw, data_collator=PaddingCollator())
+    p, q = packed.predict(ev), padded.predict(ev)
+    lengths = [len(x) for x in ev["input_ids"]]
+    assert p.predictions.shape[:2] == (12, max(lengths)) and p.label_ids.shape == (12, max(lengths))
+    for i, n in enumerate(lengths):
+        np.testing.assert_allclose(p.predictions[i, :n], q.predictions[i, :n], atol=1e-5, rtol=0)
+        assert (p.predictions[i, n:] == IGNORE_INDEX).all() and (p.label_ids[i, n:] == IGNORE_INDEX).all()
+        np.testing.assert_array_equal(p.label_ids[i, :n], q.label_ids[i, :n])
+    assert p.metrics["test_accuracy"] == q.metrics["test_accuracy"] and p.metrics["test_n"] == q.metrics["test_n"]
+    assert abs(p.metrics["test_loss"] - q.metrics["test_loss"]) < 1e-6
+    assert abs(p.metrics["test_target_logit"] - q.metrics["test_target_logit"]) < 1e-6
+
+
+def test_split_packed_by_cu_or_positions():
+    batch = FlatteningCollator()([{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}])
+    for b in (batch["cu_seq_lens_q"], batch["position_ids"]):
+        torch.testing.assert_close(split_packed(batch["input_ids"], b), torch.tensor([[1, 2, 3], [4, 5, IGNORE_INDEX]]))
+    with pytest.raises(ValueError, match="same packed batch"): split_packed(batch["input_ids"][:, :4], batch["cu_seq_lens_q"])
+
+
+def test_eval_refuses_padding_dummy(flan, tmp_path):
+    ev = Dataset.from_list(flan[:8])
+    t = PackedTrainer(model=tiny_model("llama"), args=args(tmp_path), eval_dataset=ev,
+                      data_collator=FlatteningCollator(pad_to_multiple_of=64))
+    with pytest.raises(ValueError, match="pad_to_multiple_of"): t.predict(ev)
+
+
+# ---------------------------------------------------------------- check_trainer
+class OnesMask(FlatteningCollator):
+    "A collator that adds an all-ones attention_mask (as several drop-in recipes do)."
+    def __call__(self, features, return_tensors=None):
+        b = super().__call__(features)
+        return {**b, "attention_mask": torch.ones_like(b["input_ids"])}
+
+
+def test_check_trainer_flags_the_faults_and_passes_a_correct_setup(flan, tmp_path):
+    ds, small = Dataset.from_list(flan[:N]), dict(per_device_train_batch_size=4)  # a smaller batch: a quicker doctor
+    plain = lambda **kw: Trainer(model=tiny_model("llama").train(), args=args(tmp_path, **small, **kw.pop("a", {})), **kw)
+    dropped = check_trainer(plain(train_dataset=ds, data_collator=FlatteningCollator()), grads=False)
+    assert not dropped.clean and "loss masks reach the collator" in dropped.failed()
+    assert "prepare_dataset" in dropped["loss masks reach the collator"].fix
+    cache = check_trainer(plain(train_dataset=prepare_dataset(ds), data_collator=FlatteningCollator(), a=dict(use_cache=True)), grads=False)
+    assert {"use_cache", "contamination probe"} <= set(cache.failed()), cache
+    ones = check_trainer(plain(train_dataset=prepare_dataset(ds), data_collator=OnesMask()), grads=False)
+    assert {"collator", "contamination probe"} <= set(ones.failed()), ones
+    for t in (PackedTrainer(model=tiny_model("llama").train(), args=args(tmp_path, use_cache=True), train_dataset=ds,
+                            max_tokens=512),
+              plain(train_dataset=prepare_dataset(ds), data_collator=FlatteningCollator())):
+        good = check_trainer(t)
+        assert good.clean, good
+        assert good.doctor.cross_example_effect == 0 and "fix" not in str(good).split("Packing doctor")[0]
+        assert good._repr_markdown_().startswith("**Trainer check")
+
+
+def test_check_trainer_on_other_collators(flan, tmp_path):
+    "transformers' and TRL's padding-free collators pass; TRL's padding collator is not packed: a warning, no doctor."
+    from transformers import DataCollatorWithFlattening
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+    ds = prepare_dataset(Dataset.from_list(flan[:N]))
+    mk = lambda c: Trainer(model=tiny_model("llama").train(), args=args(tmp_path, per_device_train_batch_size=4),
+                           train_dataset=ds, data_collator=c)
+    for c in (DataCollatorWithFlattening(), DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)):
+        r = check_trainer(mk(c), grads=False)
+        assert r.clean and r.doctor.cross_example_effect == 0, r
+    r = check_trainer(mk(DataCollatorForLanguageModeling(pad_token_id=0)), grads=False)
+    assert r.clean and r["collator"].status == "warn" and r.doctor is None
+
+
+def test_label_smoothing_packed_equals_padded(flan):
+    "Trainer's LabelSmoother skips -100, and every packed example's first label is -100: packed == padded."
+    from transformers.trainer_pt_utils import LabelSmoother
+    from workbench.doctor import padded_twin
+    model, smooth = tiny_model("llama"), LabelSmoother(epsilon=0.1)
+    packed = FlatteningCollator(return_flash_attn_kwargs=False)([fold_example(f) for f in flan[:4]])
+    padded = padded_twin(packed)
+    with torch.no_grad():
+        a = smooth(model(**{k: v for k, v in packed.items() if k != "labels"}, use_cache=False), packed["labels"], shift_labels=True)
+        b = smooth(model(**{k: v for k, v in padded.items() if k != "labels"}, use_cache=False), padded["labels"], shift_labels=True)
+    torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+def test_check_trainer_reentrant_checkpointing_with_frozen_embeddings(flan, tmp_path):
+    model = tiny_model("llama").train()
+    model.get_input_embeddings().weight.requires_grad_(False)  # what PEFT does
+    t = Trainer(model=model, train_dataset=prepare_dataset(Dataset.from_list(flan[:N])), data_collator=FlatteningCollator(),
+                args=args(tmp_path, per_device_train_batch_size=4, activation_checkpointing=True,
+                          activation_checkpointing_kwargs={"use_reentrant": True}))
+    r = check_trainer(t, grads=False)
+    assert r["activation checkpointing"].status == "warn" and "use_reentrant': False" in r["activation checkpointing"].fix
+
+
+# ---------------------------------------------------------------- what users hand it
+def test_prepare_dataset_inputs(flan):
+    raw = [dict(f) for f in flan[:4]]
+    want = [masked(f) for f in raw]
+    ds = prepare_dataset(Dataset.from_list(raw))
+    assert ds.column_names == ["input_ids", "labels"] and ds["labels"] == want
+    assert prepare_dataset(ds) is ds  # idempotent
+    assert [prepare_dataset(raw)[i]["labels"] for i in range(4)] == want  # list of dicts (lazy)
+    stream = prepare_dataset(IterableDataset.from_generator(lambda: iter(raw)))
+    assert [r["labels"] for r in stream] == want
+    packed = prepare_dataset(Dataset.from_list([{"input_ids": [1, 2, 3, 4, 5], "seq_lengths": [3, 2]}]))
+    assert packed[0]["position_ids"] == [0, 1, 2, 0, 1] and packed[0]["seq_lengths"] == [3, 2]  # both: one survives each trainer
+    some = prepare_dataset(Dataset.from_list([{"input_ids": [1, 2], "completion_mask": [0, 1]}, {"input_ids": [3, 4]}]))
+    assert some["labels"] == [[IGNORE_INDEX, 2], [3, 4]]  # a mask on some rows only: the others train every token
+    with pytest.raises(ValueError, match="example 0: completion_mask has 1 entries"):
+        prepare_dataset(Dataset.from_list([{"input_ids": [1, 2], "completion_mask": [1]}]))
+    with pytest.raises(ValueError, match="seq_lengths"): fold_example({"input_ids": [1, 2], "seq_lengths": [3]})
+    with pytest.raises(TypeError, match="cannot prepare"): prepare_dataset(42)
+    assert prepare_dataset(Dataset.from_list([{"prompt": "a", "completion": "b"}]))[0] == {"prompt": "a", "completion": "b"}
+
+
+class TorchFeatures(torch.utils.data.Dataset):
+    "A user's torch Dataset: tensors per item, and an index that wraps around (no IndexError ends a loop over it)."
+    def __init__(self, features): self.features = features
+    def __len__(self): return len(self.features)
+    def __getitem__(self, i):
+        f = self.features[i % len(self.features)]
+        return {k: torch.tensor(v) for k, v in f.items()}
+
+
+@pytest.mark.parametrize("wrap", [list, TorchFeatures], ids=["list of dicts", "torch Dataset"])
+def test_other_datasets_give_the_same_batches(flan, tmp_path, wrap):
+    raw = flan[:N]
+    mk = lambda d: PackedTrainer(model=tiny_model("llama"), args=args(tmp_path), train_dataset=d, max_tokens=1024)
+    want, got = mk(Dataset.from_list(raw)), mk(wrap(raw))
+    assert got.plan.bins and all((a == b).all() for a, b in zip(want.plan.bins, got.plan.bins))
+    for a, b in zip(want.get_train_dataloader(), got.get_train_dataloader()):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a if torch.is_tensor(a[k]))
+
+
+class NoLabelsLlama(LlamaForCausalLM):
+    "A model whose forward names no labels: Trainer's column removal drops them."
+    def forward(self, input_ids=None, position_ids=None, **kwargs):
+        return super().forward(input_ids=input_ids, position_ids=position_ids, **kwargs)
+
+
+class StrictLlama(LlamaForCausalLM):
+    "A model whose forward has no **kwargs: it rejects the collator's varlen keys."
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, use_cache=None):
+        return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               labels=labels, use_cache=use_cache)
+
+
+def test_check_trainer_flags_varlen_keys_a_strict_forward_rejects(flan, tmp_path):
+    torch.manual_seed(0)
+    model = StrictLlama(tiny_config("llama")).train()
+    ds = prepare_dataset(Dataset.from_list(flan[:N]))
+    mk = lambda c: Trainer(model=model, args=args(tmp_path, per_device_train_batch_size=4), train_dataset=ds, data_collator=c)
+    r = check_trainer(mk(FlatteningCollator()), grads=False)
+    assert r["forward takes the varlen keys"].fix == "FlatteningCollator(return_flash_attn_kwargs=False)"
+    assert "model runs on the packed batch" in r.failed()  # the doctor's run meets the same TypeError
+    assert check_trainer(mk(FlatteningCollator(return_flash_attn_kwargs=False)), grads=False).clean  # the fix works
+
+
+def test_guard_refuses_removed_labels(flan, tmp_path):
+    torch.manual_seed(0)
+    model = NoLabelsLlama(tiny_config("llama")).train()
+    ds = Dataset.from_list(flan[:N])
+    t = PackedTrainer(model=model, args=args(tmp_path), train_dataset=ds)
+    with pytest.raises(ValueError, match="label_names"): t.train()
+    PackedTrainer(model=model, args=args(tmp_path, label_names=["labels"]), train_dataset=ds).train()  # the fix works
+
+
+def test_overlong_and_streams(flan, tmp_path):
+    ds = Dataset.from_list(flan[:N])
+    longest = max(len(f["input_ids"]) for f in flan[:N])
+    mk = lambda d, **kw: PackedTrainer(model=tiny_model("llama").train(), args=args(tmp_path), train_dataset=d, **kw)
+    with pytest.raises(ValueError, match="overlong="): mk(ds, max_tokens=longest - 1)
+    with pytest.warns(UserWarning, match=r"1 examples truncated, 0 split, 0 dropped \(1 tokens lost\) of 32"):
+        t = mk(ds, max_tokens=longest - 1, overlong="truncate")
+    assert t.plan.truncated == 1
+    with pytest.raises(ValueError, match="overlong must be one of"): mk(ds, max_tokens=256, overlong="cut")
+    with pytest.raises(ValueError, match="train_sampling_strategy"):
+        PackedTrainer(model=tiny_model("llama"), args=args(tmp_path, train_sampling_strategy="group_by_length"),
+                      train_dataset=ds, max_tokens=1024)
+    with pytest.raises(TypeError, match="stream_bins"):
+        mk(IterableDataset.from_generator(lambda: iter(flan[:N])), max_tokens=1024)
+
+
+def test_sft_on_raw_text_keeps_trls_labels(tmp_path):
+    "Raw prompt/completion text: TRL tokenizes and builds the labels; the workbench leaves them as they are (no double fold)."
+    from workbench.core import load_records, load_tokenizer
+    raw = Dataset.from_list(load_records("flan_like")[:N])
+    t = PackedSFTTrainer(model=tiny_model("llama"), args=args(tmp_path, SFTConfig), train_dataset=raw,
+                         processing_class=load_tokenizer(), max_tokens=1024)
+    by_ids = {tuple(r["input_ids"]): r["labels"] for r in t.train_dataset}
+    batch = next(iter(t.get_train_dataloader()))
+    cu, ids, labels = batch["cu_seq_lens_q"].tolist(), batch["input_ids"][0].tolist(), batch["labels"][0].tolist()
+    for a, b in zip(cu[:-1], cu[1:]):
+        want = by_ids[tuple(ids[a:b])]
+        assert labels[a:b] == [IGNORE_INDEX] + want[1:] and IGNORE_INDEX in want[1:]  # TRL masked the prompt
+
+
+def test_sft_padding_free_flag_is_refused_with_the_reason(flan, tmp_path):
+    from workbench.core import load_tokenizer
+    for flag in (dict(padding_free=True), dict(packing=True)):
+        with pytest.raises(ValueError, match="padding-free by itself"):
+            PackedSFTTrainer(model=tiny_model("llama"), args=args(tmp_path, SFTConfig, **flag),
+                             train_dataset=Dataset.from_list(flan[:N]), processing_class=load_tokenizer())
+
+
+def test_check_trainer_on_sft_and_padding_collators(flan, tmp_path):
+    "A plain SFTTrainer with TRL's padding collator: the doctor is skipped with a warning that names the fix."
+    from workbench.core import load_tokenizer
+    t = SFTTrainer(model=tiny_model("llama").train(), args=args(tmp_path, SFTConfig), train_dataset=Dataset.from_list(flan[:N]),
+                   processing_class=load_tokenizer())
+    r = check_trainer(t)
+    assert r["collator"].status == "warn" and "FlatteningCollator" in r["collator"].fix and r.doctor is None
+    assert r["use_cache"].status == "pass"  # TRL passes use_cache=False on every forward
