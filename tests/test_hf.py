@@ -84,8 +84,9 @@ def run(kind, raw, tmp_path, max_tokens=None, **kw):
     model = tiny_model("llama").train()
     if kind == "Trainer+prepare_dataset":  # the plain drop-in: no subclass
         t = Trainer(model=model, args=args(tmp_path, **kw), train_dataset=prepare_dataset(ds), data_collator=rec)
-    elif kind == "PackedTrainer":
-        t = PackedTrainer(model=model, args=args(tmp_path, **kw), train_dataset=ds, data_collator=rec, max_tokens=max_tokens)
+    elif kind in ("PackedTrainer", "PackedTrainer+stream"):
+        d = ds.to_iterable_dataset() if kind.endswith("stream") else ds  # a stream is packed online (PackedStream)
+        t = PackedTrainer(model=model, args=args(tmp_path, **kw), train_dataset=d, data_collator=rec, max_tokens=max_tokens)
     else:
         from workbench.core import load_tokenizer
         t = PackedSFTTrainer(model=model, args=args(tmp_path, SFTConfig, **kw), train_dataset=ds, data_collator=rec,
@@ -109,7 +110,8 @@ def test_default_trainer_drops_masks_silently(flan, tmp_path):
 # ---------------------------------------------------------------- default arguments == padded, masked reference
 CASES = [("completion", "Trainer+prepare_dataset", None), ("completion", "PackedTrainer", None),
          ("completion", "PackedTrainer", 1024), ("completion", "PackedSFTTrainer", None),
-         ("completion", "PackedSFTTrainer", 1024), ("chat", "PackedTrainer", 2048), ("chat", "PackedSFTTrainer", None)]
+         ("completion", "PackedSFTTrainer", 1024), ("chat", "PackedTrainer", 2048), ("chat", "PackedSFTTrainer", None),
+         ("completion", "PackedTrainer+stream", 1024)]
 
 
 @pytest.mark.parametrize("data,kind,max_tokens", CASES)
@@ -117,8 +119,9 @@ def test_losses_equal_padded_reference(flan, tmp_path, data, kind, max_tokens):
     raw = flan[:N] if data == "completion" else chat_features(flan)
     t, got, steps = run(kind, raw, tmp_path, max_tokens)
     assert len(got) == STEPS and len(steps) == STEPS
-    if max_tokens: assert all(sum(map(len, s)) <= max_tokens for s in steps) and len(t.get_train_dataloader()) == len(t.plan.bins)
-    else: assert all(len(s) == 8 for s in steps)
+    if not max_tokens: assert all(len(s) == 8 for s in steps)
+    else: assert all(sum(map(len, s)) <= max_tokens for s in steps)
+    if max_tokens and t.plan: assert len(t.get_train_dataloader()) == len(t.plan.bins)
     np.testing.assert_allclose(got, reference(steps, raw, STEPS, t.args.learning_rate), atol=1e-5, rtol=0)
 
 
@@ -137,10 +140,10 @@ def _ddp_rank(raw, out_dir, kind, max_tokens):
     from pathlib import Path
     t, got, steps = run(kind, raw, Path(out_dir) / str(dist.get_rank()), max_tokens)
     return dict(world_size=t.args.world_size, rank=t.args.process_index, losses=got, steps=steps,
-                n_steps=len(t.get_train_dataloader()), lr=t.args.learning_rate)
+                n_steps=sum(1 for _ in t.get_train_dataloader()), lr=t.args.learning_rate)  # one epoch's steps (a stream has no len)
 
 
-@pytest.mark.parametrize("kind,max_tokens", [("PackedTrainer", 1024), ("PackedSFTTrainer", None)])
+@pytest.mark.parametrize("kind,max_tokens", [("PackedTrainer", 1024), ("PackedSFTTrainer", None), ("PackedTrainer+stream", 1024)])
 def test_ddp_two_ranks_equal_reference(flan, tmp_path, kind, max_tokens):
     raw = flan[:N]
     res = launch(_ddp_rank, raw, str(tmp_path), kind, max_tokens, num_processes=2, deadline_s=120, quiet=True)
@@ -153,9 +156,11 @@ def test_ddp_two_ranks_equal_reference(flan, tmp_path, kind, max_tokens):
 
 
 # ---------------------------------------------------------------- resume through Trainer's checkpoints
-@pytest.mark.parametrize("n,bins", [(N, None), (6, 2)], ids=["mid-epoch", "epoch-boundary"])
-def test_token_budget_resume_is_exact(flan, tmp_path, n, bins):
+@pytest.mark.parametrize("n,bins,stream", [(N, None, False), (6, 2, False), (N, None, True)],
+                         ids=["mid-epoch", "epoch-boundary", "stream"])
+def test_token_budget_resume_is_exact(flan, tmp_path, n, bins, stream):
     ds = Dataset.from_list(flan[:n])
+    if stream: ds = ds.to_iterable_dataset()  # resumed by re-packing the stream up to the checkpoint's step
     mk = lambda d, **kw: PackedTrainer(model=tiny_model("llama").train(), args=args(d, max_steps=4, **kw), train_dataset=ds,
                                        max_tokens=1024)
     full = mk(tmp_path / "full"); full.train()
@@ -356,8 +361,7 @@ def test_overlong_and_streams(flan, tmp_path):
     with pytest.raises(ValueError, match="train_sampling_strategy"):
         PackedTrainer(model=tiny_model("llama"), args=args(tmp_path, train_sampling_strategy="group_by_length"),
                       train_dataset=ds, max_tokens=1024)
-    with pytest.raises(TypeError, match="stream_bins"):
-        mk(IterableDataset.from_generator(lambda: iter(flan[:N])), max_tokens=1024)
+    with pytest.raises(ValueError, match="pass a train_dataset"): mk(None, max_tokens=1024)
 
 
 def test_sft_on_raw_text_keeps_trls_labels(tmp_path):

@@ -13,7 +13,7 @@ import torch
 
 from .core import IGNORE_INDEX, lengths_from_positions, restart_positions
 from .doctor import Finding, DoctorReport, check_packing, unwrap
-from .packing import FlatteningCollator, OVERLONG, TokenBudgetSampler, plan_bins
+from .packing import FlatteningCollator, OVERLONG, PackedStream, TokenBudgetSampler, plan_bins
 from transformers import Trainer
 from trl import SFTTrainer
 
@@ -129,9 +129,14 @@ def _collator_of(c):
     while hasattr(c, "data_collator") or isinstance(c, LabelGuard): c = c.collator if isinstance(c, LabelGuard) else c.data_collator
     return c
 
+def _is_stream(ds) -> bool:
+    import datasets
+    return isinstance(ds, (datasets.IterableDataset, torch.utils.data.IterableDataset))
+
 class _BudgetLoader(torch.utils.data.DataLoader):
-    "A DataLoader over a `TokenBudgetSampler` whose `set_epoch` reaches the sampler (Trainer calls it every epoch)."
-    def set_epoch(self, epoch: int): self.batch_sampler.set_epoch(epoch)
+    "A DataLoader of token-budget steps whose `set_epoch` (Trainer calls it every epoch) reaches its sampler, or its stream."
+    def set_epoch(self, epoch: int):
+        (self.dataset if isinstance(self.dataset, PackedStream) else self.batch_sampler).set_epoch(epoch)
 
 # %% ../nbs/15_hf.ipynb #0e1872e3
 def split_packed(x: torch.Tensor,  # [1, T, ...] a packed row's per-token values (logits, labels, ...)
@@ -154,6 +159,7 @@ class PackedMixin:
     def __init__(self, model=None, args=None, data_collator=None, train_dataset=None, eval_dataset=None, *rest,
                  max_tokens: int | None = None,  # token budget of one step per rank (None: per_device_train_batch_size examples)
                  overlong: str = "error",        # examples over max_tokens: "error", "truncate", "split" or "drop"
+                 buffer_size: int = 2000,        # a streamed train_dataset: examples held while packing it (`PackedStream`)
                  **kwargs):
         if overlong not in OVERLONG: raise ValueError(f"overlong must be one of {OVERLONG}, got {overlong!r}")
         if getattr(args, "padding_free", False) or getattr(args, "packing", False):
@@ -164,19 +170,16 @@ class PackedMixin:
         super().__init__(model, args, data_collator or FlatteningCollator(), prep(train_dataset), prep(eval_dataset), *rest, **kwargs)
         packed = self.train_dataset is not None and "seq_lengths" in _dataset_columns(self.train_dataset)
         self.data_collator = LabelGuard(self.data_collator, packed=packed)
-        self.max_tokens, self.overlong, self.plan = max_tokens, overlong, None
+        self.max_tokens, self.overlong, self.buffer_size, self.plan = max_tokens, overlong, buffer_size, None
         if max_tokens is not None:
-            import datasets
             if self.args.train_sampling_strategy != "random":
                 raise ValueError(f"max_tokens replaces Trainer's sampler, so train_sampling_strategy="
                                  f"{self.args.train_sampling_strategy!r} would be ignored: leave it 'random' (token-budget "
                                  f"bins are shuffled per epoch), or drop max_tokens")
-            if self.train_dataset is None or isinstance(self.train_dataset, (datasets.IterableDataset, torch.utils.data.IterableDataset)):
-                raise TypeError("max_tokens plans bins over a map-style train_dataset (lengths known up front); a stream "
-                                "has none: pack it with workbench's stream_bins, or drop max_tokens")
-            self.plan = plan_bins(self.train_dataset, max_tokens, overlong=overlong, seed=self.args.seed)
+            if self.train_dataset is None: raise ValueError("max_tokens plans the train_dataset's bins: pass a train_dataset")
+            if not _is_stream(self.train_dataset): self.plan = plan_bins(self.train_dataset, max_tokens, overlong=overlong, seed=self.args.seed)
             p = self.plan
-            if p.truncated or p.split or p.dropped:
+            if p is not None and (p.truncated or p.split or p.dropped):
                 warnings.warn(f"max_tokens={max_tokens}, overlong={overlong!r}: {p.truncated} examples truncated, {p.split} "
                               f"split, {p.dropped} dropped ({p.lost_tokens} tokens lost) of {p.n_examples}")
 
@@ -196,12 +199,16 @@ class PackedMixin:
         if self.max_tokens is None: return super().get_train_dataloader()
         import datasets
         args = self.args
-        sampler = TokenBudgetSampler(self.plan, seed=args.data_seed if args.data_seed is not None else args.seed,
-                                     num_replicas=args.world_size, rank=args.process_index)
         ds, collate = self.train_dataset, self.data_collator
         # Trainer's own column removal (private: no public hook), so this path drops exactly what the default one does
         if isinstance(ds, datasets.Dataset): ds = self._remove_unused_columns(ds, description="training")
         else: collate = self._get_collator_with_removed_columns(collate, description="training")
+        if self.plan is None:  # a stream: packed online as it is read, each rank every world_size-th bin
+            self.stream = PackedStream(ds, self.max_tokens, self.buffer_size, self.overlong, collate_fn=collate,
+                                       num_replicas=args.world_size, rank=args.process_index)  # .report counts its bins
+            return _BudgetLoader(self.stream, batch_size=None, pin_memory=args.dataloader_pin_memory)
+        sampler = TokenBudgetSampler(self.plan, seed=args.data_seed if args.data_seed is not None else args.seed,
+                                     num_replicas=args.world_size, rank=args.process_index)
         return _BudgetLoader(self.plan.dataset(ds), batch_sampler=sampler, collate_fn=collate,
                              num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory)
 
