@@ -5,6 +5,7 @@
 # %% ../nbs/08_train.ipynb #c717fc3d
 from __future__ import annotations
 import argparse
+import copy
 import hashlib
 import json
 import math
@@ -32,11 +33,11 @@ from .shard import full_state, is_sharded, load_full_state, reduce_gradients, sh
 from .ulysses import ParallelGrid, check_sp, global_loss, register_ulysses, shard_batch, sp_forward
 
 # %% auto #0
-__all__ = ['DTYPES', 'PRESETS', 'CHECKPOINTS', 'SAVE_WAIT', 'flag', 'TrainConfig', 'load_features', 'check_token_ids',
-           'model_config', 'build_model', 'peak_memory_bytes', 'expected_memory', 'memory_readout', 'write_metrics',
-           'read_metrics', 'truncate_metrics', 'plan_id', 'checkpoints', 'latest_checkpoint', 'commit_checkpoint',
-           'check_resume', 'check_out', 'save_checkpoint', 'load_checkpoint', 'attention_key', 'train_rank',
-           'preflight_run', 'run', 'main']
+__all__ = ['DTYPES', 'PRESETS', 'CHECKPOINTS', 'MODEL_DIR', 'SAVE_WAIT', 'flag', 'TrainConfig', 'load_features',
+           'check_token_ids', 'model_config', 'build_model', 'peak_memory_bytes', 'expected_memory', 'memory_readout',
+           'write_metrics', 'read_metrics', 'truncate_metrics', 'plan_id', 'save_model_dir', 'checkpoints',
+           'latest_checkpoint', 'commit_checkpoint', 'check_resume', 'check_out', 'save_checkpoint', 'load_checkpoint',
+           'attention_key', 'train_rank', 'preflight_run', 'run', 'main']
 
 # %% ../nbs/08_train.ipynb #aa8d263e
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}  # besides "auto"
@@ -233,7 +234,8 @@ def truncate_metrics(out: Path, step: int):
     _replace_file(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in read_metrics(out) if r["step"] < step))
 
 # %% ../nbs/08_train.ipynb #a0f4e3c0
-CHECKPOINTS = "checkpoints"  # out/checkpoints/step-000012/{state.pt, manifest.json}
+CHECKPOINTS = "checkpoints"  # out/checkpoints/step-000012/{state.pt, model/, manifest.json}
+MODEL_DIR = "model"          # inside a checkpoint: the directory `AutoModelForCausalLM.from_pretrained` loads
 _MAY_CHANGE = ("steps", "save_every", "keep", "timeout_s", "resume", "out", "name")  # what a resumed run may change
 SAVE_WAIT = timedelta(days=365)  # how long the other ranks wait for rank 0's save: outside the collective timeout
 
@@ -245,7 +247,8 @@ def plan_id(plan) -> str:
     for b in plan.bins: h.update(np.asarray(b, dtype=np.int64).tobytes() + b"|")
     return h.hexdigest()[:16]
 
-def _fsync_dir(path: Path):
+def _fsync(path: Path):
+    "Flush a file or a directory (its entries) to the disk."
     fd = os.open(path, os.O_RDONLY)
     try: os.fsync(fd)
     finally: os.close(fd)
@@ -254,6 +257,31 @@ def _write_synced(path: Path, write):
     "Create `path` with `write(file)`, then flush it to the disk."
     with open(path, "wb") as f:
         write(f); f.flush(); os.fsync(f.fileno())
+
+def _sync_tree(d: Path) -> dict[str, int]:
+    "Flush every file and directory under `d` to the disk; return the files' sizes by their path inside `d`."
+    files = {}
+    for p in sorted(d.rglob("*"), reverse=True):  # files before the directories holding them
+        _fsync(p)
+        if p.is_file(): files[p.relative_to(d).as_posix()] = p.stat().st_size
+    return files
+
+def save_model_dir(model,                 # the trained model (plain, Ulysses or sharded: only its config is read)
+                   weights: dict,         # its full state dict (on rank 0 of a sharded run: `full_state(...)["model"]`)
+                   path: Path,            # the directory to create
+                   tokenizer=None,        # saved beside the model when given
+                  ) -> Path:
+    "Write `weights` as a transformers model directory (config.json, model.safetensors) that `from_pretrained` loads."
+    from transformers import AutoModelForCausalLM
+    config = copy.deepcopy(model.config)  # from_config keeps the object it is given: the trained model's stays untouched
+    dtype = next(iter(weights.values())).dtype
+    with torch.device("meta"):  # no memory: the weights are assigned below
+        clean = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
+    clean.load_state_dict(weights, assign=True)  # the full tensors themselves, no copy; strict: every key must match
+    clean.tie_weights()  # a tied head is one tensor again (the assignment gave it its own)
+    clean.save_pretrained(path)
+    if tokenizer is not None: tokenizer.save_pretrained(path)
+    return path
 
 def _manifest(d: Path) -> dict | None:
     "The manifest of checkpoint directory `d` if it is complete (every file present at the size recorded), else None."
@@ -274,18 +302,20 @@ def latest_checkpoint(out: Path, say=print) -> tuple[Path, dict] | None:
         say(f"skipping {d}: incomplete (no manifest, or a file shorter than it records)")
     return None
 
-def commit_checkpoint(out: Path, step: int, state: dict, manifest: dict, keep: int) -> Path:
+def commit_checkpoint(out: Path, step: int, state: dict, manifest: dict, keep: int, write_model=None) -> Path:
     "Write checkpoint `step` as one unit: files into a temporary directory, flushed, renamed into place; keep the newest `keep`."
+    # write_model(path): writes the loadable model directory at `path` (None: no model directory)
     root = Path(out) / CHECKPOINTS; root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".tmp-*"): shutil.rmtree(stale)  # left by a save that was killed
     tmp, final = root / f".tmp-step-{step:06d}", root / f"step-{step:06d}"
     tmp.mkdir()
     _write_synced(tmp / "state.pt", lambda f: torch.save(state, f))
-    files = {"state.pt": (tmp / "state.pt").stat().st_size}
+    if write_model is not None: write_model(tmp / MODEL_DIR)
+    files = _sync_tree(tmp)  # every file the manifest vouches for is on the disk at its size
     _write_synced(tmp / "manifest.json", lambda f: f.write(json.dumps({**manifest, "step": step, "files": files}).encode()))
-    _fsync_dir(tmp)
+    _fsync(tmp)
     if final.exists(): shutil.rmtree(final)  # only an incomplete one (resume starts after the newest complete one)
-    tmp.rename(final); _fsync_dir(root)
+    tmp.rename(final); _fsync(root)
     for old, _ in checkpoints(out)[:-keep]: shutil.rmtree(old)
     return final
 
@@ -320,14 +350,16 @@ def _set_rng_state(s: dict):
     torch.set_rng_state(s["cpu"])
     if "cuda" in s: torch.cuda.set_rng_state(s["cuda"])
 
-def save_checkpoint(out: Path, step: int, model, opt, sampler, cfg: TrainConfig, plan: str, wait_group=None):
-    "Save everything needed to continue after `step` steps as one checkpoint, written by rank 0 (a collective)."
+def save_checkpoint(out: Path, step: int, model, opt, sampler, cfg: TrainConfig, plan: str, wait_group=None,
+                    tokenizer=None):
+    "Save everything needed to continue after `step` steps, and the model as `from_pretrained` loads it (with `tokenizer`), as one checkpoint written by rank 0 (a collective)."
     mine = {"sampler": sampler.state_dict(), "rng": _rng_state()}  # this rank's data position and generators
     ranks = [mine]
     if dist.is_initialized(): ranks = [None] * dist.get_world_size(); dist.all_gather_object(ranks, mine, group=wait_group)
     state = full_state(model, opt) if is_sharded(model) else {"model": model.state_dict(), "opt": opt.state_dict()}
     if _rank() == 0:
-        commit_checkpoint(out, step, {**state, "ranks": ranks}, {"config": _identity(cfg), "plan": plan}, cfg.keep)
+        commit_checkpoint(out, step, {**state, "ranks": ranks}, {"config": _identity(cfg), "plan": plan}, cfg.keep,
+                          lambda path: save_model_dir(model, state["model"], path, tokenizer))
     if dist.is_initialized(): dist.barrier(group=wait_group)  # the others wait here, not under the collective timeout
 
 def load_checkpoint(out: Path, model, opt, sampler, cfg: TrainConfig, plan: str) -> int:
@@ -369,7 +401,8 @@ def train_rank(cfg: TrainConfig) -> list[float]:
     model = build_model(cfg, attention_key(cfg), device)
     check_sp(model.config, cfg.sp, world_size=world)
     if cfg.shard: model = shard_model(model, grid, cpu_offload=cfg.cpu_offload)  # before the optimizer sees the parameters
-    features = load_features(cfg.data)
+    tokenizer = load_tokenizer()  # what load_features tokenizes with; saved beside the model in every checkpoint
+    features = load_features(cfg.data, tokenizer)
     check_token_ids(features, model.config.vocab_size, cfg.data)
     plan = plan_bins([len(f["input_ids"]) for f in features], cfg.max_tokens, overlong="split", seed=cfg.seed)
     pid = plan_id(plan)
@@ -409,7 +442,7 @@ def train_rank(cfg: TrainConfig) -> list[float]:
                       peak_mem_bytes=peak_memory_bytes(device), a2a_share=(grid.clock.seconds - comm0) / seconds,
                       time=time.perf_counter() - t_run)
         if step + 1 == cfg.steps or cfg.save_every and (step + 1) % cfg.save_every == 0:
-            save_checkpoint(out, step + 1, model, opt, sampler, cfg, pid, wait)
+            save_checkpoint(out, step + 1, model, opt, sampler, cfg, pid, wait, tokenizer)
     return losses
 
 # %% ../nbs/08_train.ipynb #3129907b
