@@ -148,3 +148,39 @@ def test_lora_under_sp2_equals_one_process():
         assert r["n_params"] == adapters, f"{case}: {r['n_params']} parameters got gradients, expected {adapters}"
         worst = max(r["logits"], r["loss"], r["grads"])
         assert worst <= TOL[case.dtype], f"{case}: logits {r['logits']:.2e}, loss {r['loss']:.2e}, grads {r['grads']:.2e}"
+
+
+# ---------------------------------------------------------------- workbench.train --lora-r: adapters only, saved as PEFT
+
+def test_train_lora_sp2_sharded_equals_one_process_and_saves_a_peft_adapter(tmp_path):
+    from transformers import AutoModelForCausalLM
+    from workbench.train import ADAPTER_DIR, MODEL_DIR, TrainConfig, build_model, latest_checkpoint, run, train_rank
+    cfg = TrainConfig(steps=3, max_tokens=256, lora_r=4, lr=1e-2, save_every=3)
+    with pytest.raises(ValueError, match=r"lora_r \(--lora-r\) must be an integer >= 0"): TrainConfig(lora_r=-1)
+    one = train_rank(TrainConfig(**{**cfg.__dict__, "out": str(tmp_path / "one")}))
+    two = run(TrainConfig(**{**cfg.__dict__, "sp": 2, "shard": True, "out": str(tmp_path / "two")}))
+    assert len(one) == len(two) == 3 and all(abs(a - b) <= 1e-5 * max(abs(b), 1) for a, b in zip(one, two)), (one, two)
+    start = build_model(TrainConfig(), "sdpa", torch.device("cpu")).state_dict()  # the seeded model before training
+    for out in ("one", "two"):
+        where, manifest = latest_checkpoint(tmp_path / out)
+        assert {f"{ADAPTER_DIR}/adapter_config.json", f"{ADAPTER_DIR}/adapter_model.safetensors",
+                f"{MODEL_DIR}/model.safetensors"} <= set(manifest["files"])
+        trained = torch.load(where / "state.pt", weights_only=True)["model"]
+        lora_keys = [k for k in trained if "lora_" in k]
+        assert lora_keys and any(trained[k].abs().max() > 0 for k in lora_keys if "lora_B" in k)  # B moved from 0
+        for k, v in trained.items():  # only the adapters trained: every base weight is the seeded one
+            if "lora_" not in k: assert torch.equal(v, start[k.replace(".base_layer", "")]), k
+        base = AutoModelForCausalLM.from_pretrained(where / MODEL_DIR)
+        assert torch.equal(base.state_dict()["lm_head.weight"], start["lm_head.weight"])
+        tuned = peft.PeftModel.from_pretrained(base, where / ADAPTER_DIR)  # what a user loads
+        loaded = tuned.state_dict()
+        assert all(torch.equal(loaded[f"base_model.model.{k}"], v) for k, v in trained.items())
+        reference = build_model(cfg, "sdpa", torch.device("cpu")).eval()  # the training model, trained weights
+        reference.load_state_dict(trained)
+        ids = torch.arange(3, 60)[None]
+        with torch.no_grad():
+            assert torch.equal(tuned(input_ids=ids, use_cache=False).logits, reference(ids, use_cache=False).logits)
+    # resume restores the adapters and their optimizer: step 4 after a resume equals step 4 of a straight run
+    resumed = train_rank(TrainConfig(**{**cfg.__dict__, "steps": 4, "resume": True, "out": str(tmp_path / "one")}))
+    straight = train_rank(TrainConfig(**{**cfg.__dict__, "steps": 4, "out": str(tmp_path / "straight")}))
+    assert straight[:3] == one and abs(resumed[0] - straight[3]) <= 1e-6, (resumed, straight)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import copy
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -33,15 +34,15 @@ from .shard import full_state, is_sharded, load_full_state, reduce_gradients, sh
 from .ulysses import ParallelGrid, check_sp, global_loss, register_ulysses, shard_batch, sp_forward
 
 # %% auto #0
-__all__ = ['DTYPES', 'PRESETS', 'CHECKPOINTS', 'MODEL_DIR', 'SAVE_WAIT', 'flag', 'TrainConfig', 'load_features',
-           'check_token_ids', 'model_config', 'build_model', 'peak_memory_bytes', 'expected_memory', 'memory_readout',
-           'write_metrics', 'read_metrics', 'truncate_metrics', 'plan_id', 'save_model_dir', 'checkpoints',
-           'latest_checkpoint', 'commit_checkpoint', 'check_resume', 'check_out', 'save_checkpoint', 'load_checkpoint',
-           'attention_key', 'train_rank', 'preflight_run', 'run', 'main']
+__all__ = ['DTYPES', 'PRESETS', 'CHECKPOINTS', 'MODEL_DIR', 'ADAPTER_DIR', 'SAVE_WAIT', 'flag', 'TrainConfig', 'load_features',
+           'check_token_ids', 'model_config', 'add_lora', 'build_model', 'peak_memory_bytes', 'expected_memory',
+           'memory_readout', 'write_metrics', 'read_metrics', 'truncate_metrics', 'plan_id', 'save_model_dir',
+           'checkpoints', 'latest_checkpoint', 'commit_checkpoint', 'check_resume', 'check_out', 'save_checkpoint',
+           'load_checkpoint', 'attention_key', 'train_rank', 'preflight_run', 'run', 'main']
 
 # %% ../nbs/08_train.ipynb #aa8d263e
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}  # besides "auto"
-_AT_LEAST = dict(sp=1, dp=1, steps=1, max_tokens=1, grad_accum=1, seed=0, loss_chunk=0, mlp_chunk=0, save_every=0, keep=1)
+_AT_LEAST = dict(sp=1, dp=1, steps=1, max_tokens=1, grad_accum=1, seed=0, loss_chunk=0, mlp_chunk=0, save_every=0, keep=1, lora_r=0)
 
 def flag(name: str) -> str:
     "The command-line flag of a `TrainConfig` field."
@@ -65,6 +66,7 @@ class TrainConfig:
     loss_chunk: int = 0         # tiled loss in tiles of this many tokens, never the full logits (0: off)
     mlp_chunk: int = 0          # tiled MLP in tiles of this many tokens (0: off)
     lean_kernels: bool = False  # RMSNorm and SwiGLU that save only their inputs (the memory of fused kernels), exact
+    lora_r: int = 0             # LoRA rank (peft): train only adapters on every linear layer but the head (0: every weight)
     shard: bool = False         # shard parameters, gradients and optimizer states over all sp*dp processes (FSDP2)
     cpu_offload: bool = False   # with shard: keep the sharded states and the optimizer step in host memory
     dtype: str = "auto"         # auto: bf16 on CUDA, fp32 on CPU; or float32 / bfloat16 / float64
@@ -92,6 +94,8 @@ class TrainConfig:
             raise ValueError(f"dtype (--dtype) {self.dtype!r} is not one of {['auto', *DTYPES]}{why}")
         if self.offload_checkpoints and not self.checkpointing:
             raise ValueError("offload_checkpoints moves activation checkpoints to the host: set checkpointing=True as well")
+        if self.lora_r and importlib.util.find_spec("peft") is None:
+            raise ValueError("lora_r (--lora-r) trains LoRA adapters with the peft package: pip install peft")
         if self.cpu_offload and not self.shard:
             raise ValueError("cpu_offload offloads the sharded states: set shard=True as well")
 
@@ -171,6 +175,14 @@ def model_config(cfg: TrainConfig):
     raise ValueError(f"model (--model) {cfg.model!r} is neither a shipped family {model_families()} nor a directory "
                      f"with config.json")
 
+def add_lora(model, r: int):
+    "Inject LoRA adapters of rank `r` into every linear layer but the head, in place, and freeze every other weight."
+    from peft import LoraConfig, get_peft_model
+    # the returned PeftModel only forwards to `model`: training runs `model` itself, so sharding, tiling and the
+    # tiled loss see a plain transformers model; `model.peft_config` (set by peft) says how to save the adapter
+    get_peft_model(model, LoraConfig(r=r, target_modules="all-linear"))
+    return model
+
 def build_model(cfg: TrainConfig, attn_implementation: str, device: torch.device):
     "The model of `cfg.model` with the given attention, seeded, in train mode (checkpoint weights loaded when present)."
     from transformers import AutoModelForCausalLM
@@ -180,6 +192,7 @@ def build_model(cfg: TrainConfig, attn_implementation: str, device: torch.device
     weights = cfg.model not in model_families() and any(p.suffix in (".safetensors", ".bin") for p in Path(cfg.model).iterdir())
     model = (AutoModelForCausalLM.from_pretrained(cfg.model, attn_implementation=attn_implementation, dtype=dtype) if weights
              else AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype))
+    if cfg.lora_r: add_lora(model, cfg.lora_r)  # before the patches: a tiled MLP must see the adapters' parameters
     if cfg.checkpointing: checkpoint_layers(model, offload=cfg.offload_checkpoints)
     if cfg.lean_kernels: lean_kernels(model)  # before tile_mlp, whose tiles then run the lean MLP
     if cfg.mlp_chunk: tile_mlp(model, cfg.mlp_chunk)
@@ -236,6 +249,7 @@ def truncate_metrics(out: Path, step: int):
 # %% ../nbs/08_train.ipynb #a0f4e3c0
 CHECKPOINTS = "checkpoints"  # out/checkpoints/step-000012/{state.pt, model/, manifest.json}
 MODEL_DIR = "model"          # inside a checkpoint: the directory `AutoModelForCausalLM.from_pretrained` loads
+ADAPTER_DIR = "adapter"      # inside a checkpoint of a LoRA run: the adapter `PeftModel.from_pretrained` loads onto model/
 _MAY_CHANGE = ("steps", "save_every", "keep", "timeout_s", "resume", "out", "name")  # what a resumed run may change
 SAVE_WAIT = timedelta(days=365)  # how long the other ranks wait for rank 0's save: outside the collective timeout
 
@@ -268,20 +282,27 @@ def _sync_tree(d: Path) -> dict[str, int]:
 
 def save_model_dir(model,                 # the trained model (plain, Ulysses or sharded: only its config is read)
                    weights: dict,         # its full state dict (on rank 0 of a sharded run: `full_state(...)["model"]`)
-                   path: Path,            # the directory to create
+                   where: Path,           # the checkpoint directory being written
                    tokenizer=None,        # saved beside the model when given
                   ) -> Path:
-    "Write `weights` as a transformers model directory (config.json, model.safetensors) that `from_pretrained` loads."
+    "Write `weights` as `where/model`, a transformers directory `from_pretrained` loads; a LoRA model's adapter as `where/adapter`, its frozen base as `where/model`."
     from transformers import AutoModelForCausalLM
     config = copy.deepcopy(model.config)  # from_config keeps the object it is given: the trained model's stays untouched
-    dtype = next(iter(weights.values())).dtype
+    lora = getattr(model, "peft_config", {}).get("default")  # peft sets it on the model it injected adapters into
     with torch.device("meta"):  # no memory: the weights are assigned below
-        clean = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
+        clean = AutoModelForCausalLM.from_config(config, dtype=next(iter(weights.values())).dtype, attn_implementation="eager")
+        if lora is not None:
+            from peft import get_peft_model
+            clean = get_peft_model(clean, copy.deepcopy(lora))
+            weights = {f"base_model.model.{k}": v for k, v in weights.items()}  # the PeftModel's names
     clean.load_state_dict(weights, assign=True)  # the full tensors themselves, no copy; strict: every key must match
+    if lora is not None:
+        clean.save_pretrained(where / ADAPTER_DIR)
+        clean = clean.unload()  # the base model, its layers without the adapters
     clean.tie_weights()  # a tied head is one tensor again (the assignment gave it its own)
-    clean.save_pretrained(path)
-    if tokenizer is not None: tokenizer.save_pretrained(path)
-    return path
+    clean.save_pretrained(where / MODEL_DIR)
+    if tokenizer is not None: tokenizer.save_pretrained(where / MODEL_DIR)
+    return where / MODEL_DIR
 
 def _manifest(d: Path) -> dict | None:
     "The manifest of checkpoint directory `d` if it is complete (every file present at the size recorded), else None."
@@ -304,13 +325,13 @@ def latest_checkpoint(out: Path, say=print) -> tuple[Path, dict] | None:
 
 def commit_checkpoint(out: Path, step: int, state: dict, manifest: dict, keep: int, write_model=None) -> Path:
     "Write checkpoint `step` as one unit: files into a temporary directory, flushed, renamed into place; keep the newest `keep`."
-    # write_model(path): writes the loadable model directory at `path` (None: no model directory)
+    # write_model(dir): writes the loadable model files into the checkpoint directory `dir` (None: none)
     root = Path(out) / CHECKPOINTS; root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".tmp-*"): shutil.rmtree(stale)  # left by a save that was killed
     tmp, final = root / f".tmp-step-{step:06d}", root / f"step-{step:06d}"
     tmp.mkdir()
     _write_synced(tmp / "state.pt", lambda f: torch.save(state, f))
-    if write_model is not None: write_model(tmp / MODEL_DIR)
+    if write_model is not None: write_model(tmp)
     files = _sync_tree(tmp)  # every file the manifest vouches for is on the disk at its size
     _write_synced(tmp / "manifest.json", lambda f: f.write(json.dumps({**manifest, "step": step, "files": files}).encode()))
     _fsync(tmp)
@@ -359,7 +380,7 @@ def save_checkpoint(out: Path, step: int, model, opt, sampler, cfg: TrainConfig,
     state = full_state(model, opt) if is_sharded(model) else {"model": model.state_dict(), "opt": opt.state_dict()}
     if _rank() == 0:
         commit_checkpoint(out, step, {**state, "ranks": ranks}, {"config": _identity(cfg), "plan": plan}, cfg.keep,
-                          lambda path: save_model_dir(model, state["model"], path, tokenizer))
+                          lambda where: save_model_dir(model, state["model"], where, tokenizer))
     if dist.is_initialized(): dist.barrier(group=wait_group)  # the others wait here, not under the collective timeout
 
 def load_checkpoint(out: Path, model, opt, sampler, cfg: TrainConfig, plan: str) -> int:
@@ -408,7 +429,7 @@ def train_rank(cfg: TrainConfig) -> list[float]:
     pid = plan_id(plan)
     sampler = TokenBudgetSampler(plan, seed=cfg.seed, num_replicas=cfg.dp, rank=grid.dp_rank)
     pieces, collate = plan.dataset(features), FlatteningCollator(pad_to_multiple_of=cfg.sp)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)  # LoRA: the adapters
     out = Path(cfg.out); out.mkdir(parents=True, exist_ok=True)
     start = load_checkpoint(out, model, opt, sampler, cfg, pid) if cfg.resume else 0
     if _rank() == 0:
