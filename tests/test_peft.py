@@ -140,7 +140,8 @@ def test_lora_under_sp2_equals_one_process():
              Case("qwen2", "eager", lora=EVERYWHERE, lora_save=("lm_head",)),       # GQA, a module trained whole
              Case("llama", "sdpa", lora=EVERYWHERE, dtype="float64"),
              Case("mistral", "sdpa", lora=ATTENTION, checkpointing=True, reentrant=True),  # sliding window, recompute
-             Case("qwen2", "sdpa", lora=ATTENTION, packed=False)]                  # one long document
+             Case("qwen2", "sdpa", lora=ATTENTION, packed=False),                  # one long document
+             Case("llama", "sdpa", lora=EVERYWHERE, dtype="float64", lean=True, mlp_chunk=24, checkpointing=True)]
     results = prove_equivalence(cases, world_size=2, sp_size=2)
     for r in results:
         case = r["case"]

@@ -420,8 +420,8 @@ class Case:
     lora: tuple = ()               # PEFT LoRA adapters (r=4, random init) on these module names: only they train
     lora_save: tuple = ()          # with lora: modules trained whole beside the adapters (PEFT's `modules_to_save`)
 
-def case_model(case: Case, attn_implementation: str):
-    "The tiny model of a case (same seed: same weights in every process) with lean kernels and LoRA adapters when it asks."
+def case_model(case: Case, attn_implementation: str, tiled: bool = False):
+    "The tiny model of a case (same seed: same weights in every process) with lean kernels, LoRA adapters and (`tiled`) the tiled MLP when it asks."
     model = tiny_model(case.family, attn_implementation=attn_implementation, dtype=getattr(torch, case.dtype))
     if case.lean: lean_kernels(model)
     if case.lora:
@@ -430,6 +430,8 @@ def case_model(case: Case, attn_implementation: str):
         lora = LoraConfig(r=4, target_modules=list(case.lora), modules_to_save=list(case.lora_save) or None,
                           init_lora_weights=False)
         model = get_peft_model(model, lora)
+    if tiled and case.mlp_chunk:  # after the adapters: the tiles must see their parameters; on the model inside PEFT's
+        tile_mlp(model.get_base_model() if case.lora else model, case.mlp_chunk)
     return model
 
 def case_rows(case: Case, n_rows: int = 1) -> list:
@@ -485,10 +487,9 @@ def check_equivalence(cases: list,        # the `Case`s to check
     results = []
     for i, case in enumerate(cases):
         ref = references[i] if references else one_process(case, grid.dp_size)
-        model = case_model(case, register_ulysses(case.inner))
+        model = case_model(case, register_ulysses(case.inner), tiled=True)
         if case.checkpointing: model.train().activation_checkpointing_enable({"use_reentrant": case.reentrant})
         if case.reentrant: model.enable_input_require_grads()  # else the frozen embeddings' output needs no grad: nothing recomputes
-        if case.mlp_chunk: tile_mlp(model, case.mlp_chunk)
         row = ref["rows"][grid.dp_rank]
         logits, loss = sp_forward(model, shard_batch(row, grid.sp_rank, grid.sp_size), grid, case.loss_chunk)
         loss.backward()
