@@ -12,7 +12,7 @@ peft = pytest.importorskip("peft")
 
 from workbench.attention import KEY as VARLEN
 from workbench.core import tiny_model
-from workbench.doctor import check_packing, contamination_probe, matrix_examples, padded_twin, unwrap
+from workbench.doctor import check_packing, contamination_probe, matrix_examples, padded_twin, prompt_learning, unwrap
 from workbench.packing import FlatteningCollator
 from workbench.ulysses import Case, prove_equivalence
 
@@ -185,3 +185,15 @@ def test_train_lora_sp2_sharded_equals_one_process_and_saves_a_peft_adapter(tmp_
     resumed = train_rank(TrainConfig(**{**cfg.__dict__, "steps": 4, "resume": True, "out": str(tmp_path / "one")}))
     straight = train_rank(TrainConfig(**{**cfg.__dict__, "steps": 4, "out": str(tmp_path / "straight")}))
     assert straight[:3] == one and abs(resumed[0] - straight[3]) <= 1e-6, (resumed, straight)
+
+
+@pytest.mark.parametrize("method", ["prefix", "prompt"])
+def test_prompt_learning_adapters_are_refused_with_the_reason(packed, method):
+    "Prefix / prompt tuning add virtual tokens per row, not per packed example: the doctor fails them and names the fix."
+    config = (peft.PrefixTuningConfig if method == "prefix" else peft.PromptTuningConfig)(num_virtual_tokens=4, task_type="CAUSAL_LM")
+    report = check_packing(peft.get_peft_model(tiny_model("llama"), config), packed, NO_CACHE)
+    finding = report["PEFT adapter packs"]
+    assert not report.clean and finding.status == "fail" and "PaddingCollator" in finding.fix, report
+    assert method.upper() in finding.detail
+    assert prompt_learning(report_model := peft.get_peft_model(tiny_model("llama"), config)) == method.upper() + "_TUNING"
+    assert prompt_learning(lora(tiny_model("llama"))) is None and prompt_learning(report_model.get_base_model()) is None
