@@ -56,3 +56,75 @@ def test_cli_self_launch_torchrun_and_sharded_agree(tmp_path):
     assert len(a) == len(b) == len(c) == 2
     assert all(abs(x - y) <= 1e-6 for x, y in zip(a, b)), (a, b)
     assert all(abs(x - y) <= 1e-5 * abs(y) for x, y in zip(c, a)), (c, a)  # FSDP2-sharded states: the same steps
+    from workbench.core import tiny_config
+    for run in ("self", "torchrun"):  # SP=2 checkpoints load with from_pretrained (the sharded one: the test below)
+        assert_loads_as_trained(tmp_path / run, tiny_config("qwen2"))
+
+
+# ---------------------------------------------------------------- checkpoints a user can load with from_pretrained
+
+TEXT = "The quick brown fox jumps over the lazy dog"
+# What a user does with the directory afterwards: load model and tokenizer, run them. `python -c LOADER dir out.pt` runs
+# it in a fresh interpreter that never imports workbench; `exec` runs it here.
+LOADER = f"""
+import sys, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_and_run(model_dir):
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    ids = AutoTokenizer.from_pretrained(model_dir)({TEXT!r}, return_tensors="pt")["input_ids"]
+    with torch.no_grad(): logits = model(ids, use_cache=False).logits
+    return dict(ids=ids, logits=logits, attn=model.config._attn_implementation,
+                tied=model.lm_head.weight is model.get_input_embeddings().weight, workbench="workbench" in sys.modules)
+if __name__ == "__main__": torch.save(load_and_run(sys.argv[1]), sys.argv[2])
+"""
+
+
+def assert_loads_as_trained(out: Path, config, fresh: Path | None = None) -> dict:
+    "The newest checkpoint's model directory: in its manifest, every weight equal to state.pt's, the same logits (in a fresh process when `fresh` is a scratch folder)."
+    import torch
+    from transformers import AutoModelForCausalLM
+    from workbench.core import load_tokenizer
+    from workbench.train import MODEL_DIR, latest_checkpoint
+    where, manifest = latest_checkpoint(out)
+    model_dir = where / MODEL_DIR
+    assert {f"{MODEL_DIR}/{n}" for n in ("config.json", "model.safetensors", "tokenizer.json")} <= set(manifest["files"])
+    assert not [k for k in json.loads((model_dir / "config.json").read_text()) if "attn" in k]  # the loader's default
+    trained = torch.load(where / "state.pt", weights_only=True)["model"]  # the trained model, as resume restores it
+    loaded = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+    assert set(loaded) == set(trained) and all(torch.equal(loaded[k], v) for k, v in trained.items())
+    threads = torch.get_num_threads()
+    try:
+        if fresh is None:
+            scope = {}; exec(LOADER, scope); got = scope["load_and_run"](model_dir)
+        else:
+            subprocess.run([sys.executable, "-c", LOADER, str(model_dir), str(fresh / "got.pt")], check=True,
+                           cwd=fresh, timeout=120)
+            got = torch.load(fresh / "got.pt", weights_only=True)
+            assert not got["workbench"]
+        assert got["attn"] == "sdpa" and torch.equal(got["ids"], load_tokenizer()(TEXT, return_tensors="pt")["input_ids"])
+        reference = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        reference.load_state_dict(trained)
+        torch.set_num_threads(1)
+        with torch.no_grad(): assert torch.equal(reference(got["ids"], use_cache=False).logits, got["logits"])
+    finally: torch.set_num_threads(threads)
+    return got
+
+
+def test_sp2_sharded_checkpoint_loads_with_from_pretrained_in_a_fresh_process(tmp_path):
+    from workbench.core import tiny_config
+    from workbench.train import TrainConfig, run
+    run(TrainConfig(sp=2, shard=True, steps=2, max_tokens=256, data="orca_like", model="qwen2", out=str(tmp_path / "run")))
+    assert_loads_as_trained(tmp_path / "run", tiny_config("qwen2"), fresh=tmp_path)
+
+
+def test_tied_embeddings_from_a_config_directory_save_one_head(tmp_path):
+    from safetensors import safe_open
+    from workbench.core import tiny_config
+    from workbench.train import MODEL_DIR, TrainConfig, latest_checkpoint, train_rank
+    config = tiny_config("llama", tie_word_embeddings=True)
+    config.save_pretrained(tmp_path / "tied")  # a model directory with a config only: trained from scratch
+    train_rank(TrainConfig(model=str(tmp_path / "tied"), steps=2, max_tokens=256, out=str(tmp_path / "run")))
+    assert assert_loads_as_trained(tmp_path / "run", config)["tied"]
+    with safe_open(latest_checkpoint(tmp_path / "run")[0] / MODEL_DIR / "model.safetensors", "pt") as f:
+        assert "lm_head.weight" not in f.keys() and "model.embed_tokens.weight" in f.keys()

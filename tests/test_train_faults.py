@@ -50,9 +50,16 @@ elif point == "while pruning":                       # the new checkpoint in pla
     real_rmtree = T.shutil.rmtree
     def rmtree(path, *a, **kw):
         if pathlib.Path(path).name.startswith("step-") and due():
-            next(pathlib.Path(path).iterdir()).unlink(); die()
+            next(f for f in sorted(pathlib.Path(path).rglob("*")) if f.is_file()).unlink(); die()
         return real_rmtree(path, *a, **kw)
     T.shutil.rmtree = rmtree
+elif point == "in save_pretrained":                  # state.pt complete, half of model/model.safetensors written
+    real_model = T.save_model_dir
+    def save_model(model, weights, where, tokenizer=None):
+        path = real_model(model, weights, where, tokenizer)
+        if not due(): return path
+        f = path / "model.safetensors"; f.write_bytes(f.read_bytes()[: f.stat().st_size // 2]); die()
+    T.save_model_dir = save_model
 elif point == "slow save":                           # every save takes `k` seconds (not a kill: a slow disk)
     import time
     real_save = torch.save
@@ -68,7 +75,7 @@ elif point == "mid metrics line":                    # half a JSON line in metri
     T.write_metrics = metrics
 T.main(args)
 '''
-POINTS = ("in torch.save", "before the manifest", "before the rename", "while pruning", "mid metrics line", "after n rows")
+POINTS = ("in torch.save", "in save_pretrained", "before the manifest", "before the rename", "while pruning", "mid metrics line", "after n rows")
 
 
 def _env():
@@ -256,3 +263,22 @@ def test_ctrl_c_of_a_single_process_run_exits_130_and_resumes(tmp_path, referenc
     r = _cli(*ARGS, "--out", str(out), "--resume")
     assert r.returncode == 0, r.stderr[-3000:]
     _check_against(out, reference)
+
+
+def test_kill_inside_save_pretrained_leaves_the_previous_model_loadable(tmp_path, reference):
+    "kill -9 with half of step 3's model.safetensors written: step 2 stays the newest complete checkpoint, its model loads; resume finishes."
+    import torch
+    from transformers import AutoModelForCausalLM
+    from workbench.train import MODEL_DIR, latest_checkpoint
+    out = tmp_path / "run"
+    assert _killed_run(tmp_path, out, "in save_pretrained", 3, resume=False) == -signal.SIGKILL
+    assert sorted(d.name for d in (out / "checkpoints").iterdir()) == [".tmp-step-000003", "step-000001", "step-000002"]
+    where, manifest = latest_checkpoint(out)
+    assert where.name == "step-000002" and f"{MODEL_DIR}/model.safetensors" in manifest["files"]
+    trained = torch.load(where / "state.pt", weights_only=True)["model"]
+    loaded = AutoModelForCausalLM.from_pretrained(where / MODEL_DIR).state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in trained.items())
+    r = _cli(*ARGS, "--out", str(out), "--resume")
+    assert r.returncode == 0, r.stderr[-3000:]
+    _check_against(out, reference)
+    assert not list((out / "checkpoints").glob(".tmp-*"))

@@ -24,9 +24,10 @@ from .packing import FlatteningCollator, PaddingCollator
 
 # %% auto #0
 __all__ = ['STATUSES', 'MATRIX_IMPLS', 'FORWARD_ONLY', 'KNOWN_LIMITS', 'Finding', 'DoctorReport', 'boundary_fields',
-           'batch_lengths', 'padded_twin', 'unwrap', 'Equality', 'compare_layouts', 'contamination_probe',
-           'leak_sources', 'boundaries_read', 'expected_position_start', 'accepts_position_ids', 'default_tolerance',
-           'check_packing', 'MatrixRow', 'matrix_examples', 'family_row', 'family_matrix', 'matrix_markdown', 'main']
+           'batch_lengths', 'padded_twin', 'unwrap', 'Equality', 'prompt_learning', 'trainable', 'compare_layouts',
+           'contamination_probe', 'leak_sources', 'boundaries_read', 'expected_position_start', 'accepts_position_ids',
+           'default_tolerance', 'check_packing', 'MatrixRow', 'matrix_examples', 'family_row', 'family_matrix',
+           'matrix_markdown', 'main']
 
 # %% ../nbs/05_doctor.ipynb #090b2688
 STATUSES = ("pass", "warn", "fail")  # a finding's status, from good to bad
@@ -161,12 +162,22 @@ class Equality:
     "Largest differences between the packed and the padded layout of the same examples."
     logits: float           # max |logit difference| over all real tokens
     loss: float             # |loss difference|
-    grads: float | None     # max |gradient difference| over all parameters (None: not measured)
+    grads: float | None     # max |gradient difference| over all trainable parameters (None: not measured, or none trains)
+
+def prompt_learning(model) -> str | None:
+    "The PEFT method of `model`'s active adapter if it is prompt learning (prefix or prompt tuning, p-tuning...), else None."
+    config = getattr(model, "active_peft_config", None)  # a PeftModel's; plain models have none
+    return str(config.peft_type.value) if getattr(config, "is_prompt_learning", False) else None
+
+def trainable(model) -> int:
+    "How many parameter tensors of `model` require a gradient (PEFT freezes the base; `merge_and_unload` keeps it frozen)."
+    return sum(p.requires_grad for p in model.parameters())
 
 def compare_layouts(model, batch: dict, forward_kwargs: dict | None = None, grads: bool = True) -> Equality:
     "Run a packed `batch` (with `forward_kwargs`, as the training loop would) and its padded twin; return the differences."
     forward_kwargs = {} if forward_kwargs is None else forward_kwargs
     runner, inner, _ = unwrap(model)
+    grads = grads and trainable(runner) > 0  # a frozen model has no gradient to compare
     lengths = batch_lengths(batch).tolist()
     was_training = runner.training
     runner.eval()
@@ -465,6 +476,15 @@ def check_packing(model,                        # a transformers causal LM, or a
     add(Finding("wrappers", "pass", f"{' > '.join(wrappers)} around {type(inner).__name__}: measured through "
                 f"{type(runner).__name__} (DDP-style `.module` wrappers are stepped through)" if wrappers
                 else f"no wrapper: {type(inner).__name__}"))
+    if method := prompt_learning(runner):
+        add(Finding("PEFT adapter packs", "fail", f"the active PEFT adapter is {method}: its virtual tokens are added "
+                    f"once per row (a key/value prefix or extra input embeddings), not once per packed example",
+                    "train prompt-learning adapters on padded batches (PaddingCollator), or use LoRA-style adapters, "
+                    "which act per token and pack"))
+    if grads and not trainable(runner):
+        add(Finding("trainable parameters", "warn", "no parameter requires a gradient (a merged PEFT model keeps the "
+                    "frozen base): gradients not compared", "call model.requires_grad_(True) before training it"))
+        grads = False
     try:
         lengths = batch_lengths(batch)
         if batch.get("labels") is None: raise ValueError("the batch has no labels: the loss cannot be compared; "

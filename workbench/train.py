@@ -5,7 +5,9 @@
 # %% ../nbs/08_train.ipynb #c717fc3d
 from __future__ import annotations
 import argparse
+import copy
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -33,15 +35,15 @@ from .shard import full_state, is_sharded, load_full_state, reduce_gradients, sh
 from .ulysses import ParallelGrid, check_sp, global_loss, register_ulysses, shard_batch, sp_forward
 
 # %% auto #0
-__all__ = ['DTYPES', 'PRESETS', 'CHECKPOINTS', 'SAVE_WAIT', 'flag', 'TrainConfig', 'chat_features', 'load_features',
-           'check_token_ids', 'model_config', 'build_model', 'peak_memory_bytes', 'expected_memory', 'memory_readout',
-           'write_metrics', 'read_metrics', 'truncate_metrics', 'plan_id', 'checkpoints', 'latest_checkpoint',
-           'commit_checkpoint', 'check_resume', 'check_out', 'save_checkpoint', 'load_checkpoint', 'attention_key',
-           'train_rank', 'preflight_run', 'run', 'main']
+__all__ = ['DTYPES', 'PRESETS', 'CHECKPOINTS', 'MODEL_DIR', 'ADAPTER_DIR', 'SAVE_WAIT', 'flag', 'TrainConfig', 'chat_features',
+           'load_features', 'check_token_ids', 'model_config', 'add_lora', 'build_model', 'peak_memory_bytes',
+           'expected_memory', 'memory_readout', 'write_metrics', 'read_metrics', 'truncate_metrics', 'plan_id',
+           'save_model_dir', 'checkpoints', 'latest_checkpoint', 'commit_checkpoint', 'check_resume', 'check_out',
+           'save_checkpoint', 'load_checkpoint', 'attention_key', 'train_rank', 'preflight_run', 'run', 'main']
 
 # %% ../nbs/08_train.ipynb #aa8d263e
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}  # besides "auto"
-_AT_LEAST = dict(sp=1, dp=1, steps=1, max_tokens=1, grad_accum=1, seed=0, loss_chunk=0, mlp_chunk=0, save_every=0, keep=1)
+_AT_LEAST = dict(sp=1, dp=1, steps=1, max_tokens=1, grad_accum=1, seed=0, loss_chunk=0, mlp_chunk=0, save_every=0, keep=1, lora_r=0)
 
 def flag(name: str) -> str:
     "The command-line flag of a `TrainConfig` field."
@@ -65,6 +67,7 @@ class TrainConfig:
     loss_chunk: int = 0         # tiled loss in tiles of this many tokens, never the full logits (0: off)
     mlp_chunk: int = 0          # tiled MLP in tiles of this many tokens (0: off)
     lean_kernels: bool = False  # RMSNorm and SwiGLU that save only their inputs (the memory of fused kernels), exact
+    lora_r: int = 0             # LoRA rank (peft): train only adapters on every linear layer but the head (0: every weight)
     shard: bool = False         # shard parameters, gradients and optimizer states over all sp*dp processes (FSDP2)
     cpu_offload: bool = False   # with shard: keep the sharded states and the optimizer step in host memory
     dtype: str = "auto"         # auto: bf16 on CUDA, fp32 on CPU; or float32 / bfloat16 / float64
@@ -92,6 +95,8 @@ class TrainConfig:
             raise ValueError(f"dtype (--dtype) {self.dtype!r} is not one of {['auto', *DTYPES]}{why}")
         if self.offload_checkpoints and not self.checkpointing:
             raise ValueError("offload_checkpoints moves activation checkpoints to the host: set checkpointing=True as well")
+        if self.lora_r and importlib.util.find_spec("peft") is None:
+            raise ValueError("lora_r (--lora-r) trains LoRA adapters with the peft package: pip install peft")
         if self.cpu_offload and not self.shard:
             raise ValueError("cpu_offload offloads the sharded states: set shard=True as well")
 
@@ -227,6 +232,14 @@ def model_config(cfg: TrainConfig):
     raise ValueError(f"model (--model) {cfg.model!r} is neither a shipped family {model_families()} nor a directory "
                      f"with config.json")
 
+def add_lora(model, r: int):
+    "Inject LoRA adapters of rank `r` into every linear layer but the head, in place, and freeze every other weight."
+    from peft import LoraConfig, get_peft_model
+    # the returned PeftModel only forwards to `model`: training runs `model` itself, so sharding, tiling and the
+    # tiled loss see a plain transformers model; `model.peft_config` (set by peft) says how to save the adapter
+    get_peft_model(model, LoraConfig(r=r, target_modules="all-linear"))
+    return model
+
 def build_model(cfg: TrainConfig, attn_implementation: str, device: torch.device):
     "The model of `cfg.model` with the given attention, seeded, in train mode (checkpoint weights loaded when present)."
     from transformers import AutoModelForCausalLM
@@ -236,6 +249,7 @@ def build_model(cfg: TrainConfig, attn_implementation: str, device: torch.device
     weights = cfg.model not in model_families() and any(p.suffix in (".safetensors", ".bin") for p in Path(cfg.model).iterdir())
     model = (AutoModelForCausalLM.from_pretrained(cfg.model, attn_implementation=attn_implementation, dtype=dtype) if weights
              else AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype))
+    if cfg.lora_r: add_lora(model, cfg.lora_r)  # before the patches: a tiled MLP must see the adapters' parameters
     if cfg.checkpointing: checkpoint_layers(model, offload=cfg.offload_checkpoints)
     if cfg.lean_kernels: lean_kernels(model)  # before tile_mlp, whose tiles then run the lean MLP
     if cfg.mlp_chunk: tile_mlp(model, cfg.mlp_chunk)
@@ -290,7 +304,9 @@ def truncate_metrics(out: Path, step: int):
     _replace_file(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in read_metrics(out) if r["step"] < step))
 
 # %% ../nbs/08_train.ipynb #a0f4e3c0
-CHECKPOINTS = "checkpoints"  # out/checkpoints/step-000012/{state.pt, manifest.json}
+CHECKPOINTS = "checkpoints"  # out/checkpoints/step-000012/{state.pt, model/, manifest.json}
+MODEL_DIR = "model"          # inside a checkpoint: the directory `AutoModelForCausalLM.from_pretrained` loads
+ADAPTER_DIR = "adapter"      # inside a checkpoint of a LoRA run: the adapter `PeftModel.from_pretrained` loads onto model/
 _MAY_CHANGE = ("steps", "save_every", "keep", "timeout_s", "resume", "out", "name")  # what a resumed run may change
 SAVE_WAIT = timedelta(days=365)  # how long the other ranks wait for rank 0's save: outside the collective timeout
 
@@ -302,7 +318,8 @@ def plan_id(plan) -> str:
     for b in plan.bins: h.update(np.asarray(b, dtype=np.int64).tobytes() + b"|")
     return h.hexdigest()[:16]
 
-def _fsync_dir(path: Path):
+def _fsync(path: Path):
+    "Flush a file or a directory (its entries) to the disk."
     fd = os.open(path, os.O_RDONLY)
     try: os.fsync(fd)
     finally: os.close(fd)
@@ -311,6 +328,44 @@ def _write_synced(path: Path, write):
     "Create `path` with `write(file)`, then flush it to the disk."
     with open(path, "wb") as f:
         write(f); f.flush(); os.fsync(f.fileno())
+
+def _sync_tree(d: Path) -> dict[str, int]:
+    "Flush every file and directory under `d` to the disk; return the files' sizes by their path inside `d`."
+    files = {}
+    for p in sorted(d.rglob("*"), reverse=True):  # files before the directories holding them
+        _fsync(p)
+        if p.is_file(): files[p.relative_to(d).as_posix()] = p.stat().st_size
+    return files
+
+def save_model_dir(model,                 # the trained model (plain, Ulysses or sharded: only its config is read)
+                   weights: dict,         # its full state dict (on rank 0 of a sharded run: `full_state(...)["model"]`)
+                   where: Path,           # the checkpoint directory being written
+                   tokenizer=None,        # saved beside the model when given
+                  ) -> Path:
+    "Write `weights` as `where/model`, a transformers directory `from_pretrained` loads; a LoRA model's adapter as `where/adapter`, its frozen base as `where/model`."
+    from transformers import AutoModelForCausalLM
+    config = copy.deepcopy(model.config)  # from_config keeps the object it is given: the trained model's stays untouched
+    lora = getattr(model, "peft_config", {}).get("default")  # peft sets it on the model it injected adapters into
+    with torch.device("meta"):  # no memory: the weights are assigned below
+        clean = AutoModelForCausalLM.from_config(config, dtype=next(iter(weights.values())).dtype, attn_implementation="eager")
+        if lora is not None:
+            from peft import get_peft_model
+            clean = get_peft_model(clean, copy.deepcopy(lora))
+            weights = {f"base_model.model.{k}": v for k, v in weights.items()}  # the PeftModel's names
+    clean.load_state_dict(weights, assign=True)  # the full tensors themselves, no copy; strict: every key must match
+    from transformers.utils import logging as hf_logging
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bar breaking into the training bar at every save
+    try:
+        if lora is not None:
+            clean.save_pretrained(where / ADAPTER_DIR)
+            clean = clean.unload()  # the base model, its layers without the adapters
+        clean.tie_weights()  # a tied head is one tensor again (the assignment gave it its own)
+        clean.save_pretrained(where / MODEL_DIR)
+    finally:
+        if bars: hf_logging.enable_progress_bar()
+    if tokenizer is not None: tokenizer.save_pretrained(where / MODEL_DIR)
+    return where / MODEL_DIR
 
 def _manifest(d: Path) -> dict | None:
     "The manifest of checkpoint directory `d` if it is complete (every file present at the size recorded), else None."
@@ -331,18 +386,20 @@ def latest_checkpoint(out: Path, say=print) -> tuple[Path, dict] | None:
         say(f"skipping {d}: incomplete (no manifest, or a file shorter than it records)")
     return None
 
-def commit_checkpoint(out: Path, step: int, state: dict, manifest: dict, keep: int) -> Path:
+def commit_checkpoint(out: Path, step: int, state: dict, manifest: dict, keep: int, write_model=None) -> Path:
     "Write checkpoint `step` as one unit: files into a temporary directory, flushed, renamed into place; keep the newest `keep`."
+    # write_model(dir): writes the loadable model files into the checkpoint directory `dir` (None: none)
     root = Path(out) / CHECKPOINTS; root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".tmp-*"): shutil.rmtree(stale)  # left by a save that was killed
     tmp, final = root / f".tmp-step-{step:06d}", root / f"step-{step:06d}"
     tmp.mkdir()
     _write_synced(tmp / "state.pt", lambda f: torch.save(state, f))
-    files = {"state.pt": (tmp / "state.pt").stat().st_size}
+    if write_model is not None: write_model(tmp)
+    files = _sync_tree(tmp)  # every file the manifest vouches for is on the disk at its size
     _write_synced(tmp / "manifest.json", lambda f: f.write(json.dumps({**manifest, "step": step, "files": files}).encode()))
-    _fsync_dir(tmp)
+    _fsync(tmp)
     if final.exists(): shutil.rmtree(final)  # only an incomplete one (resume starts after the newest complete one)
-    tmp.rename(final); _fsync_dir(root)
+    tmp.rename(final); _fsync(root)
     for old, _ in checkpoints(out)[:-keep]: shutil.rmtree(old)
     return final
 
@@ -377,14 +434,16 @@ def _set_rng_state(s: dict):
     torch.set_rng_state(s["cpu"])
     if "cuda" in s: torch.cuda.set_rng_state(s["cuda"])
 
-def save_checkpoint(out: Path, step: int, model, opt, sampler, cfg: TrainConfig, plan: str, wait_group=None):
-    "Save everything needed to continue after `step` steps as one checkpoint, written by rank 0 (a collective)."
+def save_checkpoint(out: Path, step: int, model, opt, sampler, cfg: TrainConfig, plan: str, wait_group=None,
+                    tokenizer=None):
+    "Save everything needed to continue after `step` steps, and the model as `from_pretrained` loads it (with `tokenizer`), as one checkpoint written by rank 0 (a collective)."
     mine = {"sampler": sampler.state_dict(), "rng": _rng_state()}  # this rank's data position and generators
     ranks = [mine]
     if dist.is_initialized(): ranks = [None] * dist.get_world_size(); dist.all_gather_object(ranks, mine, group=wait_group)
     state = full_state(model, opt) if is_sharded(model) else {"model": model.state_dict(), "opt": opt.state_dict()}
     if _rank() == 0:
-        commit_checkpoint(out, step, {**state, "ranks": ranks}, {"config": _identity(cfg), "plan": plan}, cfg.keep)
+        commit_checkpoint(out, step, {**state, "ranks": ranks}, {"config": _identity(cfg), "plan": plan}, cfg.keep,
+                          lambda where: save_model_dir(model, state["model"], where, tokenizer))
     if dist.is_initialized(): dist.barrier(group=wait_group)  # the others wait here, not under the collective timeout
 
 def load_checkpoint(out: Path, model, opt, sampler, cfg: TrainConfig, plan: str) -> int:
@@ -426,13 +485,14 @@ def train_rank(cfg: TrainConfig) -> list[float]:
     model = build_model(cfg, attention_key(cfg), device)
     check_sp(model.config, cfg.sp, world_size=world)
     if cfg.shard: model = shard_model(model, grid, cpu_offload=cfg.cpu_offload)  # before the optimizer sees the parameters
-    features = load_features(cfg.data)
+    tokenizer = load_tokenizer()  # what load_features tokenizes with; saved beside the model in every checkpoint
+    features = load_features(cfg.data, tokenizer)
     check_token_ids(features, model.config.vocab_size, cfg.data)
     plan = plan_bins([len(f["input_ids"]) for f in features], cfg.max_tokens, overlong="split", seed=cfg.seed)
     pid = plan_id(plan)
     sampler = TokenBudgetSampler(plan, seed=cfg.seed, num_replicas=cfg.dp, rank=grid.dp_rank)
     pieces, collate = plan.dataset(features), FlatteningCollator(pad_to_multiple_of=cfg.sp)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)  # LoRA: the adapters
     out = Path(cfg.out); out.mkdir(parents=True, exist_ok=True)
     start = load_checkpoint(out, model, opt, sampler, cfg, pid) if cfg.resume else 0
     if _rank() == 0:
@@ -466,7 +526,7 @@ def train_rank(cfg: TrainConfig) -> list[float]:
                       peak_mem_bytes=peak_memory_bytes(device), a2a_share=(grid.clock.seconds - comm0) / seconds,
                       time=time.perf_counter() - t_run)
         if step + 1 == cfg.steps or cfg.save_every and (step + 1) % cfg.save_every == 0:
-            save_checkpoint(out, step + 1, model, opt, sampler, cfg, pid, wait)
+            save_checkpoint(out, step + 1, model, opt, sampler, cfg, pid, wait, tokenizer)
     return losses
 
 # %% ../nbs/08_train.ipynb #3129907b

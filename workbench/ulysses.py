@@ -27,9 +27,9 @@ from .tiling import causal_lm_loss_sum, lean_kernels, tile_mlp
 __all__ = ['SHARD_KEYS', 'kv_repeat', 'grid_degrees', 'sp_sizes', 'SPCheck', 'check_sp', 'CommClock', 'ParallelGrid',
            'simulate_all_to_all', 'all_to_all', 'holdings', 'exchange_views', 'exchange_figure', 'pad_for_sp',
            'shard_batch', 'sp_mask_function', 'ulysses_attention', 'register_ulysses', 'trained_tokens', 'sp_loss',
-           'sp_forward', 'sync_gradients', 'global_loss', 'Case', 'case_rows', 'one_process', 'check_equivalence',
-           'equivalence_worker', 'prove_equivalence', 'saved_bytes', 'a2a_elements', 'memory_worker', 'memory_table',
-           'memory_markdown', 'memory_figure']
+           'sp_forward', 'sync_gradients', 'global_loss', 'Case', 'case_model', 'case_rows', 'one_process',
+           'check_equivalence', 'equivalence_worker', 'prove_equivalence', 'saved_bytes', 'a2a_elements',
+           'memory_worker', 'memory_table', 'memory_markdown', 'memory_figure']
 
 # %% ../nbs/06_ulysses.ipynb #aa477c6b
 def _head_counts(config) -> tuple[int, int, str]:
@@ -416,6 +416,23 @@ class Case:
     loss_chunk: int | None = None  # tiled loss with tiles of this many tokens (`workbench.tiling`)
     mlp_chunk: int | None = None   # tiled MLP with tiles of this many tokens
     lean: bool = False             # `lean_kernels` (here and in the reference: they change fp64 norms' rounding)
+    reentrant: bool = False        # with checkpointing: the reentrant variant, after `enable_input_require_grads` (PEFT recipes)
+    lora: tuple = ()               # PEFT LoRA adapters (r=4, random init) on these module names: only they train
+    lora_save: tuple = ()          # with lora: modules trained whole beside the adapters (PEFT's `modules_to_save`)
+
+def case_model(case: Case, attn_implementation: str, tiled: bool = False):
+    "The tiny model of a case (same seed: same weights in every process) with lean kernels, LoRA adapters and (`tiled`) the tiled MLP when it asks."
+    model = tiny_model(case.family, attn_implementation=attn_implementation, dtype=getattr(torch, case.dtype))
+    if case.lean: lean_kernels(model)
+    if case.lora:
+        from peft import LoraConfig, get_peft_model
+        # random B as well as A (the default zero B would leave every A gradient zero, proving nothing about them)
+        lora = LoraConfig(r=4, target_modules=list(case.lora), modules_to_save=list(case.lora_save) or None,
+                          init_lora_weights=False)
+        model = get_peft_model(model, lora)
+    if tiled and case.mlp_chunk:  # after the adapters: the tiles must see their parameters; on the model inside PEFT's
+        tile_mlp(model.get_base_model() if case.lora else model, case.mlp_chunk)
+    return model
 
 def case_rows(case: Case, n_rows: int = 1) -> list:
     "The packed rows of a case (deterministic): FLAN-like examples cut to `tokens`, or the start of a long document."
@@ -440,8 +457,7 @@ def one_process(case: Case, n_rows: int = 1) -> dict:
     "The reference: one process, plain inner attention, every row; logits of token i score label i + 1 (no shifted labels)."
     if case.requires: __import__(case.requires)
     rows = case_rows(case, n_rows)
-    model = tiny_model(case.family, attn_implementation=case.inner, dtype=getattr(torch, case.dtype))
-    if case.lean: lean_kernels(model)
+    model = case_model(case, case.inner)
     n_all = sum(int((r["labels"][0, 1:] != IGNORE_INDEX).sum()) for r in rows)
     logits, loss = [], 0.0
     threads = torch.get_num_threads()
@@ -454,6 +470,15 @@ def one_process(case: Case, n_rows: int = 1) -> dict:
     finally: torch.set_num_threads(threads)
     return dict(rows=rows, logits=logits, loss=loss, grads=[p.grad for p in model.parameters()])
 
+def _grad_error(model, ref_grads: list) -> float:
+    "Largest relative error of the gradients against the reference's; a parameter trained in only one of them is an error."
+    errors = []
+    for (name, p), g in zip(model.named_parameters(), ref_grads):
+        if (p.grad is None) != (g is None):
+            raise ValueError(f"{name} has a gradient {'here' if g is None else 'in the reference'} only: the runs train different parameters")
+        if g is not None: errors.append(_rel(p.grad, g))
+    return max(errors)
+
 def check_equivalence(cases: list,        # the `Case`s to check
                       grid: ParallelGrid, # the process grid (every process calls this with its own)
                       references: list | None = None,  # `one_process` of every case (computed here when None)
@@ -462,10 +487,9 @@ def check_equivalence(cases: list,        # the `Case`s to check
     results = []
     for i, case in enumerate(cases):
         ref = references[i] if references else one_process(case, grid.dp_size)
-        model = tiny_model(case.family, attn_implementation=register_ulysses(case.inner), dtype=getattr(torch, case.dtype))
-        if case.checkpointing: model.train().activation_checkpointing_enable({"use_reentrant": False})
-        if case.lean: lean_kernels(model)
-        if case.mlp_chunk: tile_mlp(model, case.mlp_chunk)
+        model = case_model(case, register_ulysses(case.inner), tiled=True)
+        if case.checkpointing: model.train().activation_checkpointing_enable({"use_reentrant": case.reentrant})
+        if case.reentrant: model.enable_input_require_grads()  # else the frozen embeddings' output needs no grad: nothing recomputes
         row = ref["rows"][grid.dp_rank]
         logits, loss = sp_forward(model, shard_batch(row, grid.sp_rank, grid.sp_size), grid, case.loss_chunk)
         loss.backward()
@@ -477,7 +501,7 @@ def check_equivalence(cases: list,        # the `Case`s to check
         results.append(dict(case=case, sp=grid.sp_size, dp=grid.dp_size, rank=dist.get_rank() if grid.mesh else 0,
                             logits=logits_err,
                             loss=abs(global_loss(loss, grid) - ref["loss"]) / abs(ref["loss"]),
-                            grads=max(_rel(p.grad, g) for p, g in zip(model.parameters(), ref["grads"])),
+                            grads=_grad_error(model, ref["grads"]),
                             n_params=sum(p.grad is not None for p in model.parameters())))
     return results
 
