@@ -191,17 +191,6 @@ def _dataset(flan):
     return Dataset.from_list([{"input_ids": f["input_ids"], "completion_mask": f["completion_mask"]} for f in flan[:24]])
 
 
-def test_hf_trainer_three_steps(flan, tmp_path):
-    from transformers import Trainer, TrainingArguments
-    model = tiny_model("llama", attn_implementation="sdpa").train()
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=8, report_to=[],
-                             logging_steps=1, save_strategy="no", use_cpu=True, remove_unused_columns=False)
-    trainer = Trainer(model=model, args=args, train_dataset=_dataset(flan), data_collator=FlatteningCollator())
-    out = trainer.train()
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    assert out.global_step == 3 and len(losses) == 3 and all(np.isfinite(losses))
-
-
 def test_trl_sft_trainer_three_steps(flan, tmp_path):
     from trl import SFTConfig, SFTTrainer
     model = tiny_model("llama", attn_implementation="sdpa").train()
