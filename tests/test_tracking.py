@@ -13,7 +13,7 @@ from accelerate.tracking import LOGGER_TYPE_TO_CLASS, GeneralTracker, TensorBoar
 from accelerate.utils import LoggerType
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from workbench.train import CHECKPOINTS, PROJECT, TrainConfig, _parser, main, read_metrics, run, train_rank
+from workbench.train import CHECKPOINTS, PROJECT, TrainConfig, _config, _parser, main, read_metrics, run, train_rank
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = dict(max_tokens=256)
@@ -82,7 +82,7 @@ def test_sp2_tensorboard_equals_metrics_and_resume_logs_each_step_once(tmp_path)
 def test_names_as_report_to_reads_them():
     installed = [str(t) for t in get_available_trackers()]
     assert TrainConfig().report_to == () and TrainConfig(report_to="none").report_to == ()
-    assert TrainConfig(report_to=["none"]).report_to == ()
+    assert TrainConfig(report_to=["none"]).report_to == () == TrainConfig(report_to=None).report_to
     assert TrainConfig(report_to="tensorboard, probe,tensorboard").report_to == ("tensorboard", "probe")
     assert TrainConfig(report_to="all").report_to == tuple(installed)
     assert TrainConfig(report_to="all,probe").report_to == (*installed, "probe")
@@ -101,6 +101,10 @@ def test_cli_flag_help_and_usage_errors(tmp_path, capsys):
     help_text = " ".join(_parser().format_help().split())
     assert "--report-to REPORT_TO trackers also fed every metrics row, on rank 0: tensorboard,wandb,mlflow,... or all / none" in help_text
     assert "--lr LR AdamW learning rate (default: 0.001)" in help_text  # every flag has its field's comment as help
+    p = _parser()
+    given = lambda *flags: _config(p, p.parse_args(list(flags)), 1).report_to
+    assert given() == given("--report-to", "none") == () and given("--report-to", "probe,tensorboard") == ("probe", "tensorboard")
+    assert given("--report-to", "all") == tuple(str(t) for t in get_available_trackers())
     for flags, words in ((["--report-to", "tensorbord"], "'tensorbord' is not a tracker"),
                          (["--report-to", "none,probe"], "'none' means no tracker")):
         with pytest.raises(SystemExit) as e: main(["--steps", "1", "--out", str(tmp_path / "x"), *flags])
@@ -112,6 +116,7 @@ def test_a_tracker_that_raises_in_log_costs_nothing(tmp_path, monkeypatch, capsy
     def broken(self, values, step=None, **kw):
         if step >= 1: raise OSError("disk full")
     monkeypatch.setattr(TensorBoardTracker, "log", broken)
+    monkeypatch.setattr(TensorBoardTracker, "finish", lambda self: 1 / 0)
     out = tmp_path / "run"
     losses = train_rank(TrainConfig(steps=3, report_to="tensorboard,probe", out=str(out), **SMALL))
     assert len(losses) == 3 and [r["step"] for r in read_metrics(out)] == [0, 1, 2]
@@ -119,6 +124,7 @@ def test_a_tracker_that_raises_in_log_costs_nothing(tmp_path, monkeypatch, capsy
     err = capsys.readouterr().err
     assert err.count("warning: tracker tensorboard failed to log step 1 (OSError: disk full)") == 1  # once, not per step
     assert "warning: tracker tensorboard missed 2 step(s); metrics.jsonl has them all" in err
+    assert "warning: tracker tensorboard failed to finish (ZeroDivisionError: division by zero)" in err
     assert calls(out) == ["start", "config sp=1", "log 0", "log 1", "log 2", "finish"]  # the other tracker saw all
 
 

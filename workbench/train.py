@@ -54,10 +54,10 @@ def flag(name: str) -> str:
     "The command-line flag of a `TrainConfig` field."
     return "--" + name.replace("_", "-")
 
-def tracker_names(report_to: str | list | tuple) -> tuple[str, ...]:
+def tracker_names(report_to: str | list | tuple | None) -> tuple[str, ...]:
     """The accelerate trackers `report_to` names, as `TrainingArguments.report_to` reads it: names (a list or one
-    comma-separated string), "all" for every one installed, "none" (or nothing) for none; or an error naming the fix."""
-    names = [n.strip() for n in report_to.split(",")] if isinstance(report_to, str) else list(report_to)
+    comma-separated string), "all" for every one installed, "none" (or None, or nothing) for none; or an error naming the fix."""
+    names = [n.strip() for n in report_to.split(",")] if isinstance(report_to, str) else list(report_to or ())
     if any(not isinstance(n, str) for n in names):
         raise ValueError(f"report_to (--report-to) must be tracker names (strings), got {report_to!r}")
     names = [n for n in names if n]
