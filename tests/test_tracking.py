@@ -98,7 +98,9 @@ def test_names_as_report_to_reads_them():
 
 
 def test_cli_flag_help_and_usage_errors(tmp_path, capsys):
-    help_text = " ".join(_parser().format_help().split())
+    shown = subprocess.run([sys.executable, "-m", "workbench.train", "--help"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=120, check=True).stdout
+    help_text = " ".join(shown.split())
     assert "--report-to REPORT_TO trackers also fed every metrics row, on rank 0: tensorboard,wandb,mlflow,... or all / none" in help_text
     assert "--lr LR AdamW learning rate (default: 0.001)" in help_text  # every flag has its field's comment as help
     p = _parser()

@@ -353,12 +353,12 @@ def open_trackers(cfg: TrainConfig,  # the run: `cfg.report_to` names the tracke
         try:
             t = cls(PROJECT, str(Path(cfg.out) / name), **extra) if cls.requires_logging_directory else cls(PROJECT, **extra)
             t.main_process_only = False  # this is rank 0 already: accelerate's state (one process on CPU) has no say
-            t.start(); t.store_init_configuration(hparams(cfg))
+            t.start(); started.append(t)
+            t.store_init_configuration(hparams(cfg))
         except Exception as e:
-            for s in started: s.finish()
+            TrackerSink(started).finish()  # the ones that started, this one too if it did
             raise RuntimeError(f"report_to (--report-to) {name!r} failed to start ({type(e).__name__}: {e}): fix its setup "
                                f"or drop it; nothing was trained") from e
-        started.append(t)
     return started
 
 class TrackerSink:
@@ -654,12 +654,13 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m workbench.train", description="DP x SP training with padding-free packing")
     p.add_argument("--preset", choices=sorted(PRESETS), help="start from a named configuration")
     p.add_argument("--nproc", type=int, help="processes to launch here (dp defaults to nproc / sp); omit under torchrun")
-    docs = docments(TrainConfig)  # each field's comment is its flag's help
+    docs = {k: v or "" for k, v in docments(TrainConfig).items()}  # each field's comment is its flag's help (none in __main__)
     for f in fields(TrainConfig):
         if f.type in ("bool", bool): p.add_argument(flag(f.name), action="store_true", default=None, help=docs[f.name])
         else:  # a tuple field takes one comma-separated string, which TrainConfig splits
+            shown = ",".join(f.default) if isinstance(f.default, tuple) else str(f.default)
             p.add_argument(flag(f.name), type=str if isinstance(f.default, tuple) else type(f.default), default=None,
-                           help=f"{docs[f.name]} (default: {','.join(f.default) if isinstance(f.default, tuple) else f.default})")
+                           help=docs[f.name] + (f" (default: {shown})" if shown else ""))
     return p
 
 def _config(p: argparse.ArgumentParser, a: argparse.Namespace, world: int) -> TrainConfig:
@@ -709,4 +710,6 @@ def main(argv=None) -> list[float]:
 
 # %% ../nbs/08_train.ipynb #7c4027cd
 #| eval: false
-if __name__ == "__main__": main()
+if __name__ == "__main__":  # the package's module, not this __main__ copy: fastcore's docments (the flags' help) skips __main__
+    from workbench.train import main as package_main
+    package_main()
