@@ -5,6 +5,7 @@
 # %% ../nbs/08_train.ipynb #c717fc3d
 from __future__ import annotations
 import argparse
+import contextlib
 import copy
 import hashlib
 import importlib.util
@@ -14,7 +15,9 @@ import os
 import re
 import resource
 import shutil
+import signal
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from datetime import timedelta
@@ -23,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from fastcore.docments import docments
 from tqdm import tqdm  # the text bar: forked ranks cannot draw notebook widgets
 
 from .attention import KEY as VARLEN_KEY, register as register_varlen
@@ -35,11 +39,12 @@ from .shard import full_state, is_sharded, load_full_state, reduce_gradients, sh
 from .ulysses import ParallelGrid, check_sp, global_loss, register_ulysses, shard_batch, sp_forward
 
 # %% auto #0
-__all__ = ['DTYPES', 'PRESETS', 'CHECKPOINTS', 'MODEL_DIR', 'ADAPTER_DIR', 'SAVE_WAIT', 'flag', 'TrainConfig', 'chat_features',
-           'load_features', 'check_token_ids', 'model_config', 'add_lora', 'build_model', 'peak_memory_bytes',
-           'expected_memory', 'memory_readout', 'write_metrics', 'read_metrics', 'truncate_metrics', 'plan_id',
-           'save_model_dir', 'checkpoints', 'latest_checkpoint', 'commit_checkpoint', 'check_resume', 'check_out',
-           'save_checkpoint', 'load_checkpoint', 'attention_key', 'train_rank', 'preflight_run', 'run', 'main']
+__all__ = ['DTYPES', 'PRESETS', 'PROJECT', 'CHECKPOINTS', 'MODEL_DIR', 'ADAPTER_DIR', 'SAVE_WAIT', 'flag', 'tracker_names',
+           'TrainConfig', 'chat_features', 'load_features', 'check_token_ids', 'model_config', 'add_lora',
+           'build_model', 'peak_memory_bytes', 'expected_memory', 'memory_readout', 'write_metrics', 'read_metrics',
+           'truncate_metrics', 'hparams', 'open_trackers', 'TrackerSink', 'reporting', 'plan_id', 'save_model_dir',
+           'checkpoints', 'latest_checkpoint', 'commit_checkpoint', 'check_resume', 'check_out', 'save_checkpoint',
+           'load_checkpoint', 'attention_key', 'train_rank', 'preflight_run', 'run', 'main']
 
 # %% ../nbs/08_train.ipynb #aa8d263e
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}  # besides "auto"
@@ -48,6 +53,27 @@ _AT_LEAST = dict(sp=1, dp=1, steps=1, max_tokens=1, grad_accum=1, seed=0, loss_c
 def flag(name: str) -> str:
     "The command-line flag of a `TrainConfig` field."
     return "--" + name.replace("_", "-")
+
+def tracker_names(report_to: str | list | tuple | None) -> tuple[str, ...]:
+    """The accelerate trackers `report_to` names, as `TrainingArguments.report_to` reads it: names (a list or one
+    comma-separated string), "all" for every one installed, "none" (or None, or nothing) for none; or an error naming the fix."""
+    names = [n.strip() for n in report_to.split(",")] if isinstance(report_to, str) else list(report_to or ())
+    if any(not isinstance(n, str) for n in names):
+        raise ValueError(f"report_to (--report-to) must be tracker names (strings), got {report_to!r}")
+    names = [n for n in names if n]
+    if names == ["none"] or not names: return ()  # no import: a run without trackers never loads accelerate.tracking
+    if "none" in names: raise ValueError(f"report_to (--report-to) {','.join(names)}: 'none' means no tracker; drop it or the others")
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
+    from accelerate.utils import LoggerType
+    installed = [str(t) for t in get_available_trackers()]
+    if "all" in names: names = [n for n in installed + names if n != "all"]
+    for n in names:
+        if n not in LOGGER_TYPE_TO_CLASS:
+            raise ValueError(f"report_to (--report-to) {n!r} is not a tracker accelerate knows: use one of "
+                             f"{sorted(LOGGER_TYPE_TO_CLASS)}, 'all' (every one installed) or 'none'")
+        if n in LoggerType.list() and n not in installed:  # a class registered with register_tracker_class is its own
+            raise ValueError(f"report_to (--report-to) {n!r}: accelerate finds no {n} package here: pip install {n}")
+    return tuple(dict.fromkeys(names))  # once each, in the order given
 
 @dataclass
 class TrainConfig:
@@ -77,6 +103,7 @@ class TrainConfig:
     resume: bool = False        # continue from the newest complete checkpoint in `out` if there is one
     out: str = "runs/latest"    # run directory: config.json, metrics.jsonl, checkpoints/
     name: str = ""              # label of the run in dashboards
+    report_to: tuple[str, ...] = ()  # trackers also fed every metrics row, on rank 0: tensorboard,wandb,mlflow,... or all / none
 
     @property
     def world(self) -> int: return self.sp * self.dp
@@ -99,6 +126,7 @@ class TrainConfig:
             raise ValueError("lora_r (--lora-r) trains LoRA adapters with the peft package: pip install peft")
         if self.cpu_offload and not self.shard:
             raise ValueError("cpu_offload offloads the sharded states: set shard=True as well")
+        self.report_to = tracker_names(self.report_to)  # a missing package is named here, before anything trains
 
 PRESETS = {
     "cpu-tiny": TrainConfig(),                                                          # seconds on a laptop CPU
@@ -303,11 +331,78 @@ def truncate_metrics(out: Path, step: int):
     "Keep only the rows of steps before `step` (the steps a resumed run will not train again)."
     _replace_file(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in read_metrics(out) if r["step"] < step))
 
+# %% ../nbs/08_train.ipynb #39cd2abb
+PROJECT = "workbench"  # the tracker project (wandb project, mlflow experiment, ...) every run reports to
+
+def hparams(cfg: TrainConfig) -> dict:
+    "The config as the flat scalars trackers store as hyperparameters (a list becomes one comma-separated string)."
+    return {k: ",".join(v) if isinstance(v, tuple) else v for k, v in asdict(cfg).items()}
+
+def open_trackers(cfg: TrainConfig,  # the run: `cfg.report_to` names the trackers, `cfg.out` holds their files
+                  start: int = 0,    # the step training starts at (a resumed run's checkpoint step)
+                 ) -> list:
+    "Start `cfg.report_to`'s accelerate trackers on rank 0, files under `cfg.out/<name>`, the config stored as hyperparameters; none elsewhere."
+    if _rank() != 0 or not cfg.report_to: return []
+    from accelerate import PartialState
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS
+    PartialState()  # accelerate's trackers log through its logger, which raises before a state exists (CPU ranks: no process group)
+    started = []
+    for name in cfg.report_to:
+        cls = LOGGER_TYPE_TO_CLASS[name]
+        extra = {"purge_step": start} if name == "tensorboard" and start else {}  # hides the old events of the steps trained again
+        try:
+            t = cls(PROJECT, str(Path(cfg.out) / name), **extra) if cls.requires_logging_directory else cls(PROJECT, **extra)
+            t.main_process_only = False  # this is rank 0 already: accelerate's state (one process on CPU) has no say
+            t.start(); started.append(t)
+            t.store_init_configuration(hparams(cfg))
+        except Exception as e:
+            TrackerSink(started).finish()  # the ones that started, this one too if it did
+            raise RuntimeError(f"report_to (--report-to) {name!r} failed to start ({type(e).__name__}: {e}): fix its setup "
+                               f"or drop it; nothing was trained") from e
+    return started
+
+class TrackerSink:
+    "Send each metrics row to trackers; `metrics.jsonl` stays the record, so a tracker that raises is named once and training goes on."
+    def __init__(self, trackers: list): self.trackers, self.failures = trackers, {}
+
+    def log(self, row: dict):
+        "Log the scalars of one `write_metrics` row (`train/<key>`) at its step."
+        values = {f"train/{k}": v for k, v in row.items() if k not in ("step", "rank") and isinstance(v, (int, float))}
+        for t in self.trackers:
+            try: t.log(values, step=row["step"])
+            except Exception as e:
+                if t.name not in self.failures:
+                    print(f"warning: tracker {t.name} failed to log step {row['step']} ({type(e).__name__}: {e}); training "
+                          f"goes on, metrics.jsonl keeps every row", file=sys.stderr)
+                self.failures[t.name] = self.failures.get(t.name, 0) + 1
+
+    def finish(self):
+        "Close every tracker (after a success, an error or an interrupt); name those that failed and how often."
+        for t in self.trackers:
+            try: t.finish()
+            except Exception as e: print(f"warning: tracker {t.name} failed to finish ({type(e).__name__}: {e})", file=sys.stderr)
+        for name, n in self.failures.items():
+            print(f"warning: tracker {name} missed {n} step(s); metrics.jsonl has them all", file=sys.stderr)
+
+def _exit(signum, frame): raise SystemExit(128 + signum)
+
+@contextlib.contextmanager
+def reporting(cfg: TrainConfig, start: int = 0):
+    "A `TrackerSink` of `open_trackers(cfg, start)`, finished however the block ends: success, error, or SIGTERM (how `launch` and torchrun end a rank after Ctrl-C), which becomes SystemExit inside."
+    sink = TrackerSink(open_trackers(cfg, start))
+    handle = bool(sink.trackers) and threading.current_thread() is threading.main_thread()  # only it may set handlers
+    old = signal.signal(signal.SIGTERM, _exit) if handle else None
+    try: yield sink
+    finally:
+        if handle: signal.signal(signal.SIGTERM, old)
+        sink.finish()
+
+
 # %% ../nbs/08_train.ipynb #a0f4e3c0
 CHECKPOINTS = "checkpoints"  # out/checkpoints/step-000012/{state.pt, model/, manifest.json}
 MODEL_DIR = "model"          # inside a checkpoint: the directory `AutoModelForCausalLM.from_pretrained` loads
 ADAPTER_DIR = "adapter"      # inside a checkpoint of a LoRA run: the adapter `PeftModel.from_pretrained` loads onto model/
-_MAY_CHANGE = ("steps", "save_every", "keep", "timeout_s", "resume", "out", "name")  # what a resumed run may change
+_MAY_CHANGE = ("steps", "save_every", "keep", "timeout_s", "resume", "out", "name", "report_to")  # what a resumed run may change
 SAVE_WAIT = timedelta(days=365)  # how long the other ranks wait for rank 0's save: outside the collective timeout
 
 def _identity(cfg: TrainConfig) -> dict: return {k: v for k, v in asdict(cfg).items() if k not in _MAY_CHANGE}
@@ -500,33 +595,35 @@ def train_rank(cfg: TrainConfig) -> list[float]:
                                                        "expected_peak_bytes": memory_readout(cfg)[0]}, indent=1))
         truncate_metrics(out, start)  # a resumed run logs each step once: rows past the checkpoint go
     if dist.is_initialized(): dist.barrier()
-    bins, losses, t_run = _endless(sampler), [], time.perf_counter()
-    for step in tqdm(range(start, cfg.steps), desc=f"train sp={cfg.sp} dp={cfg.dp}", disable=_rank() != 0):
-        t0, comm0 = time.perf_counter(), grid.clock.seconds
-        rows = [next(bins) for _ in range(cfg.grad_accum)]
-        shards = [shard_batch(collate([pieces[i] for i in b]), grid.sp_rank, cfg.sp) for b in rows]
-        count = sum(s["num_items_in_batch"] for s in shards)
-        step_loss = torch.zeros((), device=device)
-        for s in shards:
-            s["num_items_in_batch"] = count  # the denominator is the whole step's trained tokens
-            _, loss = sp_forward(model, s, grid, cfg.loss_chunk or None)
-            loss.backward()
-            step_loss += loss.detach()
-        reduce_gradients(model, grid)  # summed over the grid (FSDP2 already reduce-scattered a sharded model's)
-        opt.step(); opt.zero_grad(set_to_none=True)
-        losses.append(global_loss(step_loss, grid))
-        real = sum(int(plan.length[b].sum()) for b in rows)  # real tokens of this replica's rows
-        width = shards[0]["input_ids"].shape[1]
-        mine = sum(min(max(int(plan.length[b].sum()) - grid.sp_rank * width, 0), width) for b in rows)
-        seconds = time.perf_counter() - t0
-        everyone = torch.tensor([float(real), float(count)] if grid.sp_rank == 0 else [0.0, 0.0], device=device)
-        if dist.is_initialized(): dist.all_reduce(everyone)  # real tokens and trained targets of every replica
-        write_metrics(out, step=step, rank=_rank(), loss=losses[-1], tokens=mine, trained=int(everyone[1]),
-                      tokens_per_s=everyone[0].item() / seconds,
-                      peak_mem_bytes=peak_memory_bytes(device), a2a_share=(grid.clock.seconds - comm0) / seconds,
-                      time=time.perf_counter() - t_run)
-        if step + 1 == cfg.steps or cfg.save_every and (step + 1) % cfg.save_every == 0:
-            save_checkpoint(out, step + 1, model, opt, sampler, cfg, pid, wait, tokenizer)
+    with reporting(cfg, start) as sink:
+        bins, losses, t_run = _endless(sampler), [], time.perf_counter()
+        for step in tqdm(range(start, cfg.steps), desc=f"train sp={cfg.sp} dp={cfg.dp}", disable=_rank() != 0):
+            t0, comm0 = time.perf_counter(), grid.clock.seconds
+            rows = [next(bins) for _ in range(cfg.grad_accum)]
+            shards = [shard_batch(collate([pieces[i] for i in b]), grid.sp_rank, cfg.sp) for b in rows]
+            count = sum(s["num_items_in_batch"] for s in shards)
+            step_loss = torch.zeros((), device=device)
+            for s in shards:
+                s["num_items_in_batch"] = count  # the denominator is the whole step's trained tokens
+                _, loss = sp_forward(model, s, grid, cfg.loss_chunk or None)
+                loss.backward()
+                step_loss += loss.detach()
+            reduce_gradients(model, grid)  # summed over the grid (FSDP2 already reduce-scattered a sharded model's)
+            opt.step(); opt.zero_grad(set_to_none=True)
+            losses.append(global_loss(step_loss, grid))
+            real = sum(int(plan.length[b].sum()) for b in rows)  # real tokens of this replica's rows
+            width = shards[0]["input_ids"].shape[1]
+            mine = sum(min(max(int(plan.length[b].sum()) - grid.sp_rank * width, 0), width) for b in rows)
+            seconds = time.perf_counter() - t0
+            everyone = torch.tensor([float(real), float(count)] if grid.sp_rank == 0 else [0.0, 0.0], device=device)
+            if dist.is_initialized(): dist.all_reduce(everyone)  # real tokens and trained targets of every replica
+            row = dict(step=step, rank=_rank(), loss=losses[-1], tokens=mine, trained=int(everyone[1]),
+                       tokens_per_s=everyone[0].item() / seconds, peak_mem_bytes=peak_memory_bytes(device),
+                       a2a_share=(grid.clock.seconds - comm0) / seconds, time=time.perf_counter() - t_run)
+            write_metrics(out, **row)
+            sink.log(row)
+            if step + 1 == cfg.steps or cfg.save_every and (step + 1) % cfg.save_every == 0:
+                save_checkpoint(out, step + 1, model, opt, sampler, cfg, pid, wait, tokenizer)
     return losses
 
 # %% ../nbs/08_train.ipynb #3129907b
@@ -557,9 +654,13 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m workbench.train", description="DP x SP training with padding-free packing")
     p.add_argument("--preset", choices=sorted(PRESETS), help="start from a named configuration")
     p.add_argument("--nproc", type=int, help="processes to launch here (dp defaults to nproc / sp); omit under torchrun")
+    docs = {k: v or "" for k, v in docments(TrainConfig).items()}  # each field's comment is its flag's help (none in __main__)
     for f in fields(TrainConfig):
-        if f.type in ("bool", bool): p.add_argument(flag(f.name), action="store_true", default=None)
-        else: p.add_argument(flag(f.name), type=type(f.default), default=None)
+        if f.type in ("bool", bool): p.add_argument(flag(f.name), action="store_true", default=None, help=docs[f.name])
+        else:  # a tuple field takes one comma-separated string, which TrainConfig splits
+            shown = ",".join(f.default) if isinstance(f.default, tuple) else str(f.default)
+            p.add_argument(flag(f.name), type=str if isinstance(f.default, tuple) else type(f.default), default=None,
+                           help=docs[f.name] + (f" (default: {shown})" if shown else ""))
     return p
 
 def _config(p: argparse.ArgumentParser, a: argparse.Namespace, world: int) -> TrainConfig:
@@ -609,4 +710,6 @@ def main(argv=None) -> list[float]:
 
 # %% ../nbs/08_train.ipynb #7c4027cd
 #| eval: false
-if __name__ == "__main__": main()
+if __name__ == "__main__":  # the package's module, not this __main__ copy: fastcore's docments (the flags' help) skips __main__
+    from workbench.train import main as package_main
+    package_main()

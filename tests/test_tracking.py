@@ -1,0 +1,168 @@
+"report_to: trackers are a sink of metrics.jsonl (rank 0, once per step, resume without duplicates); their faults never cost the run."
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from accelerate.tracking import LOGGER_TYPE_TO_CLASS, GeneralTracker, TensorBoardTracker, get_available_trackers, register_tracker_class
+from accelerate.utils import LoggerType
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from workbench.train import CHECKPOINTS, PROJECT, TrainConfig, _config, _parser, main, read_metrics, run, train_rank
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = dict(max_tokens=256)
+
+
+class Probe(GeneralTracker):
+    "A tracker registered the public way that records each call in `<logging_dir>/calls.txt`; `on_log` injects faults."
+    name, requires_logging_directory = "probe", True
+    on_log = staticmethod(lambda step: None)
+
+    def __init__(self, run_name, logging_dir):
+        super().__init__(); self.path = Path(logging_dir) / "calls.txt"
+
+    @property
+    def tracker(self): return self.path
+
+    def _say(self, what):
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as f: f.write(what + "\n")
+
+    def start(self): self._say("start")
+    def store_init_configuration(self, values): self._say(f"config sp={values['sp']}")
+    def log(self, values, step=None): self._say(f"log {step}"); self.on_log(step)
+    def finish(self): self._say("finish")
+
+
+if "probe" not in LOGGER_TYPE_TO_CLASS: register_tracker_class(Probe)
+
+
+def calls(out: Path) -> list[str]: return (out / "probe" / "calls.txt").read_text().splitlines()
+
+
+def scalars(out: Path) -> dict[str, list[tuple[int, float]]]:
+    events = EventAccumulator(str(out / "tensorboard" / PROJECT)); events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def assert_tensorboard_equals_metrics(out: Path):
+    "Every scalar of every rank-0 row of metrics.jsonl, once per step, is in the event files (as float32, what TB stores)."
+    rows = sorted((r for r in read_metrics(out) if r["rank"] == 0), key=lambda r: r["step"])
+    logged = scalars(out)
+    keys = [k for k in rows[0] if k not in ("step", "rank")]
+    assert sorted(logged) == sorted(f"train/{k}" for k in keys)
+    for k in keys:
+        assert logged[f"train/{k}"] == [(r["step"], float(np.float32(r[k]))) for r in rows], k
+
+
+def test_sp2_tensorboard_equals_metrics_and_resume_logs_each_step_once(tmp_path):
+    out = tmp_path / "run"
+    cfg = TrainConfig(sp=2, steps=3, save_every=2, report_to=["tensorboard", "probe"], out=str(out), **SMALL)
+    run(cfg)
+    assert_tensorboard_equals_metrics(out)
+    (out / CHECKPOINTS / "step-000003" / "manifest.json").unlink()  # a save torn by a kill: resume goes back to step 2
+    run(TrainConfig(sp=2, steps=4, save_every=2, report_to="tensorboard,probe", out=str(out), resume=True, **SMALL))
+    rows = [r for r in read_metrics(out) if r["rank"] == 0]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]  # truncate_metrics dropped the old step 2
+    other = sorted((r for r in read_metrics(out) if r["rank"] == 1), key=lambda r: r["step"])
+    assert [r["time"] for r in other] != [r["time"] for r in rows]  # rank 1's rows differ: what is logged is rank 0's
+    assert_tensorboard_equals_metrics(out)  # purge_step hid the first run's step 2: each step once, the new values
+    pids = {p.name.split(".")[-2] for p in (out / "tensorboard" / PROJECT).glob("events.out.tfevents.*")}
+    assert len(pids) == 2  # one writer process per launch: rank 0 only
+    assert calls(out) == ["start", "config sp=2", "log 0", "log 1", "log 2", "finish",
+                          "start", "config sp=2", "log 2", "log 3", "finish"]
+
+
+def test_names_as_report_to_reads_them():
+    installed = [str(t) for t in get_available_trackers()]
+    assert TrainConfig().report_to == () and TrainConfig(report_to="none").report_to == ()
+    assert TrainConfig(report_to=["none"]).report_to == () == TrainConfig(report_to=None).report_to
+    assert TrainConfig(report_to="tensorboard, probe,tensorboard").report_to == ("tensorboard", "probe")
+    assert TrainConfig(report_to="all").report_to == tuple(installed)
+    assert TrainConfig(report_to="all,probe").report_to == (*installed, "probe")
+    with pytest.raises(ValueError, match="'wandbb' is not a tracker accelerate knows: use one of .*'tensorboard'.*'wandb'"):
+        TrainConfig(report_to=["wandbb"])
+    with pytest.raises(ValueError, match="'none' means no tracker"): TrainConfig(report_to="none,tensorboard")
+    with pytest.raises(ValueError, match="must be tracker names"): TrainConfig(report_to=[TensorBoardTracker])
+    missing = [n for n in LoggerType.list() if n != "all" and n not in installed]
+    assert missing  # wandb, mlflow, ... are not dependencies of the workbench
+    for name in missing:
+        with pytest.raises(ValueError, match=f"accelerate finds no {name} package here: pip install {name}"):
+            TrainConfig(report_to=["tensorboard", name])
+
+
+def test_cli_flag_help_and_usage_errors(tmp_path, capsys):
+    shown = subprocess.run([sys.executable, "-m", "workbench.train", "--help"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=120, check=True).stdout
+    help_text = " ".join(shown.split())
+    assert "--report-to REPORT_TO trackers also fed every metrics row, on rank 0: tensorboard,wandb,mlflow,... or all / none" in help_text
+    assert "--lr LR AdamW learning rate (default: 0.001)" in help_text  # every flag has its field's comment as help
+    p = _parser()
+    given = lambda *flags: _config(p, p.parse_args(list(flags)), 1).report_to
+    assert given() == given("--report-to", "none") == () and given("--report-to", "probe,tensorboard") == ("probe", "tensorboard")
+    assert given("--report-to", "all") == tuple(str(t) for t in get_available_trackers())
+    for flags, words in ((["--report-to", "tensorbord"], "'tensorbord' is not a tracker"),
+                         (["--report-to", "none,probe"], "'none' means no tracker")):
+        with pytest.raises(SystemExit) as e: main(["--steps", "1", "--out", str(tmp_path / "x"), *flags])
+        assert e.value.code == 2 and words in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()  # refused before anything ran
+
+
+def test_a_tracker_that_raises_in_log_costs_nothing(tmp_path, monkeypatch, capsys):
+    def broken(self, values, step=None, **kw):
+        if step >= 1: raise OSError("disk full")
+    monkeypatch.setattr(TensorBoardTracker, "log", broken)
+    monkeypatch.setattr(TensorBoardTracker, "finish", lambda self: 1 / 0)
+    out = tmp_path / "run"
+    losses = train_rank(TrainConfig(steps=3, report_to="tensorboard,probe", out=str(out), **SMALL))
+    assert len(losses) == 3 and [r["step"] for r in read_metrics(out)] == [0, 1, 2]
+    assert (out / CHECKPOINTS / "step-000003" / "manifest.json").is_file()
+    err = capsys.readouterr().err
+    assert err.count("warning: tracker tensorboard failed to log step 1 (OSError: disk full)") == 1  # once, not per step
+    assert "warning: tracker tensorboard missed 2 step(s); metrics.jsonl has them all" in err
+    assert "warning: tracker tensorboard failed to finish (ZeroDivisionError: division by zero)" in err
+    assert calls(out) == ["start", "config sp=1", "log 0", "log 1", "log 2", "finish"]  # the other tracker saw all
+
+
+def test_finish_after_an_error_and_a_failed_start(tmp_path, monkeypatch):
+    def interrupt(step):
+        if step == 1: raise KeyboardInterrupt  # what a notebook's interrupt raises in train_rank
+    monkeypatch.setattr(Probe, "on_log", staticmethod(interrupt))
+    out, before = tmp_path / "run", signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt): train_rank(TrainConfig(steps=3, report_to="probe", out=str(out), **SMALL))
+    assert calls(out) == ["start", "config sp=1", "log 0", "log 1", "finish"]
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is gone again
+    def no_start(self): raise ConnectionError("no server")
+    monkeypatch.setattr(TensorBoardTracker, "start", no_start)
+    with pytest.raises(RuntimeError, match="'tensorboard' failed to start .*ConnectionError: no server.*nothing was trained"):
+        train_rank(TrainConfig(steps=3, report_to="probe,tensorboard", out=str(tmp_path / "b"), **SMALL))
+    assert calls(tmp_path / "b") == ["start", "config sp=1", "finish"] and read_metrics(tmp_path / "b") == []
+
+
+def test_ctrl_c_on_the_cli_finishes_the_trackers(tmp_path):
+    out = tmp_path / "run"
+    script = f"""
+import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})
+import test_tracking  # registers the probe tracker, which the forked ranks inherit
+from workbench.train import main
+main(["--nproc", "2", "--sp", "2", "--steps", "500", "--max-tokens", "256", "--report-to", "tensorboard,probe", "--out", {str(out)!r}])
+"""
+    p = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(read_metrics(out)) < 4 and time.monotonic() < deadline and p.poll() is None: time.sleep(0.2)
+        assert p.poll() is None, p.stderr.read()
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None: p.kill(); p.communicate()
+    assert p.returncode == 130, err
+    assert calls(out)[-1] == "finish" and calls(out).count("finish") == 1, calls(out)
+    logged = {s for s, _ in scalars(out)["train/loss"]}
+    assert {r["step"] for r in read_metrics(out) if r["rank"] == 0} == logged  # every row written was logged
