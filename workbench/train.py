@@ -44,7 +44,7 @@ __all__ = ['DTYPES', 'PRESETS', 'PROJECT', 'CHECKPOINTS', 'MODEL_DIR', 'ADAPTER_
            'build_model', 'peak_memory_bytes', 'expected_memory', 'memory_readout', 'write_metrics', 'read_metrics',
            'truncate_metrics', 'hparams', 'open_trackers', 'TrackerSink', 'reporting', 'plan_id', 'save_model_dir',
            'checkpoints', 'latest_checkpoint', 'commit_checkpoint', 'check_resume', 'check_out', 'save_checkpoint',
-           'load_checkpoint', 'attention_key', 'train_rank', 'preflight_run', 'run', 'main']
+           'load_checkpoint', 'attention_key', 'plan_readout', 'train_rank', 'preflight_run', 'run', 'main']
 
 # %% ../nbs/08_train.ipynb #aa8d263e
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}  # besides "auto"
@@ -567,6 +567,14 @@ def attention_key(cfg: TrainConfig) -> str:
     if cfg.attn == VARLEN_KEY: register_varlen()  # the workbench's own key needs no import to remember
     return register_ulysses(cfg.attn) if cfg.sp > 1 else cfg.attn
 
+def plan_readout(plan) -> str:
+    "One line on the plan a run trains: steps, fill, and every example split because it exceeds max_tokens."
+    line = f"plan: {len(plan.bins)} bins of at most {plan.capacity} tokens from {plan.n_examples} examples, fill {plan.fill:.1%}"
+    if not plan.split: return line
+    return (f"{line}; {plan.split} examples longer than max_tokens (--max-tokens) are split into "
+            f"{len(plan.length) - plan.n_examples + plan.split} pieces, each trained without the tokens before it: "
+            f"raise --max-tokens to keep them whole")
+
 def train_rank(cfg: TrainConfig) -> list[float]:
     "Train on this process as one rank of the `cfg.dp` x `cfg.sp` grid; return the loss of every step it trained."
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -584,6 +592,7 @@ def train_rank(cfg: TrainConfig) -> list[float]:
     features = load_features(cfg.data, tokenizer)
     check_token_ids(features, model.config.vocab_size, cfg.data)
     plan = plan_bins([len(f["input_ids"]) for f in features], cfg.max_tokens, overlong="split", seed=cfg.seed)
+    if _rank() == 0: print(plan_readout(plan))
     pid = plan_id(plan)
     sampler = TokenBudgetSampler(plan, seed=cfg.seed, num_replicas=cfg.dp, rank=grid.dp_rank)
     pieces, collate = plan.dataset(features), FlatteningCollator(pad_to_multiple_of=cfg.sp)
