@@ -3,17 +3,25 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+FLOORS := .venv-floors
+FLOORS_PY := $(FLOORS)/bin/python
+FLOORS_STAMP := $(FLOORS)/.installed
+# The fast suite: the core proofs (packing, masks, attention, doctor, ulysses, train, launch, peft, PNG export);
+# about 4 min on 2 cores. Left out: JupyterLab/Voila browser runs, notebook runs, fault and edge batteries (make test).
+FAST := tests/test_packing.py tests/test_packing_rules.py tests/test_masks.py tests/test_attention.py \
+	tests/test_doctor.py tests/test_ulysses.py tests/test_train.py tests/test_launch.py \
+	tests/test_doctor_battery.py::test_peft_lora_is_measured tests/test_browser.py::test_png_and_html_export
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test bench lab export clean-nbs
+.PHONY: demo test test-fast test-floors bench lab export clean-nbs
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0  # the CPU wheel on disk; pyproject declares torch>=2.9
+	$(PY) -m pip install -q torch==2.13.0  # the CPU wheel on disk (pyproject's floor, see there)
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
@@ -22,6 +30,22 @@ demo: $(STAMP)  ## the main job on the shipped data: prints the report and write
 
 test: $(STAMP)  ## pytest over tests/ plus every notebook through nbdev's runner (one item per notebook)
 	$(PY) -m pytest -n 2 --dist worksteal
+
+test-fast: $(STAMP)  ## the fast suite (FAST above) in .venv
+	$(PY) -m pytest -n 2 --dist worksteal $(FAST)
+
+# A second venv with every `>=` floor of pyproject.toml installed exactly (.ci/floors.py turns them into pins).
+$(FLOORS_STAMP): pyproject.toml .ci/floors.py
+	rm -rf $(FLOORS) && $(PYTHON) -m venv $(FLOORS)
+	$(FLOORS_PY) -m pip install -q --upgrade pip
+	$(FLOORS_PY) .ci/floors.py pins > $(FLOORS)/floors.txt
+	$(FLOORS_PY) -m pip install -q -c $(FLOORS)/floors.txt -e ".[dev]"
+	$(FLOORS_PY) -m pip check
+	touch $(FLOORS_STAMP)
+
+test-floors: $(FLOORS_STAMP)  ## the fast suite with every dependency at its declared floor (.venv-floors)
+	$(FLOORS_PY) .ci/floors.py verify  # each floor installed exactly and importable, every time (the venv may have drifted)
+	$(FLOORS_PY) -m pytest -n 2 --dist worksteal $(FAST)
 
 bench: $(STAMP)  ## benchmarks behind BENCHMARKS.md
 	$(PY) -m workbench.bench
