@@ -6,10 +6,11 @@ STAMP := $(VENV)/.installed
 FLOORS := .venv-floors
 FLOORS_PY := $(FLOORS)/bin/python
 FLOORS_STAMP := $(FLOORS)/.installed
-# The fast suite: the core proofs (packing, masks, attention, doctor, ulysses, train, launch, peft, PNG export);
-# about 4 min on 2 cores. Left out: JupyterLab/Voila browser runs, notebook runs, fault and edge batteries (make test).
+# The fast suite: the core proofs (packing, masks, attention, doctor, ulysses, train, launch, the HF Trainer / TRL seam,
+# datasets and streams, peft, trackers, PNG export). Left out: JupyterLab/Voila browser runs, notebook runs, fault and edge batteries (make test).
 FAST := tests/test_packing.py tests/test_packing_rules.py tests/test_masks.py tests/test_attention.py \
 	tests/test_doctor.py tests/test_ulysses.py tests/test_train.py tests/test_launch.py \
+	tests/test_hf.py tests/test_datasets.py tests/test_peft.py tests/test_tracking.py tests/test_train_inputs.py \
 	tests/test_doctor_battery.py::test_peft_lora_is_measured tests/test_browser.py::test_png_and_html_export
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1

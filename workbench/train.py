@@ -210,7 +210,9 @@ def _read_rows(data: str, path: Path) -> tuple[list[dict], str]:
     reader = _READERS[path.suffix]
     try: rows = load_dataset(reader, data_files=str(path), split="train").to_list()
     except Exception as e:
-        if reader == "json": _check_rows(data, _json_rows(path))  # names the line or row Arrow could not read
+        if reader == "json":  # valid JSON Arrow refuses (datasets < 5 refuses blank lines) is read as written; else the line is named
+            rows = _json_rows(path)
+            return rows, _check_rows(data, rows)
         raise ValueError(f"data (--data) {data}: cannot be read as {reader} ({type(e).__name__}: {e})") from None
     try: return rows, _check_rows(data, rows)
     except ValueError:
