@@ -216,6 +216,12 @@ def test_packed_eval_split_equals_unpacked(flan, tmp_path, cls):
     assert p.metrics["test_accuracy"] == q.metrics["test_accuracy"] and p.metrics["test_n"] == q.metrics["test_n"]
     assert abs(p.metrics["test_loss"] - q.metrics["test_loss"]) < 1e-6
     assert abs(p.metrics["test_target_logit"] - q.metrics["test_target_logit"]) < 1e-6
+    if cls is PackedSFTTrainer:  # TRL's own eval metrics (entropy, accuracy over the trained tokens) equal TRL's padded eval
+        trl = SFTTrainer(model=kw["model"], args=args(tmp_path, SFTConfig), train_dataset=ev, eval_dataset=ev,
+                         processing_class=load_tokenizer())
+        a, b = packed.evaluate(), trl.evaluate()
+        assert abs(a["eval_entropy"] - b["eval_entropy"]) < 1e-5 and a["eval_mean_token_accuracy"] == b["eval_mean_token_accuracy"]
+        assert abs(a["eval_loss"] - b["eval_loss"]) < 1e-5
 
 
 def test_split_packed_by_cu_or_positions():
@@ -396,6 +402,9 @@ def test_overlong_and_streams(flan, tmp_path):
         PackedTrainer(model=tiny_model("llama"), args=args(tmp_path, train_sampling_strategy="group_by_length"),
                       train_dataset=ds, max_tokens=1024)
     with pytest.raises(ValueError, match="pass a train_dataset"): mk(None, max_tokens=1024)
+    with pytest.warns(UserWarning, match="dataloader_num_workers=2 is not used for a streamed"):
+        PackedTrainer(model=tiny_model("llama"), args=args(tmp_path, dataloader_num_workers=2), train_dataset=ds.to_iterable_dataset(),
+                      max_tokens=1024)
 
 
 def test_sft_on_raw_text_keeps_trls_labels(tmp_path):
@@ -476,6 +485,19 @@ def test_check_trainer_on_trls_own_padding_free(flan, tmp_path):
     assert r.doctor.cross_example_effect == 0  # its packing is clean: only the labels are wrong
     good = check_trainer(mk(completion_only_loss=True), grads=False)
     assert good.clean and good["loss masks reach the collator"].status == "pass", good
+    with pytest.raises(KeyError): good["prompt masked"]
+
+
+def test_check_trainer_on_trls_own_packing(flan, tmp_path):
+    "TRL's packing=True drops completion_mask after building labels: without completion_only_loss every token trains (a warning)."
+    from workbench.core import load_tokenizer
+    mk = lambda **kw: SFTTrainer(model=llama(), train_dataset=Dataset.from_list(flan[:N]), processing_class=load_tokenizer(),
+                                 args=args(tmp_path, SFTConfig, packing=True, max_length=512, per_device_train_batch_size=2, **kw))
+    r = check_trainer(mk(), grads=False)
+    assert r.clean and r["prompt masked"].status == "warn" and "completion_only_loss=True" in r["prompt masked"].fix, r
+    assert r.doctor.cross_example_effect == 0
+    good = check_trainer(mk(completion_only_loss=True), grads=False)
+    assert good.verdict == "clean", good
 
 
 @pytest.mark.parametrize("attn,dtype", [("eager", torch.float32), ("flex_attention", torch.float32), ("sdpa", torch.bfloat16)],

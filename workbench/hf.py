@@ -183,6 +183,10 @@ class PackedMixin:
                                  f"bins are shuffled per epoch), or drop max_tokens")
             if self.train_dataset is None: raise ValueError("max_tokens plans the train_dataset's bins: pass a train_dataset")
             if not _is_stream(self.train_dataset): self.plan = plan_bins(self.train_dataset, max_tokens, overlong=overlong, seed=self.args.seed)
+            elif self.args.dataloader_num_workers:
+                warnings.warn(f"dataloader_num_workers={self.args.dataloader_num_workers} is not used for a streamed "
+                              f"train_dataset with max_tokens: PackedStream packs it in the main process (each worker "
+                              f"would read the whole stream); set it to 0 to silence this")
             p = self.plan
             if p is not None and (p.truncated or p.split or p.dropped):
                 warnings.warn(f"max_tokens={max_tokens}, overlong={overlong!r}: {p.truncated} examples truncated, {p.split} "
@@ -279,9 +283,12 @@ def _first_batch(trainer) -> tuple[list[dict], dict]:
     finally: trainer.data_collator = collator
     return seen[0], batch
 
-def _masks_ignored(ds, masks: list[str], n: int = 64) -> tuple[list[int], int]:
-    "Rows among the first `n` of `ds` whose `labels` train a token one of `masks` sets to 0, and how many rows were read."
-    rows = list(itertools.islice(iter(ds), n)) if _is_stream(ds) else [ds[i] for i in range(min(n, len(ds)))]
+def _first_rows(ds, n: int = 64) -> list[dict]:
+    return list(itertools.islice(iter(ds), n)) if _is_stream(ds) else [ds[i] for i in range(min(n, len(ds)))]
+
+def _masks_ignored(ds, masks: list[str]) -> tuple[list[int], int]:
+    "Rows among the first of `ds` whose `labels` train a token one of `masks` sets to 0, and how many rows were read."
+    rows = _first_rows(ds)
     def trains_masked(r):
         labels = np.asarray(r["labels"]).reshape(-1)
         return any(r.get(k) is not None and ((np.asarray(r[k]).reshape(-1) == 0) & (labels != IGNORE_INDEX)).any()
@@ -338,6 +345,14 @@ def check_trainer(trainer,            # a configured transformers Trainer or TRL
     else:
         add(Finding("loss masks reach the collator", "pass",
                     f"the collator receives {sorted(k for k in keys if k in ('labels', *LOSS_MASKS))}"))
+    if (isinstance(trainer, SFTTrainer) and not lost and "labels" in cols and not args.assistant_only_loss
+            and not getattr(trainer, "completion_only_loss", True)):
+        rows = _first_rows(trainer.train_dataset)
+        if all(IGNORE_INDEX not in np.asarray(r["labels"]) for r in rows):
+            add(Finding("prompt masked", "warn", f"every token of the first {len(rows)} rows trains (no label -100): TRL "
+                        f"applies a completion_mask only with completion_only_loss=True (by default only to prompt/completion "
+                        f"text) and drops it when packing; right for plain text, wrong if the rows had a prompt mask",
+                        "SFTConfig(completion_only_loss=True), or prepare_dataset(ds) before the trainer, or PackedSFTTrainer"))
     if "seq_lengths" in cols and not {"seq_lengths", "position_ids"} & keys:
         add(Finding("document boundaries reach the collator", "fail",
                     "the dataset's packed rows (seq_lengths) reach the collator without seq_lengths or position_ids: their "
