@@ -351,6 +351,7 @@ def test_other_datasets_give_the_same_batches(flan, tmp_path, source):
     raw, (wrap, workers) = flan[:N], SOURCES[source]
     mk = lambda d, **kw: PackedTrainer(model=tiny_model("llama"), args=args(tmp_path, **kw), train_dataset=d, max_tokens=1024)
     want, got = mk(Dataset.from_list(raw)), mk(wrap(raw), dataloader_num_workers=workers)
+    assert got.get_train_dataloader().num_workers == workers
     assert got.plan.bins and all((a == b).all() for a, b in zip(want.plan.bins, got.plan.bins))
     for a, b in zip(want.get_train_dataloader(), got.get_train_dataloader()):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a if torch.is_tensor(a[k]))
@@ -402,6 +403,9 @@ def test_overlong_and_streams(flan, tmp_path):
         PackedTrainer(model=tiny_model("llama"), args=args(tmp_path, train_sampling_strategy="group_by_length"),
                       train_dataset=ds, max_tokens=1024)
     with pytest.raises(ValueError, match="pass a train_dataset"): mk(None, max_tokens=1024)
+    t = PackedTrainer(model=tiny_model("llama"), args=args(tmp_path, per_device_train_batch_size=1), train_dataset=ds, max_tokens=1024)
+    first = next(iter(t.get_train_dataloader()))  # max_tokens rules: a step is a bin, not per_device_train_batch_size examples
+    assert len(first["cu_seq_lens_q"]) - 1 in {len(b) for b in t.plan.bins} - {1} and first["input_ids"].shape[1] <= 1024
     with pytest.warns(UserWarning, match="dataloader_num_workers=2 is not used for a streamed"):
         PackedTrainer(model=tiny_model("llama"), args=args(tmp_path, dataloader_num_workers=2), train_dataset=ds.to_iterable_dataset(),
                       max_tokens=1024)
@@ -454,7 +458,7 @@ def test_lora_equals_padded_reference(flan, tmp_path, kind, max_tokens):
 def test_epochs_reshuffle_and_eval_during_training(flan, tmp_path):
     """max_steps=-1 and 2 epochs of token-budget bins: every bin once per epoch, in a new order in epoch 2 (set_epoch);
     a dict of eval datasets evaluated during training (eval_strategy='steps') equals a padded evaluation."""
-    ds, rec = Dataset.from_list(flan[:N]), Recorder()
+    ds, rec = Dataset.from_list(flan[:N // 2]), Recorder()
     k = len(plan_bins(ds, 1024, seed=42).bins)  # Trainer's default seed
     ev = {"a": Dataset.from_list(flan[N:N + 6]), "b": flan[N + 6:N + 12]}  # a datasets one and a list of dicts
     t = PackedTrainer(model=llama(), args=args(tmp_path, max_steps=-1, num_train_epochs=2, eval_strategy="steps", eval_steps=2 * k),
