@@ -453,6 +453,10 @@ def test_lora_equals_padded_reference(flan, tmp_path, kind, max_tokens):
     np.testing.assert_allclose(got, reference(steps, raw, STEPS, t.args.learning_rate, make=lora), atol=1e-5, rtol=0)
     r = check_trainer(t, grads=kind == "PackedTrainer")
     assert r.clean and r.doctor.cross_example_effect == 0 and "PeftModel" in r["model"].detail, r
+    if kind == "PackedTrainer":  # a plain Trainer on the same PeftModel and use_cache=True: the cache trap, seen through PeftModel
+        plain = Trainer(model=t.model, args=args(tmp_path, use_cache=True, per_device_train_batch_size=2), train_dataset=t.train_dataset,
+                        data_collator=FlatteningCollator())
+        assert {"use_cache", "contamination probe"} <= set(check_trainer(plain, grads=False).failed())
 
 
 def test_epochs_reshuffle_and_eval_during_training(flan, tmp_path):
