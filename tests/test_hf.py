@@ -5,7 +5,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from datasets import Dataset, IterableDataset
+from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
 from transformers import LlamaForCausalLM, Trainer, TrainingArguments
 from trl import SFTConfig, SFTTrainer
 
@@ -13,7 +13,8 @@ from workbench.core import IGNORE_INDEX, load_sample, tiny_config, tiny_model
 from workbench.hf import (LabelGuard, PackedSFTTrainer, PackedTrainer, check_trainer, fold_example, prepare_dataset,
                           split_packed)
 from workbench.launch import launch
-from workbench.packing import FlatteningCollator, PaddingCollator
+from workbench.packing import FlatteningCollator, PaddingCollator, plan_bins
+from workbench.train import load_features
 
 N, STEPS = 32, 2
 
@@ -61,10 +62,21 @@ def args(tmp_path, cls=TrainingArguments, **kw):
 def losses(trainer): return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
-def reference(steps, raw, n_steps, lr=5e-5, max_grad_norm=1.0):  # Trainer's defaults (SFTConfig: lr 2e-5)
+def llama(): return tiny_model("llama").train()
+
+
+def lora():
+    "A tiny Llama inside a PeftModel, LoRA on every linear layer, B random too (a zero B would hide a wrong first step)."
+    from peft import LoraConfig, get_peft_model
+    model = llama()
+    torch.manual_seed(1)
+    return get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+
+
+def reference(steps, raw, n_steps, lr=5e-5, max_grad_norm=1.0, make=llama):  # Trainer's defaults (SFTConfig: lr 2e-5)
     "Per-step losses of a hand loop on padded batches with correct masks; `steps` are the examples of each step."
     by_ids = {tuple(f["input_ids"]): masked(f) for f in raw}
-    model = tiny_model("llama").train()
+    model = make()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, fused=True)  # Trainer's default optimizer
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: max(0.0, (n_steps - s) / n_steps))  # linear to 0
     out = []
@@ -78,10 +90,10 @@ def reference(steps, raw, n_steps, lr=5e-5, max_grad_norm=1.0):  # Trainer's def
     return out
 
 
-def run(kind, raw, tmp_path, max_tokens=None, **kw):
+def run(kind, raw, tmp_path, max_tokens=None, make=llama, **kw):
     "Train STEPS steps with default arguments; return (trainer, logged losses, examples of each step)."
     rec, ds = Recorder(), Dataset.from_list(raw)
-    model = tiny_model("llama").train()
+    model = make()
     if kind == "Trainer+prepare_dataset":  # the plain drop-in: no subclass
         t = Trainer(model=model, args=args(tmp_path, **kw), train_dataset=prepare_dataset(ds), data_collator=rec)
     elif kind in ("PackedTrainer", "PackedTrainer+stream"):
@@ -135,34 +147,39 @@ def test_gradient_accumulation_is_token_weighted(flan, tmp_path):
 
 
 # ---------------------------------------------------------------- DDP: 2 forked gloo ranks
-def _ddp_rank(raw, out_dir, kind, max_tokens):
+def _ddp_rank(raw, out_dir, kind, max_tokens, ga):
     import torch.distributed as dist
     from pathlib import Path
-    t, got, steps = run(kind, raw, Path(out_dir) / str(dist.get_rank()), max_tokens)
+    t, got, steps = run(kind, raw, Path(out_dir) / str(dist.get_rank()), max_tokens, gradient_accumulation_steps=ga)
     return dict(world_size=t.args.world_size, rank=t.args.process_index, losses=got, steps=steps,
                 n_steps=sum(1 for _ in t.get_train_dataloader()), lr=t.args.learning_rate)  # one epoch's steps (a stream has no len)
 
 
-@pytest.mark.parametrize("kind,max_tokens", [("PackedTrainer", 1024), ("PackedSFTTrainer", None), ("PackedTrainer+stream", 1024)])
-def test_ddp_two_ranks_equal_reference(flan, tmp_path, kind, max_tokens):
-    raw = flan[:N]
-    res = launch(_ddp_rank, raw, str(tmp_path), kind, max_tokens, num_processes=2, deadline_s=120, quiet=True)
+@pytest.mark.parametrize("data,kind,max_tokens,ga", [("completion", "PackedTrainer", 1024, 1), ("completion", "PackedSFTTrainer", None, 1),
+                                                     ("completion", "PackedTrainer+stream", 1024, 1), ("chat_like", "PackedTrainer", 1024, 2)])
+def test_ddp_two_ranks_equal_reference(flan, tmp_path, data, kind, max_tokens, ga):
+    "chat_like: the shipped chat sample (its template's assistant_masks), with 2 micro-batches per step on each rank."
+    raw = flan[:N] if data == "completion" else [f for f in load_features("chat_like") if len(f["input_ids"]) <= 1024][:N]
+    res = launch(_ddp_rank, raw, str(tmp_path), kind, max_tokens, ga, num_processes=2, deadline_s=120, quiet=True)
     assert [r["world_size"] for r in res] == [2, 2] and [r["rank"] for r in res] == [0, 1]
     assert res[0]["n_steps"] == res[1]["n_steps"]  # the same step count on every rank
-    steps = [a + b for a, b in zip(res[0]["steps"], res[1]["steps"])]  # one step = both ranks' examples
+    micro = [a + b for a, b in zip(res[0]["steps"], res[1]["steps"])]  # both ranks' examples of each micro-batch
+    steps = [sum(micro[i:i + ga], []) for i in range(0, len(micro), ga)]  # one step = its micro-batches on both ranks
     assert not set(map(tuple, res[0]["steps"][0])) & set(map(tuple, res[1]["steps"][0]))  # each rank its own examples
     np.testing.assert_allclose(res[0]["losses"], reference(steps, raw, STEPS, res[0]["lr"]), atol=1e-5, rtol=0)
     np.testing.assert_allclose(res[0]["losses"], res[1]["losses"], atol=0, rtol=0)
 
 
 # ---------------------------------------------------------------- resume through Trainer's checkpoints
-@pytest.mark.parametrize("n,bins,stream", [(N, None, False), (6, 2, False), (N, None, True)],
-                         ids=["mid-epoch", "epoch-boundary", "stream"])
-def test_token_budget_resume_is_exact(flan, tmp_path, n, bins, stream):
+@pytest.mark.parametrize("n,bins,stream,workers", [(N, None, False, 2), (6, 2, False, 0), (N, None, True, 0)],
+                         ids=["mid-epoch-2-workers", "epoch-boundary", "stream"])
+def test_token_budget_resume_is_exact(flan, tmp_path, n, bins, stream, workers):
+    """Mid-epoch with 2 forked workers that prefetch: skip_first_batches re-draws the epoch's order, so the resume is still
+    exact (0 workers serve the same batches: test_other_datasets_give_the_same_batches)."""
     ds = Dataset.from_list(flan[:n])
     if stream: ds = ds.to_iterable_dataset()  # resumed by re-packing the stream up to the checkpoint's step
-    mk = lambda d, **kw: PackedTrainer(model=tiny_model("llama").train(), args=args(d, max_steps=4, **kw), train_dataset=ds,
-                                       max_tokens=1024)
+    mk = lambda d, **kw: PackedTrainer(model=tiny_model("llama").train(), args=args(d, max_steps=4, dataloader_num_workers=workers,
+                                                                                  **kw), train_dataset=ds, max_tokens=1024)
     full = mk(tmp_path / "full"); full.train()
     if bins: assert len(full.plan.bins) == bins  # the checkpoint after step 2 ends epoch 0: the resume starts epoch 1
     half = mk(tmp_path / "half", save_strategy="steps", save_steps=2)
@@ -182,10 +199,14 @@ def _metrics(p):
             "target_logit": float(picked[keep].mean())}
 
 
-def test_packed_eval_split_equals_unpacked(flan, tmp_path):
+@pytest.mark.parametrize("cls", [PackedTrainer, PackedSFTTrainer])
+def test_packed_eval_split_equals_unpacked(flan, tmp_path, cls):
+    "PackedSFTTrainer: TRL's prediction_step recomputes the logits its fused loss head does not build; split the same."
+    from workbench.core import load_tokenizer
     ev = prepare_dataset(Dataset.from_list(flan[N:N + 12]))  # eval batches of 8 and 4 (of different lengths)
     kw = dict(model=tiny_model("llama"), args=args(tmp_path), eval_dataset=ev, compute_metrics=_metrics)
-    packed, padded = PackedTrainer(**kw), Trainer(**kw, data_collator=PaddingCollator())
+    sft = dict(args=args(tmp_path, SFTConfig), train_dataset=ev, processing_class=load_tokenizer()) if cls is PackedSFTTrainer else {}
+    packed, padded = cls(**{**kw, **sft}), Trainer(**kw, data_collator=PaddingCollator())
     p, q = packed.predict(ev), padded.predict(ev)
     lengths = [len(x) for x in ev["input_ids"]]
     assert p.predictions.shape[:2] == (12, max(lengths)) and p.label_ids.shape == (12, max(lengths))
@@ -196,6 +217,12 @@ def test_packed_eval_split_equals_unpacked(flan, tmp_path):
     assert p.metrics["test_accuracy"] == q.metrics["test_accuracy"] and p.metrics["test_n"] == q.metrics["test_n"]
     assert abs(p.metrics["test_loss"] - q.metrics["test_loss"]) < 1e-6
     assert abs(p.metrics["test_target_logit"] - q.metrics["test_target_logit"]) < 1e-6
+    if cls is PackedSFTTrainer:  # TRL's own eval metrics (entropy, accuracy over the trained tokens) equal TRL's padded eval
+        trl = SFTTrainer(model=kw["model"], args=args(tmp_path, SFTConfig), train_dataset=ev, eval_dataset=ev,
+                         processing_class=load_tokenizer())
+        a, b = packed.evaluate(), trl.evaluate()
+        assert abs(a["eval_entropy"] - b["eval_entropy"]) < 1e-5 and a["eval_mean_token_accuracy"] == b["eval_mean_token_accuracy"]
+        assert abs(a["eval_loss"] - b["eval_loss"]) < 1e-5
 
 
 def test_split_packed_by_cu_or_positions():
@@ -293,6 +320,13 @@ def test_prepare_dataset_inputs(flan):
     with pytest.raises(ValueError, match="example 0: completion_mask has 1 entries"):
         prepare_dataset(Dataset.from_list([{"input_ids": [1, 2], "completion_mask": [1]}]))
     with pytest.raises(ValueError, match="seq_lengths"): fold_example({"input_ids": [1, 2], "seq_lengths": [3]})
+    both = {"input_ids": [1, 2, 3, 4, 5], "labels": [IGNORE_INDEX, 2, 3, IGNORE_INDEX, 5], "completion_mask": [0, 0, 1, 1, 1]}
+    for d in (Dataset.from_list([both]), [both]):  # labels and a mask: a token trains only if neither masks it
+        assert prepare_dataset(d)[0]["labels"] == [IGNORE_INDEX, IGNORE_INDEX, 3, IGNORE_INDEX, 5]
+    dd = prepare_dataset(DatasetDict(train=Dataset.from_list(raw), test=Dataset.from_list(raw[:2])))  # split by split
+    assert isinstance(dd, DatasetDict) and dd["train"]["labels"] == want and dd["test"]["labels"] == want[:2]
+    idd = prepare_dataset(IterableDatasetDict(train=Dataset.from_list(raw).to_iterable_dataset()))
+    assert isinstance(idd, IterableDatasetDict) and [r["labels"] for r in idd["train"]] == want
     with pytest.raises(TypeError, match="cannot prepare"): prepare_dataset(42)
     assert prepare_dataset(Dataset.from_list([{"prompt": "a", "completion": "b"}]))[0] == {"prompt": "a", "completion": "b"}
 
@@ -306,11 +340,19 @@ class TorchFeatures(torch.utils.data.Dataset):
         return {k: torch.tensor(v) for k, v in f.items()}
 
 
-@pytest.mark.parametrize("wrap", [list, TorchFeatures], ids=["list of dicts", "torch Dataset"])
-def test_other_datasets_give_the_same_batches(flan, tmp_path, wrap):
-    raw = flan[:N]
-    mk = lambda d: PackedTrainer(model=tiny_model("llama"), args=args(tmp_path), train_dataset=d, max_tokens=1024)
-    want, got = mk(Dataset.from_list(raw)), mk(wrap(raw))
+def one_row_each(raw): return Dataset.from_list([{k: [v] for k, v in f.items()} for f in raw])  # [1, T] rows
+
+
+SOURCES = {"list of dicts": (list, 0), "torch Dataset": (TorchFeatures, 0), "[1,T] rows": (one_row_each, 0),
+           "2 workers": (Dataset.from_list, 2)}  # how the data is handed over, dataloader_num_workers
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_other_datasets_give_the_same_batches(flan, tmp_path, source):
+    raw, (wrap, workers) = flan[:N], SOURCES[source]
+    mk = lambda d, **kw: PackedTrainer(model=tiny_model("llama"), args=args(tmp_path, **kw), train_dataset=d, max_tokens=1024)
+    want, got = mk(Dataset.from_list(raw)), mk(wrap(raw), dataloader_num_workers=workers)
+    assert got.get_train_dataloader().num_workers == workers
     assert got.plan.bins and all((a == b).all() for a, b in zip(want.plan.bins, got.plan.bins))
     for a, b in zip(want.get_train_dataloader(), got.get_train_dataloader()):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a if torch.is_tensor(a[k]))
@@ -362,6 +404,12 @@ def test_overlong_and_streams(flan, tmp_path):
         PackedTrainer(model=tiny_model("llama"), args=args(tmp_path, train_sampling_strategy="group_by_length"),
                       train_dataset=ds, max_tokens=1024)
     with pytest.raises(ValueError, match="pass a train_dataset"): mk(None, max_tokens=1024)
+    t = PackedTrainer(model=tiny_model("llama"), args=args(tmp_path, per_device_train_batch_size=1), train_dataset=ds, max_tokens=1024)
+    first = next(iter(t.get_train_dataloader()))  # max_tokens rules: a step is a bin, not per_device_train_batch_size examples
+    assert len(first["cu_seq_lens_q"]) - 1 in {len(b) for b in t.plan.bins} - {1} and first["input_ids"].shape[1] <= 1024
+    with pytest.warns(UserWarning, match="dataloader_num_workers=2 is not used for a streamed"):
+        PackedTrainer(model=tiny_model("llama"), args=args(tmp_path, dataloader_num_workers=2), train_dataset=ds.to_iterable_dataset(),
+                      max_tokens=1024)
 
 
 def test_sft_on_raw_text_keeps_trls_labels(tmp_path):
@@ -394,3 +442,79 @@ def test_check_trainer_on_sft_and_padding_collators(flan, tmp_path):
     r = check_trainer(t)
     assert r["collator"].status == "warn" and "FlatteningCollator" in r["collator"].fix and r.doctor is None
     assert r["use_cache"].status == "pass"  # TRL passes use_cache=False on every forward
+
+
+# ---------------------------------------------------------------- adapters, epochs, eval in training, other setups
+@pytest.mark.parametrize("kind,max_tokens", [("PackedTrainer", 1024), ("PackedSFTTrainer", None)])
+def test_lora_equals_padded_reference(flan, tmp_path, kind, max_tokens):
+    """A PeftModel (LoRA) with a PEFT recipe's use_cache=True: the padded reference of the same LoRA init (step 2's loss
+    equal proves step 1's gradients of the adapters equal); check_trainer through it."""
+    raw = flan[:N]
+    t, got, steps = run(kind, raw, tmp_path, max_tokens, make=lora, use_cache=True)
+    assert type(t.model).__name__ == "PeftModel" and t.model.config.use_cache
+    np.testing.assert_allclose(got, reference(steps, raw, STEPS, t.args.learning_rate, make=lora), atol=1e-5, rtol=0)
+    r = check_trainer(t, grads=False)
+    assert r.clean and r.doctor.cross_example_effect == 0 and "PeftModel" in r["model"].detail, r
+    if kind == "PackedTrainer":  # a plain Trainer on the same PeftModel and use_cache=True: the cache trap, seen through PeftModel
+        plain = Trainer(model=t.model, args=args(tmp_path, use_cache=True, per_device_train_batch_size=2), train_dataset=t.train_dataset,
+                        data_collator=FlatteningCollator())
+        assert {"use_cache", "contamination probe"} <= set(check_trainer(plain, grads=False).failed())
+
+
+def test_epochs_reshuffle_and_eval_during_training(flan, tmp_path):
+    """max_steps=-1 and 2 epochs of token-budget bins: every bin once per epoch, in a new order in epoch 2 (set_epoch);
+    a dict of eval datasets evaluated during training (eval_strategy='steps') equals a padded evaluation."""
+    ds, rec = Dataset.from_list(flan[:N // 2]), Recorder()
+    k = len(plan_bins(ds, 1024, seed=42).bins)  # Trainer's default seed
+    ev = {"a": Dataset.from_list(flan[N:N + 6]), "b": flan[N + 6:N + 12]}  # a datasets one and a list of dicts
+    t = PackedTrainer(model=llama(), args=args(tmp_path, max_steps=-1, num_train_epochs=2, eval_strategy="steps", eval_steps=2 * k),
+                      train_dataset=ds, eval_dataset=ev, data_collator=rec, max_tokens=1024)
+    t.train()
+    assert t.state.global_step == 2 * k and t.state.epoch == 2 and len(losses(t)) == 2 * k
+    epochs = [[frozenset(map(tuple, b)) for b in rec.batches[e * k:(e + 1) * k]] for e in (0, 1)]
+    assert set(epochs[0]) == set(epochs[1]) and len(set(epochs[0])) == k and epochs[0] != epochs[1]
+    logged = {key: v for h in t.state.log_history if h["step"] == 2 * k for key, v in h.items()}  # the final model's evals (a log each)
+    padded = Trainer(model=t.model, args=args(tmp_path), data_collator=PaddingCollator())
+    for name, d in ev.items():
+        assert abs(logged[f"eval_{name}_loss"] - padded.evaluate(prepare_dataset(d))["eval_loss"]) < 1e-5  # fp32: 2 ulp at 9
+
+
+def test_check_trainer_needs_a_train_dataset(flan, tmp_path):
+    t = PackedTrainer(model=llama(), args=args(tmp_path), eval_dataset=Dataset.from_list(flan[:4]))
+    with pytest.raises(ValueError, match="has no train_dataset"): check_trainer(t)
+
+
+def test_check_trainer_on_trls_own_padding_free(flan, tmp_path):
+    """TRL's own padding_free collator packs cleanly, but by default (completion_only_loss=None on token data) TRL's labels
+    ignore a completion_mask: check_trainer fails it, measured on the rows; completion_only_loss=True passes."""
+    from workbench.core import load_tokenizer
+    mk = lambda **kw: SFTTrainer(model=llama(), train_dataset=Dataset.from_list(flan[:N]), processing_class=load_tokenizer(),
+                                 args=args(tmp_path, SFTConfig, padding_free=True, max_length=None, per_device_train_batch_size=4, **kw))
+    r = check_trainer(mk(), grads=False)
+    assert r.failed() == ["loss masks reach the collator"] and "completion_only_loss=True" in r["loss masks reach the collator"].fix, r
+    assert r.doctor.cross_example_effect == 0  # its packing is clean: only the labels are wrong
+    good = check_trainer(mk(completion_only_loss=True), grads=False)
+    assert good.clean and good["loss masks reach the collator"].status == "pass", good
+    with pytest.raises(KeyError): good["prompt masked"]
+
+
+def test_check_trainer_on_trls_own_packing(flan, tmp_path):
+    "TRL's packing=True drops completion_mask after building labels: without completion_only_loss every token trains (a warning)."
+    from workbench.core import load_tokenizer
+    mk = lambda **kw: SFTTrainer(model=llama(), train_dataset=Dataset.from_list(flan[:N]), processing_class=load_tokenizer(),
+                                 args=args(tmp_path, SFTConfig, packing=True, max_length=512, per_device_train_batch_size=2, **kw))
+    r = check_trainer(mk(), grads=False)
+    assert r.clean and r["prompt masked"].status == "warn" and "completion_only_loss=True" in r["prompt masked"].fix, r
+    assert r.doctor.cross_example_effect == 0
+    good = check_trainer(mk(completion_only_loss=True), grads=False)
+    assert good.verdict == "clean", good
+
+
+@pytest.mark.parametrize("attn,dtype", [("eager", torch.float32), ("flex_attention", torch.float32), ("sdpa", torch.bfloat16)],
+                         ids=["eager", "flex_attention", "sdpa-bf16"])
+def test_check_trainer_attention_and_dtype(flan, tmp_path, attn, dtype):
+    "grads=False: flex_attention has no backward on CPU (grads=True fails it, naming workbench_varlen); bf16 at bf16 tolerance."
+    t = PackedTrainer(model=tiny_model("llama", attn_implementation=attn, dtype=dtype).train(),
+                      args=args(tmp_path, per_device_train_batch_size=2), train_dataset=Dataset.from_list(flan[:N]))
+    r = check_trainer(t, grads=False)
+    assert r.clean and r.doctor.cross_example_effect == 0 and repr(attn) in r["model"].detail, r

@@ -5,6 +5,7 @@
 # %% ../nbs/15_hf.ipynb #384b0a4a
 from __future__ import annotations
 import inspect
+import itertools
 import warnings
 from dataclasses import dataclass, field
 
@@ -79,14 +80,18 @@ class FoldedDataset(torch.utils.data.Dataset):
     def __getitem__(self, i): return fold_example(self.data[i], i)
     def __iter__(self): return (self[i] for i in range(len(self)))  # bounded by len (not by an IndexError that may never come)
 
-def prepare_dataset(ds,                      # a datasets.Dataset / IterableDataset, a torch Dataset or a list of feature dicts
+def prepare_dataset(ds,                      # a datasets.Dataset / IterableDataset (or a dict of them), a torch Dataset or a list of feature dicts
                     num_proc: int | None = None):  # processes for `datasets.Dataset.map`
     """Fold the loss masks of `ds` into `labels` (-100 where masked) and TRL's `seq_lengths` into `position_ids`.
 
     What remains are arguments of a causal LM's `forward`, which Trainer's `remove_unused_columns` keeps. A
-    `datasets.Dataset` / `IterableDataset` is mapped (batched); any other map-style dataset is wrapped lazily.
-    Idempotent: a prepared dataset comes back as it is. Raw text (no `input_ids`) is left to the tokenizing trainer."""
+    `datasets.Dataset` / `IterableDataset` is mapped (batched); a `DatasetDict` split by split; any other map-style
+    dataset is wrapped lazily. A row with `labels` and masks keeps both: a token trains only if its label is not -100
+    and no mask is 0. Idempotent: a prepared dataset comes back as it is. Raw text (no `input_ids`) is left to the
+    tokenizing trainer."""
     import datasets
+    if isinstance(ds, (datasets.DatasetDict, datasets.IterableDatasetDict)):  # splits: not one dataset of its keys
+        return type(ds)({k: prepare_dataset(v, num_proc) for k, v in ds.items()})
     if isinstance(ds, (datasets.Dataset, datasets.IterableDataset)):
         if ds.column_names is None:  # private, but the only way to learn a stream's columns (from its first example) without consuming it
             ds = ds._resolve_features()
@@ -157,7 +162,7 @@ class PackedMixin:
     """Padding-free training inside `Trainer` / `SFTTrainer` with nothing lost: masks folded into labels at construction,
     `FlatteningCollator` by default, `use_cache=False` on every forward, optional token-budget steps, eval split per example."""
     def __init__(self, model=None, args=None, data_collator=None, train_dataset=None, eval_dataset=None, *rest,
-                 max_tokens: int | None = None,  # token budget of one step per rank (None: per_device_train_batch_size examples)
+                 max_tokens: int | None = None,  # token budget of one training step per rank; set, it rules and per_device_train_batch_size is unused in training (None: per_device_train_batch_size examples)
                  overlong: str = "error",        # examples over max_tokens: "error", "truncate", "split" or "drop"
                  buffer_size: int = 2000,        # a streamed train_dataset: examples held while packing it (`PackedStream`)
                  **kwargs):
@@ -178,6 +183,10 @@ class PackedMixin:
                                  f"bins are shuffled per epoch), or drop max_tokens")
             if self.train_dataset is None: raise ValueError("max_tokens plans the train_dataset's bins: pass a train_dataset")
             if not _is_stream(self.train_dataset): self.plan = plan_bins(self.train_dataset, max_tokens, overlong=overlong, seed=self.args.seed)
+            elif self.args.dataloader_num_workers:
+                warnings.warn(f"dataloader_num_workers={self.args.dataloader_num_workers} is not used for a streamed "
+                              f"train_dataset with max_tokens: PackedStream packs it in the main process (each worker "
+                              f"would read the whole stream); set it to 0 to silence this")
             p = self.plan
             if p is not None and (p.truncated or p.split or p.dropped):
                 warnings.warn(f"max_tokens={max_tokens}, overlong={overlong!r}: {p.truncated} examples truncated, {p.split} "
@@ -274,6 +283,18 @@ def _first_batch(trainer) -> tuple[list[dict], dict]:
     finally: trainer.data_collator = collator
     return seen[0], batch
 
+def _first_rows(ds, n: int = 64) -> list[dict]:
+    return list(itertools.islice(iter(ds), n)) if _is_stream(ds) else [ds[i] for i in range(min(n, len(ds)))]
+
+def _masks_ignored(ds, masks: list[str]) -> tuple[list[int], int]:
+    "Rows among the first of `ds` whose `labels` train a token one of `masks` sets to 0, and how many rows were read."
+    rows = _first_rows(ds)
+    def trains_masked(r):
+        labels = np.asarray(r["labels"]).reshape(-1)
+        return any(r.get(k) is not None and ((np.asarray(r[k]).reshape(-1) == 0) & (labels != IGNORE_INDEX)).any()
+                   for k in masks)
+    return [i for i, r in enumerate(rows) if trains_masked(r)], len(rows)
+
 def _takes_kwargs(model) -> bool:
     return any(p.kind is p.VAR_KEYWORD for p in inspect.signature(model.forward).parameters.values())
 
@@ -283,6 +304,9 @@ def check_trainer(trainer,            # a configured transformers Trainer or TRL
                   grads: bool = True, # let the doctor compare gradients too
                  ) -> TrainerReport:
     "Check a configured Trainer for every way padding-free training goes wrong in it, on a real batch of its own dataloader; each finding names its fix."
+    if trainer.train_dataset is None:
+        raise ValueError(f"check_trainer checks the batches a {type(trainer).__name__} trains on, but it has no train_dataset: "
+                         f"pass train_dataset= when building it (an eval-only trainer needs no check: nothing is trained)")
     args, report = trainer.args, TrainerReport(type(trainer).__name__)
     add = report.findings.append
     runner, inner, wrappers = unwrap(trainer.model)
@@ -309,12 +333,26 @@ def check_trainer(trainer,            # a configured transformers Trainer or TRL
                     "fold the masks into labels with workbench.hf.prepare_dataset(ds), or train with PackedTrainer / "
                     "PackedSFTTrainer (they do it); or TrainingArguments(remove_unused_columns=False)"))
     elif lost:
-        add(Finding("loss masks reach the collator", "warn",
-                    f"{lost} removed before the collator; the labels it receives were built before (by TRL or "
-                    f"prepare_dataset) or the masks are ignored", "fold masks into labels with workbench.hf.prepare_dataset(ds)"))
+        bad, n = _masks_ignored(trainer.train_dataset, lost)
+        add(Finding("loss masks reach the collator", "fail" if bad else "pass",
+                    f"{lost} are removed before the collator and the dataset's labels train tokens they mask out in rows "
+                    f"{bad[:5]} of the first {n} (TRL applies completion_mask only with completion_only_loss=True, by "
+                    f"default only for prompt/completion text): the loss covers the prompt tokens too" if bad else
+                    f"{lost} are removed before the collator, but the dataset's labels already hold them (-100 wherever "
+                    f"a mask is 0, in the first {n} rows)",
+                    "fold the masks into labels with workbench.hf.prepare_dataset(ds) before the trainer, or "
+                    "SFTConfig(completion_only_loss=True), or train with PackedSFTTrainer" if bad else ""))
     else:
         add(Finding("loss masks reach the collator", "pass",
                     f"the collator receives {sorted(k for k in keys if k in ('labels', *LOSS_MASKS))}"))
+    if (isinstance(trainer, SFTTrainer) and not lost and "labels" in cols and not args.assistant_only_loss
+            and not getattr(trainer, "completion_only_loss", True)):
+        rows = _first_rows(trainer.train_dataset)
+        if all(IGNORE_INDEX not in np.asarray(r["labels"]) for r in rows):
+            add(Finding("prompt masked", "warn", f"every token of the first {len(rows)} rows trains (no label -100): TRL "
+                        f"applies a completion_mask only with completion_only_loss=True (by default only to prompt/completion "
+                        f"text) and drops it when packing; right for plain text, wrong if the rows had a prompt mask",
+                        "SFTConfig(completion_only_loss=True), or prepare_dataset(ds) before the trainer, or PackedSFTTrainer"))
     if "seq_lengths" in cols and not {"seq_lengths", "position_ids"} & keys:
         add(Finding("document boundaries reach the collator", "fail",
                     "the dataset's packed rows (seq_lengths) reach the collator without seq_lengths or position_ids: their "
