@@ -171,11 +171,11 @@ def test_ddp_two_ranks_equal_reference(flan, tmp_path, data, kind, max_tokens, g
 
 
 # ---------------------------------------------------------------- resume through Trainer's checkpoints
-@pytest.mark.parametrize("n,bins,stream,workers", [(N, None, False, 2), (6, 2, False, 0), (N, None, True, 0)],
-                         ids=["mid-epoch-2-workers", "epoch-boundary", "stream"])
+@pytest.mark.parametrize("n,bins,stream,workers", [(N, None, False, 0), (N, None, False, 2), (6, 2, False, 0), (N, None, True, 0)],
+                         ids=["mid-epoch", "mid-epoch-2-workers", "epoch-boundary", "stream"])
 def test_token_budget_resume_is_exact(flan, tmp_path, n, bins, stream, workers):
-    """Mid-epoch with 2 forked workers that prefetch: skip_first_batches re-draws the epoch's order, so the resume is still
-    exact (0 workers serve the same batches: test_other_datasets_give_the_same_batches)."""
+    """Mid-epoch, also with 2 forked workers that prefetch: skip_first_batches re-draws the epoch's order, so the resume is
+    still exact; at an epoch boundary; and a stream, re-packed up to the checkpoint's step."""
     ds = Dataset.from_list(flan[:n])
     if stream: ds = ds.to_iterable_dataset()  # resumed by re-packing the stream up to the checkpoint's step
     mk = lambda d, **kw: PackedTrainer(model=tiny_model("llama").train(), args=args(d, max_steps=4, dataloader_num_workers=workers,
