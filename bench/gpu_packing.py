@@ -10,6 +10,10 @@ A Llama-7B-shaped model with few layers (bf16, AdamW) trains on synthetic FLAN-l
   flat_flex       flattened, use_cache=False, flex_attention
   flat_varlen     flattened, use_cache=False, workbench_varlen (flash-attn or torch's varlen_attn)
   flat_sdpa_cache flattened, sdpa, the cache left at its default: what a custom loop without use_cache=False runs
+  hf_flat_varlen  transformers' DataCollatorWithFlattening(return_flash_attn_kwargs=True), workbench_varlen reading its
+                  cu_seq_lens: the same examples through transformers' own collator
+  budget_varlen   flattened, workbench_varlen, steps re-cut into token-budget bins by `plan_bins` with capacity = the
+                  padded batches' mean real tokens (the same tokens, regrouped: the comparison is per token)
 
 The table reports real (non-padding) tokens/s, ratios to both padded baselines, the ideal bound
 (`packing_report(...).speedup_bound`), peak memory, and a loss-equality column: the loss of every mode on a fixed check
@@ -32,14 +36,14 @@ import torch
 import workbench.attention  # registers "workbench_varlen"
 from workbench.attention import KEY as VARLEN, pick_kernel
 from workbench.core import tiny_config
-from workbench.packing import FlatteningCollator, PaddingCollator, packing_report, synthetic_lengths
+from workbench.packing import FlatteningCollator, PaddingCollator, packing_report, plan_bins, synthetic_lengths
 
 
 @dataclass(frozen=True)
 class Mode:
     name: str
     attn: str
-    layout: str                      # "padded" or "flat"
+    layout: str                      # "padded", "flat", "hf_flat" (transformers' collator) or "budget" (plan_bins steps)
     forward_kwargs: dict = field(default_factory=lambda: {"use_cache": False})
     pad_to: int | None = None        # flattened rows padded (one dummy example) to a multiple of this
 
@@ -51,7 +55,10 @@ MODES = {m.name: m for m in (
     Mode("flat_flex", "flex_attention", "flat", pad_to=512),  # fewer distinct shapes: fewer flex recompilations
     Mode("flat_varlen", VARLEN, "flat"),
     Mode("flat_sdpa_cache", "sdpa", "flat", {}),
+    Mode("hf_flat_varlen", VARLEN, "hf_flat"),
+    Mode("budget_varlen", VARLEN, "budget"),
 )}
+TRAP = "flat_sdpa_cache"  # the one mode expected to be CONTAMINATED
 REFERENCE = "padded_sdpa"
 LLAMA_7B = dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32, num_key_value_heads=32, head_dim=128,
                 vocab_size=32000, max_position_embeddings=4096)
@@ -83,8 +90,21 @@ def make_steps(kind: str, n_steps: int, batch_size: int, vocab: int, seed: int, 
     return [feats[i * batch_size:(i + 1) * batch_size] for i in range(n_steps)]
 
 
+def budget_steps(steps: list[list[dict]]) -> list[list[dict]]:
+    "The same examples regrouped into `plan_bins` bins of the steps' mean real tokens (longer examples are split)."
+    feats = [f for step in steps for f in step]
+    capacity = int(np.mean([sum(len(f["input_ids"]) for f in step) for step in steps]))
+    plan = plan_bins([len(f["input_ids"]) for f in feats], capacity, overlong="split", seed=0)
+    pieces = plan.dataset(feats)
+    return [[pieces[i] for i in b] for b in plan.bins]
+
+
 def collate(mode: Mode, feats: list[dict], device) -> dict:
-    batch = (PaddingCollator() if mode.layout == "padded" else FlatteningCollator(pad_to_multiple_of=mode.pad_to))(feats)
+    if mode.layout == "padded": batch = PaddingCollator()(feats)
+    elif mode.layout == "hf_flat":
+        from transformers import DataCollatorWithFlattening
+        batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": list(f["input_ids"])} for f in feats])
+    else: batch = FlatteningCollator(pad_to_multiple_of=mode.pad_to)(feats)
     return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
@@ -104,6 +124,7 @@ def check_loss(args, mode: Mode, feats: list[dict], device) -> float:
 
 def train(args, mode: Mode, steps: list[list[dict]], dtype, device) -> dict:
     "Train `warmup + steps` steps; return real tokens/s over the timed steps, the peak memory and the first loss."
+    if mode.layout == "budget": steps = budget_steps(steps)
     model = build_model(args, mode.attn, args.layers, dtype, device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
     if device.type == "cuda": torch.cuda.reset_peak_memory_stats(); torch.cuda.synchronize()
