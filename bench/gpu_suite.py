@@ -221,6 +221,9 @@ def supervise(part: Part, args, cap_s: float) -> dict:
         os.killpg(proc.pid, signal.SIGKILL)  # the part and every process it started (train ranks, compile workers)
         stdout, stderr = proc.communicate()
         status = f"timed out after {cap_s:g} s"
+    except BaseException:  # Ctrl-C or a kill of the suite: its own session would outlive us, so end it first
+        os.killpg(proc.pid, signal.SIGKILL); proc.wait()
+        raise
     record.update(status=status, seconds=round(time.perf_counter() - t0, 1))
     result = args.out / f"part{part.number}.json"
     if status == "ok": record["result"] = json.loads(result.read_text())["result"]
@@ -255,6 +258,7 @@ def parse_args(argv=None):
     known = {q.number for q in PARTS}
     if not set(args.parts) <= known or not set(args.fail_part) <= known:
         p.error(f"parts are numbered {sorted(known)}; got --parts {args.parts} --fail-part {args.fail_part}")
+    if args.out.exists() and not args.out.is_dir(): p.error(f"--out {args.out} is a file: pass a directory (made if missing)")
     if args.cap_s is not None and args.cap_s <= 0: p.error(f"--cap-s must be a positive number of seconds, got {args.cap_s}")
     return args
 
@@ -263,6 +267,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.child is not None: return run_part(args.child, args.dry_run, args.out, args.fail)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill ends the running part's session too (supervise)
     import torch
     if not args.dry_run and not torch.cuda.is_available(): raise SystemExit("no CUDA GPU: use --dry-run on a CPU")
     for stale in args.out.glob("part*.json"): stale.unlink()  # a reused directory: never report an old part's result

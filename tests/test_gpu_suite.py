@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -76,8 +77,38 @@ def test_a_part_over_its_cap_is_killed_and_recorded(tmp_path):
 
 
 @pytest.mark.parametrize("flags, message", [(["--parts", "9"], "parts are numbered"),
-                                            (["--cap-s", "0"], "--cap-s must be a positive")])
+                                            (["--cap-s", "0"], "--cap-s must be a positive"),
+                                            (["--out", "FILE"], "is a file: pass a directory")])
 def test_bad_flags_are_refused(tmp_path, flags, message):
+    (tmp_path / "FILE").touch()
+    flags = [str(tmp_path / f) if f == "FILE" else f for f in flags]
     proc = subprocess.run([sys.executable, str(SUITE), "--dry-run", "--out", str(tmp_path), *flags], capture_output=True,
                           text=True, timeout=60)
     assert proc.returncode == 2 and message in proc.stderr
+
+
+def running_with(text: str) -> list[int]:
+    "Pids of live processes whose command line mentions `text`."
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and text in (proc / "cmdline").read_bytes().decode(errors="replace"): pids.append(int(proc.name))
+        except OSError: pass
+    return pids
+
+
+def test_a_killed_suite_ends_its_running_part(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(SUITE.parents[1])}
+    proc = subprocess.Popen([sys.executable, str(SUITE), "--dry-run", "--out", str(tmp_path), "--parts", "3"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(200):  # until the part's own process (a new session) has started
+            if len(running_with(str(tmp_path))) >= 2: break
+            time.sleep(0.05)
+        assert len(running_with(str(tmp_path))) >= 2, "the part never started"
+        proc.terminate()
+        assert proc.wait(timeout=20) == 143
+        time.sleep(0.5)
+        assert running_with(str(tmp_path)) == []  # the part, in its own session, did not outlive the suite
+    finally:
+        if proc.poll() is None: proc.kill(); proc.wait()
