@@ -149,6 +149,7 @@ def train(args, mode: Mode, steps: list[list[dict]], dtype, device) -> dict:
 def run(args) -> list[dict]:
     device = torch.device("cpu" if args.dry_run else "cuda")
     if device.type == "cuda" and not torch.cuda.is_available(): raise SystemExit("no CUDA GPU: use --dry-run on a CPU")
+    torch._dynamo.config.cache_size_limit = 64  # flex_attention recompiles per new row length
     dtype = torch.float32 if args.dry_run else torch.bfloat16
     vocab = tiny_config("llama").vocab_size if args.dry_run else LLAMA_7B["vocab_size"]
     max_len = 64 if args.dry_run else None
@@ -194,7 +195,6 @@ def table(rows: list[dict], tolerance: float = 1e-4) -> str:
 def main(argv=None):
     args = parse_args(argv)
     t0 = time.perf_counter()
-    torch._dynamo.config.cache_size_limit = 64  # flex_attention recompiles per new row length
     env = f"torch {torch.__version__}"
     if torch.cuda.is_available() and not args.dry_run:
         env += f", {torch.cuda.get_device_name()}, varlen kernel: {pick_kernel(torch.empty(1, device='cuda', dtype=torch.bfloat16))}"

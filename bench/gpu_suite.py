@@ -99,7 +99,8 @@ def part_kernels(dry: bool, repeats: int = 10, warmup: int = 3) -> dict:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
         block = create_block_mask(lambda b, h, i, j: (doc[i] == doc[j]) & (i >= j), None, None, T, T, device=device)
         flex = torch.compile(flex_attention)
-        impls["flex"] = lambda q, k, v: flex(*(x.transpose(0, 1)[None] for x in (q, k, v)), block_mask=block)[0].transpose(0, 1)
+        impls["flex"] = lambda q, k, v: flex(*(x.transpose(0, 1)[None].contiguous() for x in (q, k, v)),
+                                             block_mask=block)[0].transpose(0, 1)
 
     def grads(fn, dt):
         q, k, v = (x.detach().to(dt, copy=True).requires_grad_() for x in (q32, k32, v32))  # fresh leaves every call
@@ -186,13 +187,12 @@ def version(dist: str) -> str:
 
 def environment(install_note: str) -> dict:
     import torch
-    cuda = torch.cuda.is_available()
-    driver = "absent"
-    if cuda:
-        try: driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                     capture_output=True, text=True, timeout=20).stdout.strip() or "unknown"
-        except (OSError, subprocess.TimeoutExpired): driver = "unknown (nvidia-smi failed)"
-    return dict(gpu=torch.cuda.get_device_name() if cuda else "absent", driver=driver, cuda=torch.version.cuda or "absent",
+    gpu = driver = "absent"
+    if torch.cuda.is_available():  # nvidia-smi, not torch: no CUDA context held by the suite while the parts run
+        try: gpu, driver = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                                          capture_output=True, text=True, timeout=20).stdout.splitlines()[0].split(", ")
+        except (OSError, subprocess.TimeoutExpired, IndexError, ValueError): gpu, driver = "unknown", "unknown (nvidia-smi failed)"
+    return dict(gpu=gpu, driver=driver, cuda=torch.version.cuda or "absent",
                 torch=torch.__version__, transformers=version("transformers"), flash_attn=version("flash-attn"),
                 flash_attn_install=install_note, python=sys.version.split()[0])
 
@@ -221,9 +221,10 @@ def supervise(part: Part, args, cap_s: float) -> dict:
         os.killpg(proc.pid, signal.SIGKILL)  # the part and every process it started (train ranks, compile workers)
         stdout, stderr = proc.communicate()
         status = f"timed out after {cap_s:g} s"
-    except BaseException:  # Ctrl-C or a kill of the suite: its own session would outlive us, so end it first
-        os.killpg(proc.pid, signal.SIGKILL); proc.wait()
-        raise
+    finally:  # also on Ctrl-C or a kill of the suite, and after a part that left processes behind (train ranks)
+        try: os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError: pass  # the part's session is already empty
+        proc.wait()
     record.update(status=status, seconds=round(time.perf_counter() - t0, 1))
     result = args.out / f"part{part.number}.json"
     if status == "ok": record["result"] = json.loads(result.read_text())["result"]
