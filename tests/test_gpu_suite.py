@@ -1,0 +1,114 @@
+"The GPU suite's CPU dry run (bench/gpu_suite.py --dry-run): every part recorded, the loss checks honest, parts isolated."
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+SUITE = Path(__file__).parents[1] / "bench" / "gpu_suite.py"
+
+
+def suite(out: Path, *flags: str, timeout: float = 150) -> dict:
+    "Run the suite's dry run in a subprocess (bounded and reaped by subprocess.run) and return its JSON report."
+    env = {**os.environ, "PYTHONPATH": str(SUITE.parents[1])}
+    proc = subprocess.run([sys.executable, str(SUITE), "--dry-run", "--out", str(out), *flags], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads((out / "suite.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def full(tmp_path_factory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("suite")
+    return out, suite(out)
+
+
+def test_every_part_has_a_status_and_the_markdown_exists(full):
+    out, report = full
+    assert [p["part"] for p in report["parts"]] == [1, 2, 3, 4, 5]
+    assert [p["status"] for p in report["parts"]][:4] == ["ok"] * 4, [p.get("stderr_tail") for p in report["parts"]]
+    assert report["parts"][4]["status"].startswith("skipped: no predictor")
+    assert set(report["env"]) >= {"gpu", "driver", "cuda", "torch", "transformers", "flash_attn"}
+    assert report["env"]["gpu"] == "absent" and all(isinstance(v, str) and v for v in report["env"].values())
+    md = (out / "suite.md").read_text()
+    assert "| 5 | step_time | skipped: no predictor" in md and "CONTAMINATED" in md
+
+
+def test_packing_loss_checks_flag_only_the_trap(full):
+    _, report = full
+    packing = report["parts"][0]["result"]
+    checked = [r for r in packing["rows"] if "check_loss_diff" in r]
+    modes = {r["mode"] for r in checked}
+    assert {"padded_sdpa", "padded_varlen", "flat_sdpa", "flat_varlen", "flat_sdpa_cache", "hf_flat_varlen",
+            "budget_varlen"} <= modes  # every mode CPU can run had its loss checked (flex: no CPU backward)
+    for r in checked:
+        assert r["contaminated"] == (r["mode"] == packing["trap"]), r
+        assert r["tok_s"] > 0 and r["of_bound"] > 0
+
+
+def test_kernels_and_memory_parts_report_real_values(full):
+    _, report = full
+    kernels = {r["impl"]: r for r in report["parts"][1]["result"]["rows"]}
+    assert set(kernels) == {"workbench_varlen", "sdpa"}
+    assert all(0 <= r[f"max_abs_d_{t}"] < 1e-4 for r in kernels.values() for t in ("out", "dq", "dk", "dv"))
+    assert kernels["sdpa"]["max_abs_d_dq"] > 0  # a different kernel: the grads are really compared, not aliased
+    points = report["parts"][3]["result"]["points"]
+    assert len(points) == 3 and all(p["planned_gib"] > 0 and p["measured_gib"] > 0 for p in points)
+    assert "workbench.train" in points[-1]["source"]
+
+
+def test_a_failing_part_is_recorded_and_the_next_one_runs(tmp_path):
+    stale = {"cap_gib": 1, "levers": "old", "measured_tokens": 1, "planned_peak_gib": 1.0, "measured_peak_gib": 1.0}
+    (tmp_path / "part3.json").write_text(json.dumps({"result": {"rows": [stale]}}))  # a reused directory's old result
+    report = suite(tmp_path, "--parts", "3", "4", "--fail-part", "3")
+    failed, memory = report["parts"]
+    assert failed["status"].startswith("failed") and "failed on purpose" in failed["stderr_tail"]
+    assert memory["status"] == "ok" and len(memory["result"]["points"]) == 1  # only the train run: no rows of an old part 3
+
+
+def test_a_part_over_its_cap_is_killed_and_recorded(tmp_path):
+    report = suite(tmp_path, "--parts", "2", "5", "--cap-s", "0.5", timeout=60)
+    slow, skipped = report["parts"]
+    assert slow["status"] == "timed out after 0.5 s" and slow["seconds"] < 10
+    assert skipped["status"].startswith("skipped")
+
+
+@pytest.mark.parametrize("flags, message", [(["--parts", "9"], "parts are numbered"),
+                                            (["--cap-s", "0"], "--cap-s must be a positive"),
+                                            (["--out", "FILE"], "is a file: pass a directory")])
+def test_bad_flags_are_refused(tmp_path, flags, message):
+    (tmp_path / "FILE").touch()
+    flags = [str(tmp_path / f) if f == "FILE" else f for f in flags]
+    proc = subprocess.run([sys.executable, str(SUITE), "--dry-run", "--out", str(tmp_path), *flags], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr
+
+
+def running_with(text: str) -> list[int]:
+    "Pids of live processes whose command line mentions `text`."
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and text in (proc / "cmdline").read_bytes().decode(errors="replace"): pids.append(int(proc.name))
+        except OSError: pass
+    return pids
+
+
+def test_a_killed_suite_ends_its_running_part(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(SUITE.parents[1])}
+    proc = subprocess.Popen([sys.executable, str(SUITE), "--dry-run", "--out", str(tmp_path), "--parts", "3"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(200):  # until the part's own process (a new session) has started
+            if len(running_with(str(tmp_path))) >= 2: break
+            time.sleep(0.05)
+        assert len(running_with(str(tmp_path))) >= 2, "the part never started"
+        proc.terminate()
+        assert proc.wait(timeout=20) == 143
+        time.sleep(0.5)
+        assert running_with(str(tmp_path)) == []  # the part, in its own session, did not outlive the suite
+    finally:
+        if proc.poll() is None: proc.kill(); proc.wait()
