@@ -11,7 +11,7 @@ import pytest
 SUITE = Path(__file__).parents[1] / "bench" / "gpu_suite.py"
 
 
-def suite(out: Path, *flags: str, timeout: float = 150) -> dict:
+def suite(out: Path, *flags: str, timeout: float = 540) -> dict:  # under pytest's 600 s; the parts have their own caps
     "Run the suite's dry run in a subprocess (bounded and reaped by subprocess.run) and return its JSON report."
     env = {**os.environ, "PYTHONPATH": str(SUITE.parents[1])}
     proc = subprocess.run([sys.executable, str(SUITE), "--dry-run", "--out", str(out), *flags], capture_output=True,
