@@ -14,17 +14,15 @@ import torch
 
 from .core import IGNORE_INDEX, lengths_from_positions, restart_positions
 from .doctor import Finding, DoctorReport, check_packing, unwrap
-from .packing import FlatteningCollator, OVERLONG, PackedStream, TokenBudgetSampler, plan_bins
+from .packing import LOSS_MASKS, FlatteningCollator, OVERLONG, PackedStream, TokenBudgetSampler, plan_bins
 from transformers import Trainer
 from trl import SFTTrainer
 
 # %% auto #0
-__all__ = ['LOSS_MASKS', 'fold_example', 'FoldedDataset', 'prepare_dataset', 'LabelGuard', 'split_packed', 'PackedMixin',
-           'PackedTrainer', 'PackedSFTTrainer', 'TrainerReport', 'check_trainer']
+__all__ = ['fold_example', 'FoldedDataset', 'prepare_dataset', 'LabelGuard', 'split_packed', 'PackedMixin', 'PackedTrainer',
+           'PackedSFTTrainer', 'TrainerReport', 'check_trainer']
 
 # %% ../nbs/15_hf.ipynb #851f4ce9
-LOSS_MASKS = ("completion_mask", "assistant_masks")  # per-token 0/1 columns: 0 keeps a token out of the loss
-
 def _dataset_columns(ds) -> list[str]:
     "Column names of any dataset: a `datasets` one's, else the keys of its first item."
     if hasattr(ds, "column_names"): return list(ds.column_names or [])

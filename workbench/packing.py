@@ -18,7 +18,7 @@ import torch
 from .core import IGNORE_INDEX, cu_seq_lens, example_ids, lengths_from_positions, restart_positions
 
 # %% auto #0
-__all__ = ['OVERLONG', 'Flat', 'flatten_features', 'FlatteningCollator', 'PaddingCollator', 'NaiveConcatCollator',
+__all__ = ['LOSS_MASKS', 'OVERLONG', 'Flat', 'flatten_features', 'FlatteningCollator', 'PaddingCollator', 'NaiveConcatCollator',
            'per_example_logits', 'lengths_of', 'Plan', 'plan_bins', 'PlannedFeatures', 'TokenBudgetSampler',
            'ResumableLoader', 'synthetic_lengths', 'PackingReport', 'packing_report', 'OnlineBestFit', 'StreamReport',
            'PackedStream']
@@ -27,7 +27,7 @@ __all__ = ['OVERLONG', 'Flat', 'flatten_features', 'FlatteningCollator', 'Paddin
 def _lengths(cols: list) -> np.ndarray:
     return np.fromiter(map(len, cols), dtype=np.int64, count=len(cols))
 
-_LOSS_MASKS = ("completion_mask", "assistant_masks")  # per-token 0/1 columns: 0 excludes a token from the loss
+LOSS_MASKS = ("completion_mask", "assistant_masks")  # per-token 0/1 columns: 0 excludes a token from the loss
 _BOUNDARIES = ("seq_lengths", "position_ids")  # read for document boundaries (TRL's packed rows), then rebuilt
 _NOT_CARRIED = {"input_ids", "labels", "attention_mask", *_BOUNDARIES}  # read, checked and rebuilt, never copied
 
@@ -133,14 +133,14 @@ def flatten_features(features: list[dict], max_tokens: int | None = None) -> Fla
     for key in sorted(keys, key=lambda k: k != "labels"):
         if key in ("input_ids", *_BOUNDARIES): continue
         values = [f.get(key) for f in features]
-        if key not in _NOT_CARRIED and key not in _LOSS_MASKS and not any(map(_is_row, values)):
+        if key not in _NOT_CARRIED and key not in LOSS_MASKS and not any(map(_is_row, values)):
             if any(v is not None for v in values): per_example.append(key)
             continue
         rows = []
         for i, v in enumerate(values):
             if v is not None: rows.append(_as_row(v, i, key))
             elif key == "labels": rows.append(ids[i])
-            elif key in _LOSS_MASKS or key == "attention_mask": rows.append(np.ones(sizes[i], dtype=np.int64))
+            elif key in LOSS_MASKS or key == "attention_mask": rows.append(np.ones(sizes[i], dtype=np.int64))
             else:
                 has = [j for j, w in enumerate(values) if w is not None]
                 raise ValueError(f"example {i} lacks {key!r}, which examples {has[:5]} carry: a per-token column must be "
@@ -162,7 +162,7 @@ def flatten_features(features: list[dict], max_tokens: int | None = None) -> Fla
             raise ValueError(f"example {i}: attention_mask has zeros, so the example holds padding: strip it before "
                              f"collating (tokenize without padding); the packed row needs none")
     carried = {k: _concat(v, k, total) for k, v in columns.items()}
-    for k in _LOSS_MASKS:
+    for k in LOSS_MASKS:
         if k in carried: labels[carried[k] == 0] = IGNORE_INDEX
     return Flat(np.array(docs, dtype=np.int64) if docs is not sizes else lengths, input_ids, labels, carried)
 
