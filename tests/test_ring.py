@@ -1,0 +1,165 @@
+"""Distributed proofs of `workbench.sp` (ring attention and the hybrid Ulysses × ring layout): P CPU processes joined by
+gloo compute what one process computes, on packed rows of several documents.
+
+Two launches (2 and 4 processes) check many cases each: fp64 logits, loss and every parameter gradient within 1e-10
+relative error of one plain-sdpa process; fp32 per-step AdamW losses within 1e-6; the point-to-point elements counted at
+the dispatcher equal `ring_p2p_elements`; the block pairs skipped equal `block_pairs`' prediction. The rest needs no process.
+"""
+from functools import partial
+
+import pytest
+import torch
+
+from workbench.core import shift_labels, tiny_config, tiny_model
+from workbench.launch import launch
+from workbench.sp.balance import (PLANS, balanced_plan, imbalance, plan_row, token_work, unshard, zigzag_plan)
+from workbench.sp.proofs import balance_markdown, balance_table, check_ring, ring_losses
+from workbench.sp.ring import (HybridGrid, block_pairs, check_layout, contiguous_plan, documents, register_ring,
+                               ring_forward, ring_shard, sp_layouts)
+from workbench.ulysses import Case, case_rows, check_sp, one_process
+
+F64 = [Case("llama", "sdpa", dtype="float64"),                  # MHA, 203 FLAN-like tokens (not a multiple of P)
+       Case("qwen2", "sdpa", dtype="float64"),                  # GQA, 2 kv heads
+       Case("mistral", "sdpa", dtype="float64"),                # GQA + sliding window 16
+       Case("qwen2", "sdpa", packed=False, dtype="float64"),    # one document spanning every shard
+       Case("llama", "sdpa", packed=False, dtype="float64", tokens=3)]  # fewer tokens than processes: shards of padding only
+F32 = [Case("qwen2", "eager"), Case("mistral", "sdpa")]
+TOL = {"float32": 1e-5, "float64": 1e-10}
+TWO_HEADS = dict(num_attention_heads=2, num_key_value_heads=1)  # Ulysses alone stops at SP=2 (1 kv head)
+
+
+def two_heads(attn: str, dtype=torch.float32):
+    return tiny_model("llama", attn_implementation=attn, dtype=dtype, **TWO_HEADS)
+
+
+def _jobs(jobs: list) -> list:
+    "Every rank: run each (function, args) job in turn (one launch checks many things)."
+    torch.set_num_threads(1)
+    return [fn(*args) for fn, args in jobs]
+
+
+def _references(cases, dps):
+    return {dp: [one_process(c, dp) for c in cases] for dp in dps}
+
+
+def assert_ring_results(results: list, n_expected: int):
+    assert len(results) == n_expected
+    for r in results:
+        tol, where = TOL[r["case"].dtype], f"{r['case']} at ulysses={r['ulysses']}, ring={r['ring']}, dp={r['dp']}, {r['strategy']}, rank {r['rank']}"
+        assert r["n_params"] >= 21, f"{where}: only {r['n_params']} parameters got gradients"
+        assert max(r["logits"], r["loss"], r["grads"]) <= tol, (
+            f"{where}: relative error logits {r['logits']:.2e}, loss {r['loss']:.2e}, gradients {r['grads']:.2e} > {tol}")
+        assert r["p2p"] == r["p2p_formula"], f"{where}: sent {r['p2p']} elements (forward, backward), formula {r['p2p_formula']}"
+        assert r["skipped"] == r["skipped_predicted"], f"{where}: skipped {r['skipped']} block pairs, predicted {r['skipped_predicted']}"
+
+
+def rows(n=3):
+    return case_rows(Case(tokens=203), n)
+
+
+# ---------------------------------------------------------------- layouts, plans, shards: no processes needed
+
+def test_layouts_listed_and_bad_pairs_refused():
+    qwen = tiny_config("qwen2")  # 4 heads, 2 kv heads
+    assert sp_layouts(qwen, 4) == [(1, 1), (1, 2), (2, 1), (1, 4), (2, 2), (4, 1)]
+    assert sp_layouts(qwen, 16, sp_size=16) == [(1, 16), (2, 8), (4, 4)]   # Ulysses <= 4 heads, the ring the rest
+    assert sp_layouts(qwen, 6, sp_size=4) == []                            # 4 does not divide 6
+    cfg = tiny_config("llama", **TWO_HEADS)
+    with pytest.raises(ValueError, match="more than the 2 attention heads"): check_sp(cfg, 4)
+    assert check_layout(cfg, 2, 2).kv_repeat == 2 and check_layout(cfg, 1, 4, world_size=8).dp_size == 2
+    with pytest.raises(ValueError, match=r"ulysses=4 does not suit.*layouts of SP=4 that work: \[\(1, 4\), \(2, 2\)\]"):
+        check_layout(cfg, 4, 1)
+    with pytest.raises(ValueError, match=r"ulysses=3 does not suit.*does not divide the 4 attention heads"):
+        check_layout(qwen, 3, 2)
+    with pytest.raises(ValueError, match="world_size=6 is not a multiple of sp_size=4"):
+        check_layout(qwen, 2, 2, world_size=6)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="positive integer"): check_layout(qwen, 1, bad)
+    model = two_heads(register_ring())
+    shard = ring_shard(rows(1)[0], contiguous_plan(203, 1), 0)
+    with pytest.raises(ValueError, match="ulysses=4 does not suit"):
+        ring_forward(model, shard, HybridGrid(ulysses=4, ring=1))  # refused before any exchange
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("strategy", PLANS)
+def test_every_plan_is_a_permutation_and_shards_undo(parts, strategy):
+    row = rows(1)[0]
+    batch, plan = plan_row(row, parts, strategy)
+    n = batch["input_ids"].shape[1]
+    assert n >= 203 and torch.equal(plan.flatten().sort().values, torch.arange(n))
+    shards = [ring_shard(batch, plan, s) for s in range(parts)]
+    assert torch.equal(unshard([s["input_ids"] for s in shards], plan, 203), row["input_ids"])
+    assert torch.equal(unshard([s["position_ids"] for s in shards], plan, 203), row["position_ids"])  # global positions travel
+    assert torch.equal(unshard([s["shift_labels"] for s in shards], plan, 203), shift_labels(row["labels"])[:, :203])
+    assert (unshard([s["shift_labels"] for s in shards], plan)[:, 203:] == -100).all()  # the padding trains nothing
+    assert {s["num_items_in_batch"] for s in shards} == {int((row["labels"][0, 1:] != -100).sum())}
+
+
+def test_shards_refuse_what_they_cannot_cut():
+    row = rows(1)[0]
+    with pytest.raises(ValueError, match="pad it first"): contiguous_plan(203, 2)
+    with pytest.raises(ValueError, match="every token of the 203-token row exactly once"):
+        ring_shard(row, torch.arange(203).flip(0)[:200].view(4, 50), 0)
+    dup = torch.arange(204).view(4, 51).clone(); dup[0, 0] = 1
+    with pytest.raises(ValueError, match="exactly once"): ring_shard(plan_row(row, 4, "contiguous")[0], dup, 0)
+    with pytest.raises(ValueError, match="outside a plan of 4 shards"): ring_shard(plan_row(row, 4, "contiguous")[0], contiguous_plan(204, 4), 4)
+    with pytest.raises(ValueError, match="ring blocks of ulysses=3"): ring_shard(plan_row(row, 4, "contiguous")[0], contiguous_plan(204, 4), 0, 3)
+    with pytest.raises(ValueError, match="attention_mask"):
+        ring_shard({**row, "attention_mask": torch.ones_like(row["input_ids"])}, contiguous_plan(203, 1), 0)
+    with pytest.raises(ValueError, match="choose one of"): plan_row(row, 2, "random")
+
+
+def test_skipped_pairs_predicted_from_the_plan():
+    cu = torch.tensor([0, 40, 90, 96, 160])
+    doc = documents(cu)
+    contiguous = block_pairs(contiguous_plan(160, 4), doc)
+    assert int((~contiguous).sum()) == 10 and contiguous.diagonal().all()
+    assert int((~block_pairs(contiguous_plan(160, 4), doc, causal=False)).sum()) == 8  # documents alone (symmetric)
+    one_doc = documents(torch.tensor([0, 160]))
+    assert int((~block_pairs(contiguous_plan(160, 4), one_doc)).sum()) == 6              # causality alone
+    assert int((~block_pairs(zigzag_plan(160, 4), one_doc)).sum()) == 0                  # zigzag: every pair works
+    assert int((~block_pairs(contiguous_plan(160, 4), one_doc, window=16)).sum()) == 9   # window: a block and the one before
+
+
+def test_document_aware_sharding_balances_flan_like_rows():
+    "Benchmark-shaped check on FLAN-like packed rows (the BENCHMARKS.md table uses more rows)."
+    table = balance_table(capacities=(8192,), parts=(2, 4, 8), n_rows=4)
+    print("\n" + balance_markdown(table))
+    for r in table:
+        assert r["balanced_mean"] < min(r["contiguous_mean"], r["zigzag_mean"]), r
+        assert r["balanced_worst"] <= min(r["contiguous_worst"], r["zigzag_worst"]) and r["balanced_worst"] < 1.05, r
+    one_doc = token_work(torch.tensor([0, 4096]))
+    assert imbalance(zigzag_plan(4096, 4), one_doc) == 1.0 < imbalance(contiguous_plan(4096, 4), one_doc)
+    assert imbalance(balanced_plan(torch.tensor([0, 4096]), 4), one_doc) == 1.0
+
+
+# ---------------------------------------------------------------- equivalence: 2 and 4 processes, one launch each
+
+def test_ring_of_two_equals_one_process():
+    cases = F64 + F32
+    jobs = [(check_ring, (cases, [(1, 2)], PLANS, _references(cases, [1])))]
+    (results,) = zip(*launch(_jobs, jobs, num_processes=2, cpu=True, quiet=True, timeout_s=120, deadline_s=240))
+    assert_ring_results([r for rank in results for r in rank], 2 * len(PLANS) * len(cases))
+
+
+def test_ring_of_four_hybrid_2x2_and_training_equal_one_process():
+    f64_layouts = [(1, 4), (2, 2), (4, 1)]  # (4, 1): qwen2's 2 kv heads fewer than the Ulysses degree
+    rows3 = rows(3)
+    f32_model, f64_model = partial(two_heads, dtype=torch.float32), partial(two_heads, dtype=torch.float64)
+    train = [(1, 4), (2, 2)]  # a 2-head, 1-kv-head model Ulysses alone cannot run at SP=4; (2, 2) replicates the kv head
+    jobs = [(check_ring, (F64, f64_layouts, ("balanced",), _references(F64, [1]))),
+            (check_ring, (F64[:2] + F32, [(1, 2)], ("zigzag",), _references(F64[:2] + F32, [2]))),  # DP 2 x ring 2
+            *[(ring_losses, (f32_model, rows3, layout)) for layout in train],
+            *[(ring_losses, (f64_model, rows3[:1], layout)) for layout in train]]
+    per_rank = launch(_jobs, jobs, num_processes=4, cpu=True, quiet=True, timeout_s=120, deadline_s=300)
+    checks = [r for rank in per_rank for job in rank[:2] for r in job]
+    assert_ring_results(checks, 4 * (len(F64) * len(f64_layouts) + len(F64[:2] + F32)))
+    ref32, ref64 = ring_losses(f32_model, rows3), ring_losses(f64_model, rows3[:1])
+    for rank in per_rank:
+        for got, layout in zip(rank[2:4], train):
+            assert len(got["losses"]) == 3
+            assert max(abs(a - b) for a, b in zip(got["losses"], ref32["losses"])) <= 1e-6, (layout, got["losses"], ref32["losses"])
+        for got, layout in zip(rank[4:], train):
+            errors = [((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got["grads"], ref64["grads"])]
+            assert len(errors) == 21 and max(errors) <= 1e-10, (layout, max(errors))
