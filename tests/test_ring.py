@@ -3,15 +3,22 @@ gloo compute what one process computes, on packed rows of several documents.
 
 Two launches (2 and 4 processes) check many cases each: fp64 logits, loss and every parameter gradient within 1e-10
 relative error of one plain-sdpa process; fp32 per-step AdamW losses within 1e-6; the point-to-point elements counted at
-the dispatcher equal `ring_p2p_elements`; the block pairs skipped equal `block_pairs`' prediction. The rest needs no process.
+the dispatcher equal `ring_p2p_elements`; the block pairs skipped equal `block_pairs`' prediction. Two torchrun "nodes" of
+2 processes each train with Ulysses inside each node and the ring across them. The rest needs no process.
 """
+import json
+import os
+import signal
+import subprocess
+import sys
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
 
 from workbench.core import shift_labels, tiny_config, tiny_model
-from workbench.launch import launch
+from workbench.launch import free_port, launch
 from workbench.sp.balance import (PLANS, balanced_plan, imbalance, plan_row, token_work, unshard, zigzag_plan)
 from workbench.sp.proofs import balance_markdown, balance_table, check_ring, ring_losses
 from workbench.sp.ring import (HybridGrid, block_pairs, check_layout, contiguous_plan, documents, register_ring,
@@ -163,3 +170,27 @@ def test_ring_of_four_hybrid_2x2_and_training_equal_one_process():
         for got, layout in zip(rank[4:], train):
             errors = [((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got["grads"], ref64["grads"])]
             assert len(errors) == 21 and max(errors) <= 1e-10, (layout, max(errors))
+
+
+def test_two_torchrun_nodes_ulysses_inside_ring_across_equal_one_process(tmp_path):
+    "Two `torchrun --nnodes 2 --node_rank {0,1}` invocations of 2 processes on 127.0.0.1: Ulysses pairs {0,1} and {2,3}, rings {0,2} and {1,3}."
+    port, root = free_port(), Path(__file__).resolve().parent.parent
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(n),
+                               "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(port),
+                               "-m", "workbench.sp.proofs", "--ulysses", "2", "--ring", "2", "--steps", "3",
+                               "--out", str(tmp_path / f"node{n}.json")],
+                              cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True) for n in (0, 1)]
+    try:
+        logs = [p.communicate(timeout=240)[0] for p in nodes]
+    finally:
+        for p in nodes:  # on a timeout or an error: the whole torchrun tree, then reap
+            if p.poll() is None: os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)
+    assert [p.returncode for p in nodes] == [0, 0], logs
+    got = json.loads((tmp_path / "node0.json").read_text())
+    assert not (tmp_path / "node1.json").exists()  # only global rank 0 (on node 0) writes
+    ref = ring_losses(two_heads, rows(3))["losses"]
+    assert got["world"] == 4 and len(got["losses"]) == 3
+    assert max(abs(a - b) for a, b in zip(got["losses"], ref)) <= 1e-6, (got["losses"], ref)
