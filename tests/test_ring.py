@@ -3,7 +3,7 @@ gloo compute what one process computes, on packed rows of several documents.
 
 Two launches (2 and 4 processes) check many cases each: fp64 logits, loss and every parameter gradient within 1e-10
 relative error of one plain-sdpa process; fp32 per-step AdamW losses within 1e-6; the point-to-point elements counted at
-the dispatcher equal `ring_p2p_elements`; the block pairs skipped equal `block_pairs`' prediction. Two torchrun "nodes" of
+the dispatcher (ring sends and Ulysses all-to-alls) equal `comm_elements`; the block pairs skipped equal `block_pairs`' prediction. Two torchrun "nodes" of
 2 processes each train with Ulysses inside each node and the ring across them. The rest needs no process.
 """
 import json
@@ -57,6 +57,7 @@ def assert_ring_results(results: list, n_expected: int):
         assert max(r["logits"], r["loss"], r["grads"]) <= tol, (
             f"{where}: relative error logits {r['logits']:.2e}, loss {r['loss']:.2e}, gradients {r['grads']:.2e} > {tol}")
         assert r["p2p"] == r["p2p_formula"], f"{where}: sent {r['p2p']} elements (forward, backward), formula {r['p2p_formula']}"
+        assert r["a2a"] == r["a2a_formula"], f"{where}: all-to-all {r['a2a']} elements (forward, backward), formula {r['a2a_formula']}"
         assert r["skipped"] == r["skipped_predicted"], f"{where}: skipped {r['skipped']} block pairs, predicted {r['skipped_predicted']}"
 
 
