@@ -87,6 +87,11 @@ def test_layouts_listed_and_bad_pairs_refused():
     shard = ring_shard(rows(1)[0], contiguous_plan(203, 1), 0)
     with pytest.raises(ValueError, match="ulysses=4 does not suit"):
         ring_forward(model, shard, HybridGrid(ulysses=4, ring=1))  # refused before any exchange
+    from workbench.ulysses import shard_batch
+    with pytest.raises(ValueError, match="build it with ring_shard"):
+        ring_forward(model, shard_batch(rows(1)[0], 0, 1), HybridGrid())
+    with pytest.raises(ValueError, match="cu_seq_lens_q ends at 204 but the ring blocks hold 203"):
+        ring_forward(model, {**shard, "cu_seq_lens_q": torch.tensor([0, 102, 204], dtype=torch.int32)}, HybridGrid())
 
 
 @pytest.mark.parametrize("parts", [1, 2, 3, 4, 8])
