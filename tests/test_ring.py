@@ -30,7 +30,8 @@ F64 = [Case("llama", "sdpa", dtype="float64"),                  # MHA, 203 FLAN-
        Case("mistral", "sdpa", dtype="float64"),                # GQA + sliding window 16
        Case("qwen2", "sdpa", packed=False, dtype="float64"),    # one document spanning every shard
        Case("llama", "sdpa", packed=False, dtype="float64", tokens=3)]  # fewer tokens than processes: shards of padding only
-F32 = [Case("qwen2", "eager"), Case("mistral", "sdpa")]
+F32 = [Case("qwen2", "eager"), Case("mistral", "sdpa"),
+       Case("llama", "sdpa", checkpointing=True)]  # layers recomputed in backward: the ring and the all-to-alls run again
 TOL = {"float32": 1e-5, "float64": 1e-10}
 TWO_HEADS = dict(num_attention_heads=2, num_key_value_heads=1)  # Ulysses alone stops at SP=2 (1 kv head)
 
