@@ -95,6 +95,21 @@ def test_layouts_listed_and_bad_pairs_refused():
         ring_forward(model, {**shard, "cu_seq_lens_q": torch.tensor([0, 102, 204], dtype=torch.int32)}, HybridGrid())
 
 
+def test_one_block_equals_sdpa_across_families_or_refuses_by_name():
+    "A ring of one block is plain exact attention: other families' attention modules (norms, windows, biases) fit the seam."
+    row = rows(1)[0]
+    keys = ("input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+    for family in ("gemma3", "phi3", "olmo2", "qwen3", "starcoder2"):
+        ref = tiny_model(family, attn_implementation="sdpa", dtype=torch.float64)(**{k: row[k] for k in keys}, use_cache=False).logits
+        model = tiny_model(family, attn_implementation=register_ring(), dtype=torch.float64)
+        logits, _ = ring_forward(model, ring_shard(row, contiguous_plan(203, 1), 0), HybridGrid())
+        assert ((logits - ref).abs().max() / ref.abs().max()).item() <= 1e-10, family
+    for family, words in (("gemma2", "does not implement softcap"), ("stablelm", "does not pass forward keywords")):
+        model = tiny_model(family, attn_implementation=register_ring())
+        with pytest.raises(ValueError, match=words):
+            ring_forward(model, ring_shard(row, contiguous_plan(203, 1), 0), HybridGrid())
+
+
 @pytest.mark.parametrize("parts", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("strategy", PLANS)
 def test_every_plan_is_a_permutation_and_shards_undo(parts, strategy):
