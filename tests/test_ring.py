@@ -31,8 +31,9 @@ F64 = [Case("llama", "sdpa", dtype="float64"),                  # MHA, 203 FLAN-
        Case("qwen2", "sdpa", packed=False, dtype="float64"),    # one document spanning every shard
        Case("llama", "sdpa", packed=False, dtype="float64", tokens=3)]  # fewer tokens than processes: shards of padding only
 F32 = [Case("qwen2", "eager"), Case("mistral", "sdpa"),
-       Case("llama", "sdpa", checkpointing=True)]  # layers recomputed in backward: the ring and the all-to-alls run again
-TOL = {"float32": 1e-5, "float64": 1e-10}
+       Case("llama", "sdpa", checkpointing=True),  # layers recomputed in backward: the ring and the all-to-alls run again
+       Case("qwen2", "sdpa", dtype="bfloat16")]    # bf16 blocks travel as bf16, statistics in fp32
+TOL = {"float32": 1e-5, "float64": 1e-10, "bfloat16": 3e-2}  # bf16: as close as two bf16 kernels get (measured ≤ 1.3e-2)
 TWO_HEADS = dict(num_attention_heads=2, num_key_value_heads=1)  # Ulysses alone stops at SP=2 (1 kv head)
 
 
@@ -58,6 +59,7 @@ def assert_ring_results(results: list, n_expected: int):
         assert max(r["logits"], r["loss"], r["grads"]) <= tol, (
             f"{where}: relative error logits {r['logits']:.2e}, loss {r['loss']:.2e}, gradients {r['grads']:.2e} > {tol}")
         assert r["p2p"] == r["p2p_formula"], f"{where}: sent {r['p2p']} elements (forward, backward), formula {r['p2p_formula']}"
+        assert r["p2p_bytes"][0] == r["p2p"][0] * getattr(torch, r["case"].dtype).itemsize, f"{where}: blocks left their dtype"
         assert r["a2a"] == r["a2a_formula"], f"{where}: all-to-all {r['a2a']} elements (forward, backward), formula {r['a2a_formula']}"
         assert r["skipped"] == r["skipped_predicted"], f"{where}: skipped {r['skipped']} block pairs, predicted {r['skipped_predicted']}"
 
