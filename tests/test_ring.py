@@ -21,8 +21,8 @@ from workbench.core import shift_labels, tiny_config, tiny_model
 from workbench.launch import free_port, launch
 from workbench.sp.balance import (PLANS, balanced_plan, imbalance, plan_row, token_work, unshard, zigzag_plan)
 from workbench.sp.proofs import balance_markdown, balance_table, check_ring, ring_losses
-from workbench.sp.ring import (HybridGrid, block_pairs, check_layout, contiguous_plan, documents, register_ring,
-                               ring_forward, ring_shard, sp_layouts)
+from workbench.sp.ring import (HybridGrid, block_pairs, check_layout, choose_layout, contiguous_plan, documents,
+                               register_ring, ring_forward, ring_shard, sp_layouts)
 from workbench.ulysses import Case, case_rows, check_sp, one_process
 
 F64 = [Case("llama", "sdpa", dtype="float64"),                  # MHA, 203 FLAN-like tokens (not a multiple of P)
@@ -84,6 +84,8 @@ def test_layouts_listed_and_bad_pairs_refused():
         check_layout(qwen, 3, 2)
     with pytest.raises(ValueError, match="world_size=6 is not a multiple of sp_size=4"):
         check_layout(qwen, 2, 2, world_size=6)
+    assert choose_layout(qwen, 8) == (4, 2) and choose_layout(qwen, 8, per_node=1) == (1, 8) and choose_layout(cfg, 6) == (2, 3)
+    with pytest.raises(ValueError, match="positive integer"): choose_layout(qwen, 0)
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="positive integer"): check_layout(qwen, 1, bad)
     model = two_heads(register_ring())
