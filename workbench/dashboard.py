@@ -64,7 +64,7 @@ class MetricsReader:
         try: return json.loads((self.run_dir / "config.json").read_text())
         except (FileNotFoundError, ValueError): return {}
 
-# %% ../nbs/09_dashboard.ipynb #ecfca561
+# %% ../nbs/09_dashboard.ipynb #c7b970f2
 @dataclass
 class RunProgress:
     "Where one run stands: steps done of how many, seconds its ranks have run, and the estimated seconds left."
@@ -101,8 +101,9 @@ def run_progress(name: str,              # the run's label
 # %% ../nbs/09_dashboard.ipynb #25658473
 _COLORS = ("#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2")
 _RANK_DASH = ("solid", "dot", "dash", "dashdot")
-CPU_CAVEAT = ("CPU run: measured = the process's peak RSS (libraries, pages inherited at fork),<br>"
-              "planned (dashed) = GPU tensors in bf16: not comparable")
+CPU_CAVEAT = ("CPU run: measured = the process's peak RSS (libraries, pages<br>"
+              "inherited at fork); planned (dashed) = GPU bf16 tensors: not comparable")
+_SYMBOLS = ("circle", "x", "diamond", "square", "triangle-up", "cross")
 
 def _dtick(steps: int) -> int:
     "Whole-step tick spacing giving at most about 10 ticks."
@@ -202,8 +203,9 @@ class Dashboard:
         for key, t in self._traces.items():
             if key[0] == i and key[1] not in series: t.x, t.y, t.showlegend = [], [], False
         for key, (fig, name, x, y, dash) in series.items():
-            if (i, key) not in self._traces:
-                fig.add_scatter(x=[], y=[], name=name, mode="lines+markers", line=dict(color=color, dash=dash))
+            if (i, key) not in self._traces:  # each run its own width and marker: identical curves stay visible
+                fig.add_scatter(x=[], y=[], name=name, mode="lines+markers", line=dict(color=color, dash=dash, width=max(3.5 - i, 1.5)),
+                                marker=dict(symbol=_SYMBOLS[i % len(_SYMBOLS)], size=max(10 - 2 * i, 6)))
                 self._traces[i, key] = fig.data[-1]
             t = self._traces[i, key]
             t.name, t.x, t.y, t.showlegend = name, x, y, True
@@ -214,9 +216,10 @@ class Dashboard:
         for fig in (self.loss, self.speed, self.memory, self.a2a, self.step_time, self.mfu):
             if fig.layout.xaxis.dtick != _dtick(steps): fig.layout.xaxis.dtick = _dtick(steps)
         cpu = any(rd.rows and _measured_on(rd.config) == "cpu" for rd in self.readers)
-        note = [dict(text=CPU_CAVEAT, xref="paper", yref="paper", x=0, y=1, xanchor="left", yanchor="top", showarrow=False,
-                     align="left", font=dict(size=10, color="#9a6700"), bgcolor="rgba(255,255,255,0.8)")] if cpu else []
-        if len(self.memory.layout.annotations) != len(note): self.memory.layout.annotations = note
+        note = [dict(text=CPU_CAVEAT, xref="paper", yref="paper", x=0, y=1.02, xanchor="left", yanchor="bottom",
+                     showarrow=False, align="left", font=dict(size=10, color="#9a6700"))] if cpu else []
+        if len(self.memory.layout.annotations) != len(note):  # above the plot, below the title: room made for it
+            self.memory.layout.annotations, self.memory.layout.margin.t = note, 70 if cpu else 40
 
     def refresh(self) -> int:
         "Read new metrics lines and redraw; returns how many lines arrived."
