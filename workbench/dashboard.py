@@ -64,7 +64,7 @@ class MetricsReader:
         try: return json.loads((self.run_dir / "config.json").read_text())
         except (FileNotFoundError, ValueError): return {}
 
-# %% ../nbs/09_dashboard.ipynb #c7b970f2
+# %% ../nbs/09_dashboard.ipynb #97b95533
 @dataclass
 class RunProgress:
     "Where one run stands: steps done of how many, seconds its ranks have run, and the estimated seconds left."
@@ -104,6 +104,7 @@ _RANK_DASH = ("solid", "dot", "dash", "dashdot")
 CPU_CAVEAT = ("CPU run: measured = the process's peak RSS (libraries, pages<br>"
               "inherited at fork); planned (dashed) = GPU bf16 tensors: not comparable")
 _SYMBOLS = ("circle", "x", "diamond", "square", "triangle-up", "cross")
+_RUN_DASH = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
 
 def _dtick(steps: int) -> int:
     "Whole-step tick spacing giving at most about 10 ticks."
@@ -184,7 +185,7 @@ class Dashboard:
         for fig, key in ((self.loss, "loss"), (self.speed, "tokens_per_s"), (self.a2a, "a2a_share"),
                          (self.step_time, "step_s"), (self.mfu, "mfu")):
             have = [r for r in rank0 if key in r]
-            if have: out[key] = (fig, label, [r["step"] for r in have], [r[key] for r in have], "solid")
+            if have: out[key] = (fig, label, [r["step"] for r in have], [r[key] for r in have], _RUN_DASH[i % len(_RUN_DASH)])
         predicted = config.get("predicted") or {}
         for fig, key in ((self.step_time, "step_s"), (self.mfu, "mfu")):  # the cost model's figure, beside the measured one
             if rows and predicted.get(key) is not None:
@@ -203,9 +204,9 @@ class Dashboard:
         for key, t in self._traces.items():
             if key[0] == i and key[1] not in series: t.x, t.y, t.showlegend = [], [], False
         for key, (fig, name, x, y, dash) in series.items():
-            if (i, key) not in self._traces:  # each run its own width and marker: identical curves stay visible
-                fig.add_scatter(x=[], y=[], name=name, mode="lines+markers", line=dict(color=color, dash=dash, width=max(3.5 - i, 1.5)),
-                                marker=dict(symbol=_SYMBOLS[i % len(_SYMBOLS)], size=max(10 - 2 * i, 6)))
+            if (i, key) not in self._traces:  # each run its own dash, width and marker: identical curves stay visible
+                fig.add_scatter(x=[], y=[], name=name, mode="lines+markers", line=dict(color=color, dash=dash, width=max(4.5 - 2.5 * i, 1.5)),
+                                marker=dict(symbol=_SYMBOLS[i % len(_SYMBOLS)], size=max(11 - 3 * i, 6)))
                 self._traces[i, key] = fig.data[-1]
             t = self._traces[i, key]
             t.name, t.x, t.y, t.showlegend = name, x, y, True
