@@ -133,7 +133,10 @@ def test_watch_thread_whose_reader_raises(tmp_path, caplog):
     with pytest.raises(RuntimeError, match="stale file handle") as e: dash.stop()
     assert isinstance(e.value.__cause__, OSError)
     dash.readers[0].read = real
-    dash.watch(0.01); time.sleep(0.05); dash.stop()  # watching again starts clean
+    dash.watch(0.01); dash.watch(0.01); time.sleep(0.05)  # watching again starts clean, and a second watch replaces the first
+    assert len([t for t in threading.enumerate() if t.name == "dashboard watch"]) == 1
+    dash.stop()
+    with pytest.raises(ValueError, match="must be > 0"): dash.watch(0)
     assert dash.error is None and "watch stopped" not in dash.status.value
     assert not [t for t in threading.enumerate() if t.name == "dashboard watch"]
 

@@ -64,7 +64,7 @@ class MetricsReader:
         try: return json.loads((self.run_dir / "config.json").read_text())
         except (FileNotFoundError, ValueError): return {}
 
-# %% ../nbs/09_dashboard.ipynb #97b95533
+# %% ../nbs/09_dashboard.ipynb #ee8f76c5
 @dataclass
 class RunProgress:
     "Where one run stands: steps done of how many, seconds its ranks have run, and the estimated seconds left."
@@ -250,6 +250,7 @@ class Dashboard:
 
     def watch(self, interval_s: float = 0.5):
         "Refresh from a background thread every `interval_s` until `stop()` (the kernel stays free for `launch`)."
+        if not interval_s > 0: raise ValueError(f"interval_s={interval_s!r}: the seconds between refreshes must be > 0")
         self._halt()
         self._stop.clear(); self.error = None
         def loop():
