@@ -147,3 +147,20 @@ def test_names_and_labels(tmp_path):
     assert Dashboard(a, b).labels() == ["SP=2 DP=1 #1", "SP=2 DP=1 #2"]  # two runs never share one trace
     assert Dashboard(a, b, names=["first", "second"]).labels() == ["first", "second"]
     with pytest.raises(ValueError, match="1 names for 2 runs"): Dashboard(a, b, names=["x"])
+
+
+def test_real_runs_in_a_reused_directory(tmp_path):
+    "A real run, then a resumed one in the same directory while watched: train rewrites metrics.jsonl, the dashboard follows."
+    from workbench.train import TrainConfig, run
+    cfg = TrainConfig(steps=2, max_tokens=256, out=str(tmp_path / "latest"), name="reused")
+    first = run(cfg)
+    dash = Dashboard(cfg, total_steps=4).watch(0.02)
+    wait_for(lambda: len(dash.readers[0].rows) == 2)
+    inode = (tmp_path / "latest" / "metrics.jsonl").stat().st_ino
+    second = run(TrainConfig(steps=4, max_tokens=256, out=cfg.out, name="reused", resume=True))
+    dash.stop()
+    assert (tmp_path / "latest" / "metrics.jsonl").stat().st_ino != inode  # train replaced the file
+    assert dash.readers[0].restarts >= 1 and dash.error is None
+    assert list(dash.loss.data[0].x) == [0, 1, 2, 3] and list(dash.loss.data[0].y)[:2] == first
+    assert list(dash.loss.data[0].y)[2:] == second
+    assert str(dash.runs[0]).startswith("reused: done, 4/4 steps")
