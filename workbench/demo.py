@@ -30,8 +30,8 @@ from .train import TrainConfig, run
 from .viz import mask_figures, plot_lengths, plot_step_tokens
 
 # %% auto #0
-__all__ = ['PLOT_CONFIG', 'slug', 'environment', 'HtmlReport', 'packing_section', 'masks_section', 'doctor_table',
-           'doctor_section', 'sp_section', 'run_demo', 'main']
+__all__ = ['PLOT_CONFIG', 'slug', 'environment', 'HtmlReport', 'packing_section', 'masks_section', 'doctor_fixes', 'doctor_table',
+           'doctor_text', 'doctor_section', 'sp_section', 'run_demo', 'main']
 
 # %% ../nbs/11_demo.ipynb #c8a425b4
 PLOT_CONFIG = dict(displaylogo=False, showSendToCloud=False, modeBarButtonsToRemove=["sendDataToCloud"], responsive=True)
@@ -145,6 +145,14 @@ def masks_section(report: HtmlReport):
     report.figures(first)
     for pair in range(0, len(masks), 2): report.figures(*masks[pair:pair + 2])
 
+def doctor_fixes(verdicts: dict) -> dict[str, list[str]]:
+    "Each distinct fix of the verdicts, once, with the checks it resolves (a fix often resolves several)."
+    fixes = {}
+    for v in verdicts.values():
+        for f in v.findings:
+            if f.fix and f.check not in fixes.setdefault(f.fix, []): fixes[f.fix].append(f.check)
+    return fixes
+
 def doctor_table(verdicts: dict) -> str:
     "The verdicts side by side, a row per check, then each distinct fix once with the checks it resolves."
     names, checks = list(verdicts), [f.check for f in next(iter(verdicts.values())).findings]
@@ -152,22 +160,26 @@ def doctor_table(verdicts: dict) -> str:
                       + (f" {html.escape(f.detail)}" if f.status != "pass" else "") + "</td>")
     rows = "".join(f"<tr><td>{html.escape(c)}</td>{''.join(cell(verdicts[n][c]) for n in names)}</tr>" for c in checks)
     summary = "".join(f"<th>{html.escape(n)}: {html.escape(v.verdict)}</th>" for n, v in verdicts.items())
-    fixes = {}
-    for n in names:
-        for f in verdicts[n].findings:
-            if f.fix: fixes.setdefault(f.fix, []).append(f.check)
-    listed = "".join(f"<li>{html.escape(fix)} <i>(resolves: {html.escape(', '.join(dict.fromkeys(c)))})</i></li>"
-                     for fix, c in fixes.items())
+    listed = "".join(f"<li>{html.escape(fix)} <i>(resolves: {html.escape(', '.join(c))})</i></li>"
+                     for fix, c in doctor_fixes(verdicts).items())
     verified = {v.verified_with for v in verdicts.values() if v.verified_with}
     return (f"<table><tr><th>check</th>{summary}</tr>{rows}</table>"
-            + (f"<p><b>Fix</b>, measured to work ({html.escape('; '.join(verified))}):</p><ul>{listed}</ul>" if fixes else ""))
+            + (f"<p><b>Fix</b>, measured to work ({html.escape('; '.join(verified))}):</p><ul>{listed}</ul>" if listed else ""))
+
+def doctor_text(verdicts: dict) -> str:
+    "The same for a terminal: each verdict, the checks that did not pass, each fix once."
+    lines = []
+    for name, v in verdicts.items():
+        lines.append(f"{name}: {v.verdict}")
+        lines += [f"  [{f.status.upper()}] {f.check}: {f.detail}" for f in v.findings if f.status != "pass"]
+    return "\n".join(lines + [f"fix: {fix} (resolves: {', '.join(c)})" for fix, c in doctor_fixes(verdicts).items()])
 
 def doctor_section(report: HtmlReport, tokenizer=None):
     "Add the packing doctor's verdict on a tiny Llama: with `use_cache` at its default, then with `use_cache=False`."
     model, batch = tiny_model("llama"), FlatteningCollator()(load_sample("flan_like", tokenizer, limit=6))
     verdicts = {f"forward({', '.join(f'{k}={v}' for k, v in kw.items())})": check_packing(model, batch, kw)
                 for kw in ({}, {"use_cache": False})}
-    for name, verdict in verdicts.items(): print(f"{name}:\n{verdict}", end="\n\n")
+    print(doctor_text(verdicts), end="\n\n")
     v = next(iter(verdicts.values()))
     report.section(f"Packing doctor: tiny {v.model.title()} with {v.attn_implementation}",
                    "The doctor runs the model on one packed batch and measures whether examples leak into each other, "
