@@ -608,7 +608,7 @@ def train_rank(cfg: TrainConfig) -> list[float]:
     if dist.is_initialized(): dist.barrier()
     with reporting(cfg, start) as sink:
         bins, losses, t_run = _endless(sampler), [], time.perf_counter()
-        for step in tqdm(range(start, cfg.steps), desc=f"train sp={cfg.sp} dp={cfg.dp}", disable=_rank() != 0):
+        for step in tqdm(range(start, cfg.steps), desc=f"train sp={cfg.sp} dp={cfg.dp}", disable=_rank() != 0, file=sys.stdout):  # stdout: not red in Jupyter
             t0, comm0 = time.perf_counter(), grid.clock.seconds
             rows = [next(bins) for _ in range(cfg.grad_accum)]
             shards = [shard_batch(collate([pieces[i] for i in b]), grid.sp_rank, cfg.sp) for b in rows]
