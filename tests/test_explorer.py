@@ -137,11 +137,15 @@ def test_zoom_through_plotly_relayout_reaches_single_tokens(dataset):
 
 def test_long_row_outlines_only_visible_examples():
     ex = MaskExplorer(strategy="token-budget packing", size=16384)
+    ex.controls["step"].value = 5  # 129 examples in 16K tokens
     T, starts = ex.report.examples.shape[1], np.flatnonzero(np.diff(ex.report.examples[0])) + 1
     sides = lambda: int(np.isnan(np.asarray(ex.mask_fig.data[1].x, float)).sum())
     block = -(-T // ex.max_cells)
     lengths = np.diff(np.r_[0, starts, T])
-    assert sides() == 4 * int((lengths >= 2 * block).sum())  # every outlined example is at least 2 cells wide
+    assert len(lengths) == 129 and sides() == 4 * int((lengths >= 2 * block).sum()) == 0  # ~127-token examples: no mesh
+    ex.zoom((0, 1024), (0, 1024))  # 8-token cells: every example in view is outlined, each side inside the view once
+    inside = int(((np.r_[0, starts] < 1024)).sum())
+    assert 2 * inside <= sides() <= 4 * inside, (sides(), inside)
     b = int(starts[len(starts) // 2])
     ex.zoom((b - 20, b + 20), (b - 20, b + 20))
     assert np.asarray(ex.mask_fig.data[0].z).shape == (40, 40) and sides() >= 2  # both sides of the boundary in view

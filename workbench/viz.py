@@ -170,7 +170,7 @@ def mask_blocks(report: MaskReport,     # from `workbench.masks.mask_report`
     code = np.select([leak > 0, within > 0, padding > 0], [2, 1, 3], 0).astype(np.int8)
     return code, dict(allowed=within, leak=leak, padding=padding, cells=cells)
 
-# %% ../nbs/03_viz.ipynb #d2359b30
+# %% ../nbs/03_viz.ipynb #b0f78c5c
 def clamp_range(r,       # an axis range (two numbers, either order) or None for the whole row
                 T: int,  # tokens in the row
                 ) -> tuple[int, int]:
@@ -188,7 +188,7 @@ def block_edges(T: int, max_cells: int) -> np.ndarray:
     "Edges of equal blocks (the last may be shorter) so that at most `max_cells` cover `T` tokens."
     return view_edges(0, T, max_cells)
 
-# %% ../nbs/03_viz.ipynb #63a7f81b
+# %% ../nbs/03_viz.ipynb #8eb02aed
 _VISIBLE = str.maketrans({" ": "␣", "\n": "⏎", "\t": "⇥", "\r": "␍"})
 
 def readable_tokens(ids,             # token ids (a 1-D sequence)
@@ -206,7 +206,7 @@ def readable_tokens(ids,             # token ids (a 1-D sequence)
         out.append(t.translate(_VISIBLE) or "∅")
     return out
 
-# %% ../nbs/03_viz.ipynb #e868b327
+# %% ../nbs/03_viz.ipynb #e25c9cac
 def example_outlines(examples,              # [T] example of every token of one row (-1 padding)
                      q: tuple[int, int],    # visible queries [lo, hi)
                      k: tuple[int, int],    # visible keys [lo, hi)
@@ -306,142 +306,6 @@ def plot_mask(report: MaskReport, row: int = 0, max_cells: int = 128, input_ids=
     for name, ax in axes.items(): layout[name] = {**layout[name], **ax}
     return go.Figure([go.Heatmap(**heat), go.Scatter(**lines, **OUTLINE)], layout=layout)
 
-# %% ../nbs/03_viz.ipynb #52081c8b
-def clamp_range(r,       # an axis range (two numbers, either order) or None for the whole row
-                T: int,  # tokens in the row
-                ) -> tuple[int, int]:
-    "The token interval `[lo, hi)` an axis range covers, clamped into `[0, T)` and at least one token wide."
-    if r is None: return 0, T
-    a, b = sorted(float(x) for x in r)
-    lo = int(np.clip(np.floor(a), 0, T - 1))
-    return lo, int(np.clip(np.ceil(b), lo + 1, T))
-
-def view_edges(lo: int, hi: int, max_cells: int) -> np.ndarray:
-    "Edges of equal blocks covering tokens `[lo, hi)` with at most `max_cells` blocks (single tokens when they fit)."
-    return np.r_[np.arange(lo, hi, -(-(hi - lo) // max_cells)), hi]
-
-def block_edges(T: int, max_cells: int) -> np.ndarray:
-    "Edges of equal blocks (the last may be shorter) so that at most `max_cells` cover `T` tokens."
-    return view_edges(0, T, max_cells)
-
-# %% ../nbs/03_viz.ipynb #cd56f0f7
-_VISIBLE = str.maketrans({" ": "␣", "\n": "⏎", "\t": "⇥", "\r": "␍"})
-
-def readable_tokens(ids,             # token ids (a 1-D sequence)
-                    tokenizer=None,  # a transformers tokenizer; without one the ids themselves are shown
-                    ) -> list[str]:
-    "Each id decoded on its own with its whitespace made visible (␣ space, ⏎ newline, ⇥ tab), never byte-level `Ġis`."
-    ids = [int(i) for i in np.asarray(ids).reshape(-1)]
-    if tokenizer is None: return [str(i) for i in ids]
-    raw = tokenizer.convert_ids_to_tokens(ids)
-    text = tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-    out = []
-    for r, t in zip(raw, text):
-        if "\ufffd" in t: t = r  # a piece of a multi-byte character decodes to nothing readable alone
-        elif r and r.startswith("▁") and not t.startswith(" "): t = " " + t  # sentencepiece drops a lone token's space
-        out.append(t.translate(_VISIBLE) or "∅")
-    return out
-
-# %% ../nbs/03_viz.ipynb #1182712e
-def example_outlines(examples,              # [T] example of every token of one row (-1 padding)
-                     q: tuple[int, int],    # visible queries [lo, hi)
-                     k: tuple[int, int],    # visible keys [lo, hi)
-                     min_tokens: int = 1,   # outline only examples at least this long (shorter ones would be a mesh)
-                     ) -> dict:
-    "Line properties (x, y with gaps) outlining the diagonal square of every long enough example, inside the view only."
-    ex = np.asarray(examples)
-    s = np.flatnonzero(np.r_[True, np.diff(ex) != 0])
-    e = np.r_[s[1:], len(ex)]
-    keep = (ex[s] >= 0) & (e - s >= min_tokens)
-    s, e = s[keep], e[keep]
-    x0, x1, y0, y1 = np.maximum(s, k[0]), np.minimum(e, k[1]), np.maximum(s, q[0]), np.minimum(e, q[1])
-    seen = (x0 < x1) & (y0 < y1)
-    segs = []  # (xa, xb, ya, yb) of each side that lies inside the view
-    for at, lo, hi, cross in ((s, q[0], q[1], (x0, x1)), (e, q[0], q[1], (x0, x1))):  # top and bottom sides
-        m = seen & (at >= lo) & (at <= hi)
-        segs.append(np.stack([cross[0][m], cross[1][m], at[m], at[m]], 1))
-    for at, lo, hi, cross in ((s, k[0], k[1], (y0, y1)), (e, k[0], k[1], (y0, y1))):  # left and right sides
-        m = seen & (at >= lo) & (at <= hi)
-        segs.append(np.stack([at[m], at[m], cross[0][m], cross[1][m]], 1))
-    seg = np.concatenate(segs).astype(float)
-    gap = np.full((len(seg), 1), np.nan)
-    return dict(x=np.hstack([seg[:, :2], gap]).ravel(), y=np.hstack([seg[:, 2:], gap]).ravel())
-
-def _axis_labels(name, edges, ex, tokens):
-    "Hover label of each block of one axis: its token (and text) when it is one token, else its range."
-    span = lambda a, b: f"{a}" if a == b else f"{a}-{b}"
-    return [f"{name} {a} {tokens[a - edges[0]]} (example {ex[a]})" if b - a == 1 and tokens else
-            f"{name} {a}-{b - 1} (example {span(ex[a], ex[b - 1])})" for a, b in zip(edges[:-1].tolist(), edges[1:].tolist())]
-
-def _axis(lo, hi, reverse, tokens, label_tokens):
-    "An axis showing tokens [lo, hi): fixed range (queries run down), and the tokens' text as ticks when they are few."
-    ax = dict(range=[hi, lo] if reverse else [lo, hi], autorange=False, tickmode="auto", tickvals=None, ticktext=None)
-    if tokens is not None and hi - lo <= label_tokens:
-        ax.update(tickmode="array", tickvals=(np.arange(lo, hi) + 0.5).tolist(), ticktext=tokens, tickfont=dict(size=10))
-    return ax
-
-def mask_traces(report: MaskReport,     # from `workbench.masks.mask_report`
-                row: int = 0,           # which row of the batch
-                max_cells: int = 128,   # blocks per side at most (the figure never holds more cells)
-                input_ids=None,         # the batch's token ids, for token text where a cell is one token
-                tokenizer=None,         # decodes those ids (else the ids are shown)
-                q_range=None,           # visible query range (an axis range; None: the whole row), clamped into [0, T)
-                k_range=None,           # visible key range, likewise
-                min_gap: int = 2,       # outline an example only when it spans at least this many cells
-                label_tokens: int = 40, # name the tokens on an axis when it shows at most this many
-                ) -> tuple[dict, dict, str, dict]:
-    "Heatmap and outline properties of a mask view, its title and its axes: what `plot_mask` and `MaskExplorer` draw."
-    ex = report.examples[row]
-    T = len(ex)
-    (q0, q1), (k0, k1) = clamp_range(q_range, T), clamp_range(k_range, T)
-    eq, ek = view_edges(q0, q1, max_cells), view_edges(k0, k1, max_cells)
-    code, n = mask_blocks(report, eq, ek, row)
-    ids = None if input_ids is None else np.asarray(input_ids[row])
-    text = lambda lo, hi, edges: (readable_tokens(ids[lo:hi], tokenizer) if ids is not None else [""] * (hi - lo)) \
-        if len(edges) - 1 == hi - lo else None  # token text only where a cell is one token
-    escape = lambda ts: ts and [t.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;") for t in ts]  # plotly reads tags
-    tq, tk = escape(text(q0, q1, eq)), escape(text(k0, k1, ek))
-    qs, ks = _axis_labels("query", eq, ex, tq or []), _axis_labels("key", ek, ex, tk or [])
-    status = np.array(CATEGORIES)[code]
-    if n["cells"].max() > 1:  # a block: add the share of its pairs in each category present (strings built by numpy)
-        shares = ""
-        for k in ("leak", "allowed", "padding"):
-            p = np.round(100 * n[k] / n["cells"]).astype(int)
-            shares = np.strings.add(shares, np.where(p > 0, np.strings.add(f"{k} ", np.strings.add(p.astype(str), "% ")), ""))
-        shares = np.strings.strip(shares)
-        status = np.where(shares != "", np.strings.add(status, np.strings.add(" (", np.strings.add(shares, ")"))), status)
-    cell = np.strings.add(np.strings.add(np.array(qs)[:, None], "<br>"), np.strings.add(np.array(ks)[None, :], "<br>"))
-    heat = dict(z=code, x=ek.astype(np.int32), y=eq.astype(np.int32), zmin=-0.5, zmax=3.5, colorscale=MASK_COLORSCALE,
-                hovertemplate="%{text}<extra></extra>", text=np.strings.add(cell, status).tolist(),
-                colorbar=dict(tickvals=list(range(len(CATEGORIES))), ticktext=list(CATEGORIES), len=0.6))
-    bq, bk = int(eq[1] - eq[0]), int(ek[1] - ek[0])
-    lines = example_outlines(ex, (q0, q1), (k0, k1), min_gap * max(bq, bk))
-    s = report.stats()
-    zoomed = (q0, q1, k0, k1) != (0, T, 0, T)
-    blocks = "one token per cell" if bq == bk == 1 else f"{bq}x{bk}-token blocks"
-    title = (f"{s['cross-example pairs']:,} cross-example pairs ({s['contamination share']:.1%} of allowed) · "
-             f"{T:,} tokens, {blocks}" + (f" · queries {q0}-{q1 - 1}, keys {k0}-{k1 - 1}" if zoomed else "") +
-             f"<br><sub>{report.effective.path}</sub>")
-    axes = dict(xaxis=_axis(k0, k1, False, tk, label_tokens), yaxis=_axis(q0, q1, True, tq, label_tokens))
-    return heat, lines, title, axes
-
-def mask_layout(title: str, size: int = 560) -> dict:
-    "Layout of a mask view (passed to the figure's constructor, which Voila requires)."
-    axis = dict(showgrid=False, zeroline=False, constrain="domain")
-    return dict(title=dict(text=title, font=dict(size=13)), template=TEMPLATE, width=size + 40, height=size,
-                xaxis=dict(title="key token", **axis), margin=dict(t=90, l=60, r=20, b=50),
-                yaxis=dict(title="query token", autorange="reversed", scaleanchor="x", **axis))
-
-OUTLINE = dict(mode="lines", hoverinfo="skip", showlegend=False, line=dict(color="rgba(0,0,0,0.45)", width=1))
-
-def plot_mask(report: MaskReport, row: int = 0, max_cells: int = 128, input_ids=None, tokenizer=None,
-              title: str | None = None, q_range=None, k_range=None) -> go.Figure:
-    "Heatmap of the mask a model applies to one row (allowed, masked, leak, padding), with the examples outlined."
-    heat, lines, auto, axes = mask_traces(report, row, max_cells, input_ids, tokenizer, q_range, k_range)
-    layout = mask_layout(f"{title}<br>{auto}" if title else auto)
-    for name, ax in axes.items(): layout[name] = {**layout[name], **ax}
-    return go.Figure([go.Heatmap(**heat), go.Scatter(**lines, **OUTLINE)], layout=layout)
-
 # %% ../nbs/03_viz.ipynb #5d243c9a
 def plot_attention(model,                 # a transformers causal LM
                    batch: dict,           # a collated batch (one row is drawn)
@@ -513,96 +377,7 @@ def _sample(name: str) -> list[dict]:
     "A shipped sample, tokenized once per process."
     return load_sample(name)
 
-# %% ../nbs/03_viz.ipynb #693ed7ef
-def explorer_data(data,              # a `datasets.Dataset`, a list of feature dicts, or one collated batch (a dict of [B, T])
-                  vocab_size: int | None = None,  # every id must lie below it (the tokenizer's or the model's), when known
-                  ) -> list[dict] | dict:
-    "The user's data as the explorer takes it: features (batched by the chosen strategy) or one batch, drawn as given."
-    import datasets
-    if isinstance(data, datasets.IterableDataset):
-        raise TypeError("an IterableDataset cannot be indexed by step: materialise a part of it, e.g. "
-                        "datasets.Dataset.from_list(list(ds.take(1000)))")
-    if isinstance(data, datasets.Dataset):
-        if "input_ids" not in data.column_names:
-            raise ValueError(f"the dataset has no 'input_ids' column (columns: {data.column_names}): tokenize it first, "
-                             f"e.g. ds.map(lambda r: tokenizer(r['text']))")
-        if len(data) == 0: raise ValueError("the dataset is empty: pass at least one example")
-        lengths_of(data)  # raises on a column of text, nulls or batched rows
-        data = data.select_columns([c for c in data.column_names if c in ("input_ids", "labels", *LOSS_MASKS)]).to_list()
-    if isinstance(data, (list, tuple)):
-        if len(data) == 0: raise ValueError("data is an empty list: pass at least one tokenized example")
-        ids = flatten_features(list(data)).input_ids  # names the example and the fix on any bad feature
-    elif isinstance(data, Mapping):
-        data = _explorer_batch(data)
-        ids = data["input_ids"].reshape(-1).numpy()
-    else:
-        raise TypeError(f"data is a {type(data).__name__}: pass a datasets.Dataset, a list of feature dicts with "
-                        f"input_ids, or one collated batch (a dict with input_ids [B, T])")
-    if ids.min() < 0: raise ValueError(f"data holds a negative token id ({int(ids.min())}): ids must be vocabulary indices")
-    if vocab_size is not None and ids.max() >= vocab_size:
-        raise ValueError(f"data holds token id {int(ids.max())}, but the vocabulary has {vocab_size} entries: pass the "
-                         f"tokenizer (and model) the data was tokenized with")
-    return list(data) if isinstance(data, (list, tuple)) else data
-
-def _explorer_batch(batch) -> dict:
-    "One collated batch with its per-token tensors checked against input_ids [B, T]."
-    if "input_ids" not in batch: raise ValueError(f"the batch has no input_ids (keys: {sorted(batch)}): collate tokenized examples")
-    try: ids = torch.as_tensor(batch["input_ids"])
-    except (ValueError, TypeError):
-        raise ValueError("the batch's input_ids are ragged: pass the examples as a list of feature dicts instead") from None
-    if ids.ndim != 2:
-        raise ValueError(f"the batch's input_ids have shape {list(ids.shape)}; one batch is [B, T]: add a batch "
-                         f"dimension (ids[None]) or pass a list of feature dicts")
-    if ids.is_floating_point(): raise ValueError(f"the batch's input_ids are {ids.dtype}: cast token ids to int64")
-    out = {**batch, "input_ids": ids}
-    for k in ("attention_mask", "position_ids", "labels", "seq_idx"):
-        if batch.get(k) is None: continue
-        out[k] = torch.as_tensor(batch[k])
-        if out[k].shape != ids.shape:
-            raise ValueError(f"the batch's {k} has shape {list(out[k].shape)} but input_ids has {list(ids.shape)}: "
-                             f"every per-token tensor must be [B, T]")
-    return out
-
-def explorer_model(model) -> tuple[str, object, Callable]:
-    "`(name, config, load)` of a model directory (with config.json) or a model object; `load()` gives the model."
-    from transformers import AutoConfig, AutoModelForCausalLM
-    if isinstance(model, (str, Path)):
-        path = Path(model)
-        if not (path / "config.json").is_file():
-            why = "has no config.json" if path.is_dir() else "is not a directory"
-            raise ValueError(f"{path} {why}: pass the folder written by model.save_pretrained(folder), or the model object")
-        return path.name, AutoConfig.from_pretrained(path), lambda: AutoModelForCausalLM.from_pretrained(path).eval()
-    if not hasattr(getattr(model, "config", None), "to_dict"):
-        raise TypeError(f"model is a {type(model).__name__}: pass a transformers model (with .config) or the folder "
-                        f"written by its save_pretrained")
-    return type(model).__name__, model.config, lambda: model
-
-def attention_kinds(config) -> dict[str, int | None]:
-    "The masks a model's layers use, named: `full attention` (window None) and/or `sliding window W`."
-    window = getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None) or [
-        "sliding_attention" if window and getattr(config, "use_sliding_window", True) is not False else "full_attention"]
-    kinds = {"full attention" if t == "full_attention" else f"sliding window {window}": None if t == "full_attention" else window
-             for t in dict.fromkeys(types) if t in ("full_attention", "sliding_attention")}
-    if not kinds: raise ValueError(f"the model's layers are {sorted(set(types))}: the explorer draws full and sliding-window attention only")
-    return kinds
-
-def explorer_tokenizer(tokenizer, model=None):
-    "A tokenizer object, one loaded from a folder, the model folder's own when `tokenizer` is None, or None."
-    from transformers import AutoTokenizer
-    if tokenizer is None and isinstance(model, (str, Path)) and any(
-            (Path(model) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
-        tokenizer = model
-    if isinstance(tokenizer, (str, Path)):
-        try: return AutoTokenizer.from_pretrained(str(tokenizer))
-        except (OSError, ValueError) as e:
-            raise ValueError(f"no tokenizer could be loaded from {tokenizer}: pass the folder written by "
-                             f"tokenizer.save_pretrained(folder), or the tokenizer object ({e})") from None
-    if tokenizer is not None and not all(hasattr(tokenizer, a) for a in ("convert_ids_to_tokens", "batch_decode")):
-        raise TypeError(f"tokenizer is a {type(tokenizer).__name__}: pass a transformers tokenizer or its folder")
-    return tokenizer
-
-# %% ../nbs/03_viz.ipynb #4a9ea02f
+# %% ../nbs/03_viz.ipynb #81d769a2
 def explorer_data(data,              # a `datasets.Dataset`, a list of feature dicts, or one collated batch (a dict of [B, T])
                   vocab_size: int | None = None,  # every id must lie below it (the tokenizer's or the model's), when known
                   ) -> list[dict] | dict:
