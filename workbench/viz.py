@@ -276,7 +276,7 @@ def mask_traces(report: MaskReport,     # from `workbench.masks.mask_report`
         status = np.where(shares != "", np.strings.add(status, np.strings.add(" (", np.strings.add(shares, ")"))), status)
     cell = np.strings.add(np.strings.add(np.array(qs)[:, None], "<br>"), np.strings.add(np.array(ks)[None, :], "<br>"))
     heat = dict(z=code, x=ek.astype(np.int32), y=eq.astype(np.int32), zmin=-0.5, zmax=3.5, colorscale=MASK_COLORSCALE,
-                hovertemplate="%{text}<extra></extra>", text=np.strings.add(cell, status).tolist(),
+                hovertemplate="%{text}<extra></extra>", text=np.strings.add(cell, status),
                 colorbar=dict(tickvals=list(range(len(CATEGORIES))), ticktext=list(CATEGORIES), len=0.6))
     bq, bk = int(eq[1] - eq[0]), int(ek[1] - ek[0])
     lines = example_outlines(ex, (q0, q1), (k0, k1), min_gap * max(bq, bk))
