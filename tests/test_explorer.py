@@ -222,6 +222,8 @@ def bad_inputs(tmp_path):
         "ragged batch": (dict(data={"input_ids": [[1, 2], [3]]}), ValueError, "ragged"),
         "batch mask of another shape": (dict(data={"input_ids": torch.ones(1, 4, dtype=torch.long),
                                                    "attention_mask": torch.ones(1, 3)}), ValueError, "attention_mask has shape [1, 3]"),
+        "batch of no tokens": (dict(data={"input_ids": torch.zeros(1, 0, dtype=torch.long)}), ValueError, "input_ids are empty"),
+        "float batch": (dict(data={"input_ids": torch.rand(1, 4)}), ValueError, "cast token ids to int64"),
         "batch without input_ids": (dict(data={"labels": torch.ones(1, 3)}), ValueError, "has no input_ids"),
         "a string as data": (dict(data="my_dataset.jsonl"), TypeError, "pass a datasets.Dataset"),
         "model path that does not exist": (dict(model=tmp_path / "nope"), ValueError, "is not a directory"),

@@ -418,6 +418,7 @@ def _explorer_batch(batch) -> dict:
         raise ValueError(f"the batch's input_ids have shape {list(ids.shape)}; one batch is [B, T]: add a batch "
                          f"dimension (ids[None]) or pass a list of feature dicts")
     if ids.is_floating_point(): raise ValueError(f"the batch's input_ids are {ids.dtype}: cast token ids to int64")
+    if ids.numel() == 0: raise ValueError(f"the batch's input_ids are empty ({list(ids.shape)}): collate at least one token")
     out = {**batch, "input_ids": ids}
     for k in ("attention_mask", "position_ids", "labels", "seq_idx"):
         if batch.get(k) is None: continue
@@ -439,7 +440,8 @@ def explorer_model(model) -> tuple[str, object, Callable]:
     if not hasattr(getattr(model, "config", None), "to_dict"):
         raise TypeError(f"model is a {type(model).__name__}: pass a transformers model (with .config) or the folder "
                         f"written by its save_pretrained")
-    return type(model).__name__, model.config, lambda: model
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT wrapper is named by its model
+    return type(base).__name__, model.config, lambda: model
 
 def attention_kinds(config) -> dict[str, int | None]:
     "The masks a model's layers use, named: `full attention` (window None) and/or `sliding window W`."
