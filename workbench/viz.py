@@ -298,8 +298,15 @@ def mask_layout(title: str, size: int = 560) -> dict:
 
 OUTLINE = dict(mode="lines", hoverinfo="skip", showlegend=False, line=dict(color="rgba(0,0,0,0.45)", width=1))
 
-def plot_mask(report: MaskReport, row: int = 0, max_cells: int = 128, input_ids=None, tokenizer=None,
-              title: str | None = None, q_range=None, k_range=None) -> go.Figure:
+def plot_mask(report: MaskReport,     # from `workbench.masks.mask_report`, for any batch
+              row: int = 0,           # which row of the batch
+              max_cells: int = 128,   # blocks per side at most
+              input_ids=None,         # the batch's token ids, for token text where a cell is one token
+              tokenizer=None,         # decodes those ids (else the ids are shown)
+              title: str | None = None,  # a first title line above the computed one
+              q_range=None,           # visible query range (None: the whole row), clamped into [0, T)
+              k_range=None,           # visible key range, likewise
+              ) -> go.Figure:
     "Heatmap of the mask a model applies to one row (allowed, masked, leak, padding), with the examples outlined."
     heat, lines, auto, axes = mask_traces(report, row, max_cells, input_ids, tokenizer, q_range, k_range)
     layout = mask_layout(f"{title}<br>{auto}" if title else auto)
