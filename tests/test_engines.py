@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from workbench.engines import (ENGINES, HF_SP_GLOO, Run, check_engine, golden_of, judge, ledger_figure, ledger_table,
-                               prove_engine, train_runs)
+from workbench.engines import (HF_SP_GLOO, Run, check_engine, golden_of, judge, ledger_figure, ledger_table,
+                               prove_engine, references, train_runs)
 from workbench.launch import RankError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,7 +27,7 @@ DEEPSPEED = ("deepspeed: `make test` installs it (pip install 'workbench[deepspe
 def base(**kw) -> Run: return Run(family=FAMILY, steps=STEPS, **kw)
 
 
-RUNS = {  # name -> run; each is judged against its golden run (and packed rows also against the whole-row reference)
+RUNS = {  # name -> run; each is judged against its golden run and against the no-mask (leaky) reference
     "ours sp2 unpacked": base(engine="workbench", sp=2, packed=False),
     "ours sp2 packed": base(engine="workbench", sp=2),
     "ours sp4 packed": base(engine="workbench", sp=4),
@@ -42,18 +42,17 @@ RUNS = {  # name -> run; each is judged against its golden run (and packed rows 
     "alst sp4 unpacked exact": base(engine="alst", sp=4, packed=False),
     "alst sp4 packed sdpa": base(engine="alst", sp=4, loss="hf_sp"),
     "alst sp4 packed fix": base(engine="alst", sp=4, attention="workbench_varlen"),
+    "alst sp2 mistral unpacked sdpa": Run(engine="alst", sp=2, packed=False, family="mistral", steps=STEPS),  # window 16
+    "alst sp2 mistral packed fix": Run(engine="alst", sp=2, family="mistral", steps=STEPS, attention="workbench_varlen"),
 }
 
 
 @pytest.fixture(scope="module")
 def verdicts():
     assert "deepspeed" in sys.modules or __import__("importlib").util.find_spec("deepspeed"), DEEPSPEED
-    goldens = sorted({golden_of(r, w) for r in RUNS.values() for w in ((False, True) if r.packed else (False,))},
-                     key=lambda g: g.name)
-    results = train_runs([*goldens, *RUNS.values()], deadline_s=400)
+    results = train_runs([*references(RUNS.values()), *RUNS.values()], deadline_s=400)
     by_run = {res["run"]: res for res in results}
-    return {name: judge(r, by_run[r], by_run[golden_of(r)], by_run.get(golden_of(r, True)) if r.packed else None)
-            for name, r in RUNS.items()}, results
+    return {name: judge(r, by_run[r], by_run[golden_of(r)], by_run[golden_of(r, True)]) for name, r in RUNS.items()}, results
 
 
 @pytest.mark.parametrize("name", [n for n in RUNS if n.startswith("ours") and "hf" not in n])
@@ -66,7 +65,8 @@ def test_workbench_equals_one_process(verdicts, name):
 
 
 @pytest.mark.parametrize("name,sp", [("alst sp2 unpacked exact", 2), ("alst sp4 unpacked exact", 4),
-                                     ("alst sp2 packed fix", 2), ("alst sp4 packed fix", 4)])
+                                     ("alst sp2 packed fix", 2), ("alst sp4 packed fix", 4),
+                                     ("alst sp2 mistral packed fix", 2)])
 def test_alst_exact_with_fixed_attention_and_scale(verdicts, name, sp):
     "Unpacked rows (any attention) and packed rows with workbench_varlen, with the loss divided by sp: one process."
     v = verdicts[0][name]
@@ -92,6 +92,14 @@ def test_alst_sdpa_packed_leaks(verdicts, name, sp):
     assert v.leak_diff <= LOSS_TOL < v.diff["loss"]
     assert v.diff["grads_rescaled"] > 1e-2  # the gradient is wrong beyond its scale too
     assert "workbench_varlen" in v.fix
+
+
+def test_alst_sdpa_drops_the_sliding_window(verdicts):
+    "Mistral's sliding window, one document per row: ALST + sdpa computes plain causal attention (the window is gone)."
+    v = verdicts[0]["alst sp2 mistral unpacked sdpa"]
+    assert v.status == "leaks", v
+    assert v.leak_diff <= LOSS_TOL < v.diff["loss"] and v.diff["grads"] > 1e-2
+    assert "beyond the model's sliding window" in v.cause and "across the documents" not in v.cause
 
 
 def test_clipping_hides_the_scale_from_updates_not_from_the_logged_norm(verdicts):
