@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from workbench.engines import (HF_SP_GLOO, Run, check_engine, golden_of, judge, ledger_figure, ledger_table,
-                               prove_engine, references, train_runs)
+                               prove_config, references, train_runs)
 from workbench.launch import RankError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,8 +129,9 @@ def test_ledger_table_and_figure(verdicts):
 
 
 def test_accelerate_trainer_same_verdicts():
-    "accelerate's ParallelismConfig + DeepSpeedPlugin + the HF Trainer: the verdicts of ALST itself."
-    report = prove_engine(engines=("alst_accelerate",), sp_sizes=(2,), family=FAMILY, deadline_s=300)
+    "The ParallelismConfig a user writes (sdpa: accelerate's default) through DeepSpeed + the HF Trainer: ALST's verdicts."
+    from accelerate.parallelism_config import ParallelismConfig
+    report = prove_config(ParallelismConfig(sp_size=2, sp_backend="deepspeed"), family=FAMILY, deadline_s=300)
     unpacked, leak = report.find(packed=False), report.find(packed=True, attention="sdpa")
     fixed = report.find(packed=True, attention="workbench_varlen")
     assert unpacked.status == "scaled" and abs(unpacked.diff["grad_scale"] - 2) < 1e-5, unpacked
@@ -151,7 +152,9 @@ def test_bad_runs_refused_before_launch():
                          (Run(engine="alst_accelerate", sp=2), "loss='hf_sp'"),
                          (Run(engine="workbench", loss="mean"), "'exact' or 'hf_sp'"),
                          (Run(engine="workbench", sp=2, dtype="bfloat16"), "dtype must be"),
-                         (Run(packed=False, steps=6), "5 shipped long documents")]:
+                         (Run(packed=False, steps=6), "5 shipped long documents"),
+                         (Run(engine="alst", sp=8, steps=8, family=FAMILY), "more than the 4 attention heads"),
+                         (Run(engine="workbench", sp=3, family=FAMILY), "does not divide the 4 attention heads")]:
         with pytest.raises(ValueError, match=message.replace("(", r"\(")): check_engine(run)
     assert "{layout}" in HF_SP_GLOO
 
