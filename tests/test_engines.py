@@ -183,3 +183,32 @@ def test_without_deepspeed():
     out = subprocess.run([sys.executable, "-c", BLOCK], capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "REFUSED: engine 'alst' needs ['deepspeed']: pip install 'workbench[deepspeed]'" in out.stdout
+
+
+def test_a_third_engine_plugs_in_and_is_judged():
+    "One decorated function is an engine: here a one-process loop that forgets use_cache=False (the cache trap)."
+    import torch
+    import torch.nn.functional as F
+    from workbench.engines import ENGINES, Recorder, register_engine
+    from workbench.ulysses import case_model
+
+    @register_engine("test_cache_trap", processes=False)
+    def train(run, rows):
+        model = case_model(run.case, run.attention).train()
+        opt, rec = torch.optim.SGD(model.parameters(), lr=run.lr), Recorder(run, model)
+        for step_rows in rows:
+            n = sum(int((r["labels"][0, 1:] != -100).sum()) for r in step_rows)
+            loss = sum(F.cross_entropy(model(input_ids=r["input_ids"], position_ids=r["position_ids"]).logits[0, :-1],
+                                       r["labels"][0, 1:], reduction="sum") for r in step_rows) / n
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+            opt.step(); opt.zero_grad()
+            rec.step(loss.item(), n, norm, step_rows)
+        return rec.result()
+
+    try:
+        run = Run(engine="test_cache_trap")
+        res, gold, no_mask = train_runs([run, golden_of(run), golden_of(run, True)])
+        v = judge(run, res, gold, no_mask)
+        assert v.status == "leaks" and v.leak_diff <= LOSS_TOL < v.diff["loss"] and v.diff["same_rows"], v
+    finally: del ENGINES["test_cache_trap"]
