@@ -105,8 +105,8 @@ def test_site_reads_offline_in_chromium(site):
         page.goto(site + "index.html", wait_until="load")
         box = page.locator("input.md-search__input")
         box.click(); box.fill("FlatteningCollator")
-        hit = page.locator(".md-search-result__item a[href*='api/workbench.packing.html']").first
-        hit.wait_for(timeout=15000)
+        page.wait_for_function("""() => [...document.querySelectorAll('.md-search-result__item a')].some(
+            a => a.href.includes('api/workbench.packing.html') && a.href.endsWith('#flatteningcollator'))""", timeout=15000)
     index = json.loads((SITE / "search" / "search_index.json").read_text())
     assert any(d["location"].startswith("api/workbench.packing.html#flatteningcollator") for d in index["docs"])
 
