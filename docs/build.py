@@ -176,7 +176,8 @@ def page(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
 # ---------------------------------------------------------------- API reference from docments
 
 def cell_text(s) -> str:
-    return html.escape(str(s)).replace("|", "\\|").replace("\n", " ")
+    "Text for one cell of a markdown table."
+    return str(s).replace("|", "\\|").replace("\n", " ")
 
 
 def params_table(f) -> str:
@@ -186,9 +187,11 @@ def params_table(f) -> str:
     except (TypeError, ValueError, OSError): return ""
     rows = [(k, v) for k, v in docs.items() if k not in ("self", "cls") and (k != "return" or v["docment"])]
     if not rows: return ""
-    def fmt(x): return "" if x is inspect._empty else f"`{cell_text(getattr(x, '__name__', x) if isinstance(x, type) else x)}`"
+    def code(x): return f"<code>{html.escape(str(x)).replace('|', '&#124;')}</code>"  # a `|` in backticks breaks the table
+    def anno(x): return "" if x is inspect.Parameter.empty else code(x.__name__ if isinstance(x, type) else x)
+    def default(x): return "" if x is inspect.Parameter.empty else code(repr(x))
     lines = ["| | Type | Default | Details |", "| --- | --- | --- | --- |"]
-    lines += [f"| **{k}** | {fmt(v['anno'])} | {fmt(v['default']) if k != 'return' else ''} | {cell_text(v['docment'] or '')} |"
+    lines += [f"| **{k}** | {anno(v['anno'])} | {default(v['default']) if k != 'return' else ''} | {cell_text(v['docment'] or '')} |"
               for k, v in rows]
     return "\n".join(lines) + "\n"
 
@@ -204,7 +207,8 @@ def doc_entry(qualname: str, obj, level: int = 3) -> str:
     out = [f"{'#' * level} {qualname.split('.')[-1]}" + (" {#" + qualname.replace(".", "-") + "}" if "." in qualname else ""),
            "", f"```python\n{kind + ' ' if kind else ''}{signature(qualname.split('.')[-1], obj)}\n```", ""]
     if inspect.getdoc(obj): out += [inspect.getdoc(obj), ""]
-    table = params_table(obj.__init__ if inspect.isclass(obj) and "__init__" in vars(obj) else obj)
+    table = params_table(obj)  # a class: its dataclass fields' comments, else those of its own __init__
+    if not table and inspect.isclass(obj) and "__init__" in vars(obj): table = params_table(obj.__init__)
     if table: out += [table]
     return "\n".join(out)
 
