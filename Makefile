@@ -29,8 +29,9 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)  ## the main job on the shipped data: prints the report and writes reports/demo.html
 	$(PY) -m workbench.demo --out reports
 
-test: $(STAMP)  ## pytest over tests/ plus every notebook through nbdev's runner (one item per notebook)
-	$(PY) -m pytest -n 2 --dist worksteal
+test: $(STAMP)  ## pytest over tests/ and every notebook (one item each), then the docs site from those executed notebooks
+	$(PY) -m pytest -n 2 --dist worksteal --ignore=tests/test_docs.py
+	$(PY) -m pytest tests/test_docs.py  # after the notebooks: the site builds from their cached executions
 
 test-fast: $(STAMP)  ## the fast suite (FAST above) in .venv
 	$(PY) -m pytest -n 2 --dist worksteal $(FAST)
