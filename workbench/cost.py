@@ -30,7 +30,7 @@ __all__ = ['ATTENTION_WORK', 'ADAMW_BYTES', 'CPU_FLOP_FORMULAS', 'DEVICES', 'FAC
            'rows_of', 'document_pairs', 'StepCost', 'step_cost', 'FlopCount', 'measured_flops', 'bin_costs',
            'BalancedPlan', 'plan_balanced', 'Device', 'cpu_device', 'device', 'run_device', 'Efficiency', 'Prediction',
            'predict_step', 'calibrate', 'calibrate_run', 'hf_blog_prediction', 'hf_blog_table', 'run_options',
-           'run_device_type', 'run_prediction', 'Layouts', 'plan_layout']
+           'run_prediction', 'Layouts', 'plan_layout']
 
 # %% ../nbs/17_cost.ipynb #64bb0f7a
 ATTENTION_WORK = {  # how much of each document's query x key square an attention implementation computes
@@ -44,7 +44,7 @@ def attention_work(attn_implementation: str, device_type: str = "cuda") -> str:
     if attn_implementation in ("sdpa", "eager"): return "row"  # a dense mask over the whole row
     return "documents" if device_type == "cpu" else "causal"
 
-# %% ../nbs/17_cost.ipynb #f169eda5
+# %% ../nbs/17_cost.ipynb #f927c0a3
 _MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 @dataclass(frozen=True)
@@ -66,15 +66,25 @@ class Dims:
         if experts:
             raise ValueError(f"{config.model_type} is a mixture of experts ({experts[0]}={getattr(config, experts[0])}): "
                              f"each token runs only its top-k experts, which this accounting does not model")
-        key = config.to_json_string()
-        if key not in _DIMS: _DIMS[key] = _dims(config)
-        return _DIMS[key]
+        quick = (id(config), *(str(getattr(config, k, None)) for k in _FINGERPRINT))  # a training loop asks every step
+        if quick not in _DIMS:
+            key = config.to_json_string()  # milliseconds: read once per config object and shape
+            if key not in _DIMS: _DIMS[key] = _dims(config)
+            _DIMS[quick] = _DIMS[key]
+        return _DIMS[quick]
 
-_DIMS: dict[str, Dims] = {}  # config JSON -> Dims (building even a meta model takes a moment)
+_DIMS: dict = {}  # config JSON (or object id + fingerprint) -> Dims: building even a meta model takes a moment
+_FINGERPRINT = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "intermediate_size", "vocab_size", "tie_word_embeddings", "attention_bias", "mlp_bias", "sliding_window",
+                "layer_types", *_MOE_FIELDS)
 
 def _dims(config) -> Dims:
     from transformers import AutoModelForCausalLM
-    with torch.device("meta"): model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
+    try:
+        with torch.device("meta"): model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
+    except Exception as e:  # the model's own code refuses the config: name it, with what it said
+        raise ValueError(f"cannot build a {getattr(config, 'model_type', type(config).__name__)} model from this config "
+                         f"({type(e).__name__}: {e}); fix the config fields it names") from None
     linear = lambda m: sum(x.in_features * x.out_features for x in m.modules() if isinstance(x, torch.nn.Linear))
     layers = decoder_layers(model)
     per_layer = {linear(l) for l in layers}
@@ -500,19 +510,17 @@ def hf_blog_table(fit=("compute", "memory")) -> "tuple[pd.DataFrame, Efficiency]
                          error=p.tokens_per_s / pub - 1, mfu=p.mfu, step_s=p.step_s))
     return pd.DataFrame(rows), eff
 
-# %% ../nbs/17_cost.ipynb #dc079243
+# %% ../nbs/17_cost.ipynb #9bfaa1b6
 def run_options(cfg) -> dict:
     "`step_cost` options of a `workbench.train.TrainConfig` run."
-    attn = cfg.attn if cfg.sp == 1 else cfg.attn  # Ulysses wraps the inner attention: the work is the inner one's
-    dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if torch.cuda.is_available() else "float32")
-    return dict(sp=cfg.sp, dp=cfg.dp, attention=attention_work(attn, run_device_type()),
+    cuda = torch.cuda.is_available()
+    dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if cuda else "float32")
+    return dict(sp=cfg.sp, dp=cfg.dp, attention=attention_work(cfg.attn, "cuda" if cuda else "cpu"),  # Ulysses: the inner one's work
                 levers=Levers(checkpointing=cfg.checkpointing, offload_checkpoints=cfg.offload_checkpoints,
                               tiled_loss=bool(cfg.loss_chunk), loss_chunk=cfg.loss_chunk or 1024,
                               tiled_mlp=bool(cfg.mlp_chunk), mlp_chunk=cfg.mlp_chunk or None, lean_kernels=cfg.lean_kernels),
                 zero_stage=3 if cfg.shard else 0, optimizer_offload=cfg.cpu_offload,
                 dtype_bytes={"bfloat16": 2, "float32": 4, "float64": 8}[dtype])
-
-def run_device_type() -> str: return "cuda" if torch.cuda.is_available() else "cpu"
 
 def run_prediction(cfg, config, plan: Plan, efficiency: Efficiency = Efficiency(), steps: int = 64) -> Prediction:
     "A run's predicted step: its first `steps` optimizer steps as the sampler serves them, each at its slowest rank, averaged."
