@@ -159,8 +159,8 @@ def _balance_rank(groupings: dict, lengths: np.ndarray, vocab: int) -> dict:
     "One DP rank: train every step of each grouping (interleaved); per step, this rank's compute and the synced step time."
     import torch
     import torch.distributed as dist
-    from .core import tiny_model, restart_positions, cu_seq_lens
-    from .attention import register
+    from workbench.core import tiny_model, restart_positions, cu_seq_lens
+    from workbench.attention import register
     torch.set_num_threads(1)
     rank = dist.get_rank()
     model = tiny_model("llama", attn_implementation=register(), vocab_size=vocab).train()
@@ -187,9 +187,9 @@ def _balance_rank(groupings: dict, lengths: np.ndarray, vocab: int) -> dict:
 def bench_balance(n_short: int = 600, n_long: int = 24, capacity: int = 4096, dp: int = 2, vocab: int = 512,
                   seed: int = 0, deadline_s: float = 600) -> list[dict]:
     "Slowest-rank seconds per epoch on `dp` CPU ranks: bins grouped by tokens (the sampler) against by cost (`plan_balanced`)."
-    from .cost import plan_balanced
-    from .core import tiny_config
-    from .launch import launch
+    from workbench.cost import plan_balanced
+    from workbench.core import tiny_config
+    from workbench.launch import launch
     rng = np.random.default_rng(seed)
     lengths = np.r_[synthetic_lengths("flan", n_short, seed), rng.integers(capacity // 4, capacity + 1, n_long)]
     bal = plan_balanced(lengths, capacity, dp, tiny_config("llama", vocab_size=vocab), attention="causal", seed=seed)
