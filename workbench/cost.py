@@ -104,24 +104,26 @@ def _recomputed(layer, linear) -> int:
     normed_after = any(n.startswith(("post_feedforward", "post_mlp")) for n, _ in layer.named_children())
     return linear(layer) - (0 if normed_after else last.in_features * last.out_features)
 
-# %% ../nbs/17_cost.ipynb #781ea46c
+# %% ../nbs/17_cost.ipynb #1daf846d
 def rows_of(batch) -> list[np.ndarray]:
     "Per row, its documents' lengths (padding counted as one more document): from a batch dict, lengths or a list of rows."
     if isinstance(batch, dict):
         if "cu_seq_lens_q" in batch:
-            docs, width = np.diff(np.asarray(batch["cu_seq_lens_q"], dtype=np.int64)), batch["input_ids"].shape[-1]
-            return [np.r_[docs, width - docs.sum()][np.r_[docs, width - docs.sum()] > 0]]
+            docs = np.diff(np.asarray(batch["cu_seq_lens_q"], dtype=np.int64))
+            pad = batch["input_ids"].shape[-1] - docs.sum() if "input_ids" in batch else 0  # tokens past the last document
+            return [np.r_[docs, pad] if pad > 0 else docs]
         if "attention_mask" in batch:  # a padded batch: each row one document and its padding
             mask = np.asarray(batch["attention_mask"])
-            real = mask.sum(1)
-            return [np.array([r, mask.shape[1] - r])[np.array([r, mask.shape[1] - r]) > 0] for r in real]
+            return [np.array([r, mask.shape[1] - r]) if r < mask.shape[1] else np.array([r]) for r in mask.sum(1)]
         if "position_ids" in batch: return [lengths_from_positions(p) for p in np.asarray(batch["position_ids"])]
         if "input_ids" in batch: return [np.array([batch["input_ids"].shape[-1]])] * batch["input_ids"].shape[0]
         raise ValueError(f"cannot read rows from a batch with keys {sorted(batch)}: pass a packed batch (cu_seq_lens_q or "
                          f"position_ids), a padded one (attention_mask), or document lengths")
     items = list(batch)
     if not items: raise ValueError("no rows: pass at least one row of document lengths")
-    rows = [np.atleast_1d(np.asarray(r, dtype=np.int64)) for r in items] if np.ndim(items[0]) else [np.asarray(items, dtype=np.int64)]
+    nested = [np.ndim(r) > 0 for r in items]
+    if any(nested) and not all(nested): raise ValueError("mix of numbers and lists: pass one row of lengths, or a list of rows")
+    rows = [np.asarray(r, dtype=np.int64) for r in items] if all(nested) else [np.asarray(items, dtype=np.int64)]
     for i, r in enumerate(rows):
         if r.size == 0 or (r <= 0).any(): raise ValueError(f"row {i} has lengths {r.tolist()[:8]}: every document needs >= 1 token")
     return rows
