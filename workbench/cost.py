@@ -30,7 +30,7 @@ __all__ = ['ATTENTION_WORK', 'ADAMW_BYTES', 'CPU_FLOP_FORMULAS', 'DEVICES', 'FAC
            'rows_of', 'document_pairs', 'StepCost', 'step_cost', 'FlopCount', 'measured_flops', 'bin_costs',
            'BalancedPlan', 'plan_balanced', 'Device', 'cpu_device', 'device', 'run_device', 'Efficiency', 'Prediction',
            'predict_step', 'calibrate', 'calibrate_run', 'hf_blog_prediction', 'hf_blog_table', 'run_options',
-           'run_prediction', 'Layouts', 'plan_layout']
+           'run_prediction', 'measured_mfu', 'Layouts', 'plan_layout']
 
 # %% ../nbs/17_cost.ipynb #64bb0f7a
 ATTENTION_WORK = {  # how much of each document's query x key square an attention implementation computes
@@ -44,7 +44,7 @@ def attention_work(attn_implementation: str, device_type: str = "cuda") -> str:
     if attn_implementation in ("sdpa", "eager"): return "row"  # a dense mask over the whole row
     return "documents" if device_type == "cpu" else "causal"
 
-# %% ../nbs/17_cost.ipynb #f927c0a3
+# %% ../nbs/17_cost.ipynb #48039c3f
 _MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
 @dataclass(frozen=True)
@@ -87,6 +87,8 @@ def _dims(config) -> Dims:
                          f"({type(e).__name__}: {e}); fix the config fields it names") from None
     linear = lambda m: sum(x.in_features * x.out_features for x in m.modules() if isinstance(x, torch.nn.Linear))
     layers = decoder_layers(model)
+    if getattr(layers[0], "mlp", None) is None:
+        raise ValueError(f"{config.model_type}'s decoder layers have no `mlp` module: their layout is not modelled")
     per_layer = {linear(l) for l in layers}
     if len(per_layer) != 1: raise ValueError(f"{config.model_type}'s decoder layers differ in their matrices: not modelled")
     heads = config.num_attention_heads
@@ -512,7 +514,7 @@ def hf_blog_table(fit=("compute", "memory")) -> "tuple[pd.DataFrame, Efficiency]
                          error=p.tokens_per_s / pub - 1, mfu=p.mfu, step_s=p.step_s))
     return pd.DataFrame(rows), eff
 
-# %% ../nbs/17_cost.ipynb #9bfaa1b6
+# %% ../nbs/17_cost.ipynb #f018f60b
 def run_options(cfg) -> dict:
     "`step_cost` options of a `workbench.train.TrainConfig` run."
     cuda = torch.cuda.is_available()
@@ -524,8 +526,10 @@ def run_options(cfg) -> dict:
                 zero_stage=3 if cfg.shard else 0, optimizer_offload=cfg.cpu_offload,
                 dtype_bytes={"bfloat16": 2, "float32": 4, "float64": 8}[dtype])
 
-def run_prediction(cfg, config, plan: Plan, efficiency: Efficiency = Efficiency(), steps: int = 64) -> Prediction:
-    "A run's predicted step: its first `steps` optimizer steps as the sampler serves them, each at its slowest rank, averaged."
+def run_prediction(cfg, config, plan: Plan, efficiency: Efficiency = Efficiency(), steps: int = 64) -> Prediction | None:
+    "A run's predicted step: its first `steps` optimizer steps as the sampler serves them, each at its slowest rank, averaged (None for an architecture `Dims` refuses: training goes on without)."
+    try: Dims.of(config)
+    except ValueError: return None  # mixture of experts, no decoder layers: `Dims.of(config)` says why
     served = TokenBudgetSampler(plan, seed=cfg.seed, num_replicas=cfg.dp).epoch_steps()
     served = np.resize(served, (-(-len(served) // cfg.grad_accum) * cfg.grad_accum, cfg.dp)).reshape(-1, cfg.grad_accum, cfg.dp)
     opts, dev = run_options(cfg), run_device()
@@ -536,6 +540,11 @@ def run_prediction(cfg, config, plan: Plan, efficiency: Efficiency = Efficiency(
     tokens = float(np.mean([p.tokens_per_s * p.step_s for p in slowest]))
     return Prediction(step_s, flops / step_s / dev.flops, flops, dev.flops, dev.name, tokens / step_s, slowest[0].terms,
                       slowest[0].cost)
+
+def measured_mfu(config, rows, cfg, seconds: float, predicted: Prediction | None) -> dict:
+    "`{\"mfu\": ...}` of a step of `rows` (document lengths) that took `seconds`: model FLOPs / seconds / the predicted peak; `{}` without a prediction."
+    if predicted is None: return {}
+    return {"mfu": step_cost(config, rows, **run_options(cfg)).model_flops / seconds / predicted.peak_flops}
 
 # %% ../nbs/17_cost.ipynb #fdb6d3fd
 SPLITS = ("ulysses",)  # sequence splits `plan_layout` searches; ring attention (issue 19) joins here once it exists

@@ -30,7 +30,7 @@ from fastcore.docments import docments
 from tqdm import tqdm  # the text bar: forked ranks cannot draw notebook widgets
 
 from .attention import KEY as VARLEN_KEY, register as register_varlen
-from .cost import run_device, run_options, run_prediction, step_cost
+from .cost import measured_mfu, run_device, run_prediction
 from .core import SAMPLES, data_dir, load_sample, load_tokenizer, model_families, tiny_config, tokenize_records
 from .launch import launch
 from .memory import Levers, estimate
@@ -595,8 +595,8 @@ def train_rank(cfg: TrainConfig) -> list[float]:
     features = load_features(cfg.data, tokenizer)
     check_token_ids(features, model.config.vocab_size, cfg.data)
     plan = plan_bins([len(f["input_ids"]) for f in features], cfg.max_tokens, overlong="split", seed=cfg.seed)
-    predicted = run_prediction(cfg, model.config, plan)  # the roofline of workbench.cost on this device
-    if _rank() == 0: print(plan_readout(plan)); print(predicted)
+    predicted = run_prediction(cfg, model.config, plan)  # workbench.cost's roofline here (None: an architecture it does not model)
+    if _rank() == 0: print(plan_readout(plan)); print(predicted or "no step prediction: workbench.cost does not model this architecture")
     pid = plan_id(plan)
     sampler = TokenBudgetSampler(plan, seed=cfg.seed, num_replicas=cfg.dp, rank=grid.dp_rank)
     pieces, collate = plan.dataset(features), FlatteningCollator(pad_to_multiple_of=cfg.sp)
@@ -606,7 +606,7 @@ def train_rank(cfg: TrainConfig) -> list[float]:
     if _rank() == 0:
         _replace_file(out / "config.json", json.dumps({**asdict(cfg), "plan": repr(plan),
                                                        "expected_peak_bytes": memory_readout(cfg)[0],
-                                                       "predicted": predicted.as_dict()}, indent=1))
+                                                       **({"predicted": predicted.as_dict()} if predicted else {})}, indent=1))
         truncate_metrics(out, start)  # a resumed run logs each step once: rows past the checkpoint go
     if dist.is_initialized(): dist.barrier()
     with reporting(cfg, start) as sink:
@@ -634,8 +634,7 @@ def train_rank(cfg: TrainConfig) -> list[float]:
             row = dict(step=step, rank=_rank(), loss=losses[-1], tokens=mine, trained=int(everyone[1]),
                        tokens_per_s=everyone[0].item() / seconds, peak_mem_bytes=peak_memory_bytes(device),
                        a2a_share=(grid.clock.seconds - comm0) / seconds, time=time.perf_counter() - t_run, step_s=seconds,
-                       mfu=step_cost(model.config, [plan.length[b] for b in rows], **run_options(cfg)).model_flops
-                           / seconds / predicted.peak_flops)
+                       **measured_mfu(model.config, [plan.length[b] for b in rows], cfg, seconds, predicted))
             write_metrics(out, **row)
             sink.log(row)
             if step + 1 == cfg.steps or cfg.save_every and (step + 1) % cfg.save_every == 0:
