@@ -193,3 +193,14 @@ def test_run_records_prediction(tmp_path):
     rows = read_metrics(out)
     assert all(r["step_s"] > 0 and 0 < r["mfu"] < 1 for r in rows)
     assert calibrate_run(out).matmul > 0
+
+
+def test_unmodelled_runs_get_no_prediction():
+    "LoRA (no weight gradients for frozen weights) and mixtures of experts: no prediction, so no MFU is claimed."
+    from workbench.cost import run_prediction
+    from workbench.train import TrainConfig
+    plan = plan_bins(synthetic_lengths("flan", 32), 2048)
+    assert run_prediction(TrainConfig(), tiny_config("llama"), plan) is not None
+    assert run_prediction(TrainConfig(model="mixtral"), tiny_config("mixtral"), plan) is None
+    lora = TrainConfig(); lora.lora_r = 4  # set after construction: TrainConfig checks that peft is installed
+    assert run_prediction(lora, tiny_config("llama"), plan) is None

@@ -514,7 +514,7 @@ def hf_blog_table(fit=("compute", "memory")) -> "tuple[pd.DataFrame, Efficiency]
                          error=p.tokens_per_s / pub - 1, mfu=p.mfu, step_s=p.step_s))
     return pd.DataFrame(rows), eff
 
-# %% ../nbs/17_cost.ipynb #f018f60b
+# %% ../nbs/17_cost.ipynb #9039c4b2
 def run_options(cfg) -> dict:
     "`step_cost` options of a `workbench.train.TrainConfig` run."
     cuda = torch.cuda.is_available()
@@ -527,7 +527,8 @@ def run_options(cfg) -> dict:
                 dtype_bytes={"bfloat16": 2, "float32": 4, "float64": 8}[dtype])
 
 def run_prediction(cfg, config, plan: Plan, efficiency: Efficiency = Efficiency(), steps: int = 64) -> Prediction | None:
-    "A run's predicted step: its first `steps` optimizer steps as the sampler serves them, each at its slowest rank, averaged (None for an architecture `Dims` refuses: training goes on without)."
+    "A run's predicted step: its first `steps` optimizer steps as the sampler serves them, each at its slowest rank, averaged (None for a LoRA run or an architecture `Dims` refuses: training goes on without)."
+    if getattr(cfg, "lora_r", 0): return None  # frozen weights take no weight gradients: not modelled, so no MFU claimed
     try: Dims.of(config)
     except ValueError: return None  # mixture of experts, no decoder layers: `Dims.of(config)` says why
     served = TokenBudgetSampler(plan, seed=cfg.seed, num_replicas=cfg.dp).epoch_steps()
