@@ -20,7 +20,8 @@ import plotly.graph_objects as go
 __all__ = ['METRIC_KEYS', 'CPU_CAVEAT', 'MetricsReader', 'RunProgress', 'run_progress', 'Dashboard']
 
 # %% ../nbs/09_dashboard.ipynb #9c5d2370
-METRIC_KEYS = ("step", "rank", "loss", "tokens", "trained", "tokens_per_s", "peak_mem_bytes", "a2a_share", "time")
+METRIC_KEYS = ("step", "rank", "loss", "tokens", "trained", "tokens_per_s", "peak_mem_bytes", "a2a_share", "time",
+               "step_s", "mfu")  # mfu only where the cost model predicts the run (not LoRA, not mixture of experts)
 _HEAD = 256  # bytes of the file's start remembered to notice a rewrite in place
 
 class MetricsReader:
