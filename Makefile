@@ -17,7 +17,7 @@ export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test test-fast test-floors bench lab export clean-nbs
+.PHONY: demo test test-fast test-floors bench docs lab export clean-nbs
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,8 +29,9 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)  ## the main job on the shipped data: prints the report and writes reports/demo.html
 	$(PY) -m workbench.demo --out reports
 
-test: $(STAMP)  ## pytest over tests/ plus every notebook through nbdev's runner (one item per notebook)
-	$(PY) -m pytest -n 2 --dist worksteal
+test: $(STAMP)  ## pytest over tests/ and every notebook (one item each), then the docs site from those executed notebooks
+	$(PY) -m pytest -n 2 --dist worksteal --ignore=tests/test_docs.py
+	$(PY) -m pytest tests/test_docs.py  # after the notebooks: the site builds from their cached executions
 
 test-fast: $(STAMP)  ## the fast suite (FAST above) in .venv
 	$(PY) -m pytest -n 2 --dist worksteal $(FAST)
@@ -51,8 +52,17 @@ test-floors: $(FLOORS_STAMP)  ## the fast suite with every dependency at its dec
 bench: $(STAMP)  ## benchmarks behind BENCHMARKS.md
 	$(PY) -m workbench.bench
 
-lab: $(STAMP)  ## JupyterLab on nbs/
-	$(VENV)/bin/jupyter lab nbs
+docs: $(STAMP)  ## the documentation site in site/ from the executed notebooks (docs/build.py; open site/index.html)
+	$(PY) docs/build.py
+
+# JupyterLab listens on 127.0.0.1 unless told otherwise (`make lab IP=0.0.0.0 PORT=9000`, only behind a firewall: the
+# token is then all that guards a Python shell); the URL with its token is printed. Root (containers, GPU boxes) needs
+# --allow-root.
+IP ?= 127.0.0.1
+PORT ?= 8888
+ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
+lab: $(STAMP)  ## JupyterLab on nbs/ at http://$(IP):$(PORT); open the printed URL with its token (README: remote use)
+	$(VENV)/bin/jupyter lab nbs --no-browser --ServerApp.ip=$(IP) --ServerApp.port=$(PORT) $(ALLOW_ROOT)
 
 export: $(STAMP)  ## notebooks -> workbench/ and clean notebooks
 	$(VENV)/bin/nbdev_export && $(VENV)/bin/nbdev_clean

@@ -14,13 +14,16 @@ from browser_utils import ARTIFACTS, ROOT, browser_page, jupyter_env, jupyterlab
 NOTEBOOK = ROOT / "nbs" / "tutorials" / "launch_sp.ipynb"
 
 DASHBOARD_STATE = """() => {
-    const plots = {};
+    const plots = {}, notes = {}, ticks = {};
     for (const gd of document.querySelectorAll('.js-plotly-plot')) {
         const title = gd._fullLayout && gd._fullLayout.title && gd._fullLayout.title.text;
         plots[title] = (gd.data || []).map(t => ({name: t.name, x: Array.from(t.x || []), y: Array.from(t.y || [])}));
+        notes[title] = ((gd._fullLayout && gd._fullLayout.annotations) || []).map(a => a.text);
+        ticks[title] = gd._fullLayout && gd._fullLayout.xaxis ? (gd._fullLayout.xaxis._vals || []).map(v => v.x) : [];
     }
-    const bar = document.querySelector('.widget-hprogress .progress-bar');
-    return {plots, progress: bar ? bar.style.width : null, done: window.__runAll};
+    const bars = Array.from(document.querySelectorAll('.widget-hprogress'), w => ({
+        name: (w.querySelector('.widget-label') || {}).textContent, width: w.querySelector('.progress-bar').style.width}));
+    return {plots, notes, ticks, bars, done: window.__runAll};
 }"""
 
 
@@ -38,9 +41,11 @@ def test_dashboard_in_jupyterlab(tmp_path):
         open_notebook(page, url, NOTEBOOK.name)
         run_all_cells(page, wait=False)
         seen, deadline = set(), time.monotonic() + 75  # (run, points) pairs of the loss figure while cells still run
+        bars_seen = set()  # the progress bars' widths while cells still run
         while (state := page.evaluate(DASHBOARD_STATE))["done"] is None:
             assert time.monotonic() < deadline, f"the notebook did not finish: {state}"
             seen |= {(t["name"], len(t["x"])) for t in state["plots"].get("loss", [])}
+            bars_seen.add(tuple(b["width"] for b in state["bars"]))
             page.wait_for_timeout(100)
         assert state["done"] is True, "a cell of the tutorial failed in JupyterLab"
 
@@ -54,7 +59,11 @@ def test_dashboard_in_jupyterlab(tmp_path):
         assert max(abs(a - b) for a, b in zip(loss["SP=2"], loss["SP=1"])) < 1e-5, loss
         measured = sorted(t["name"] for t in plots["peak memory per rank"] if " rank " in t["name"])
         assert measured == ["DP=2 rank 0", "DP=2 rank 1", "SP=1 rank 0", "SP=2 rank 0", "SP=2 rank 1"], measured
-        assert state["progress"] == "100%", state["progress"]
+        assert [(b["name"], b["width"]) for b in state["bars"]] == [(n, "100%") for n in runs], state["bars"]
+        assert any(w[0] == "100%" and w[-1] != "100%" for w in bars_seen if len(w) == 3), bars_seen  # the first run done, not all
+        assert any(n.startswith("CPU run: measured") for n in state["notes"]["peak memory per rank"]), state["notes"]
+        for title in ("loss", "throughput"):  # whole steps only on the step axes
+            assert state["ticks"][title] and all(float(v).is_integer() for v in state["ticks"][title]), state["ticks"]
         live = {points for _, points in seen if 0 < points < steps}
         assert live, f"no partial curve was ever drawn while training ran: {sorted(seen)}"
 

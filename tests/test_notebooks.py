@@ -1,19 +1,19 @@
-"Every notebook in nbs/ through nbdev's own runner, one pytest item each (cells flagged `cuda` are skipped on CPU)."
-from configparser import ConfigParser
+"""Every notebook in nbs/ executed as the documentation site executes it (docs/build.py: a fresh python3 kernel from the
+notebook's folder, skipping the cells nbdev_test skips), one pytest item each. The executed copy lands in the site's
+cache, so `make test` runs each notebook once for both the proof and the pages (tests/test_docs.py builds from it)."""
+import importlib.util
 from pathlib import Path
 
 import pytest
-import torch
-from nbdev import test as nbdev_test  # imported as a module so pytest does not collect its test_nb
 
 ROOT = Path(__file__).resolve().parent.parent
-NBS = sorted(p for p in (ROOT / "nbs").rglob("*.ipynb")
-             if not p.name.startswith("_") and ".ipynb_checkpoints" not in p.parts)
-FLAGS = ConfigParser(); FLAGS.read(ROOT / "settings.ini")
-SKIP = [f for f in FLAGS["DEFAULT"]["tst_flags"].split() if f == "slow" or (f == "cuda" and not torch.cuda.is_available())]
+_spec = importlib.util.spec_from_file_location("docs_build", ROOT / "docs" / "build.py")
+docs_build = importlib.util.module_from_spec(_spec); _spec.loader.exec_module(docs_build)
+NBS = docs_build.notebooks()
 
 
 @pytest.mark.parametrize("nb", NBS, ids=[str(p.relative_to(ROOT / "nbs")) for p in NBS])
-def test_notebook(nb, capsys):
-    ok, seconds = nbdev_test.test_nb(nb, skip_flags=SKIP)
-    assert ok, f"{nb.name} failed after {seconds:.1f}s: its traceback is in the captured stderr above"
+def test_notebook(nb):
+    nb_out, _ = docs_build.executed(nb, docs_build.skip_flags())  # raises nbclient's CellExecutionError with the cell and traceback
+    errors = [o for c in nb_out.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    assert not errors, f"{nb.name}: {errors[0].get('ename')}: {errors[0].get('evalue')}"

@@ -23,7 +23,7 @@ def test_sp_from_a_kernel_equals_one_process_and_the_dashboard_sees_every_step(t
         two = run(TrainConfig(steps=3, max_tokens=512, sp=2, out="{tmp_path}/sp2", name="SP=2"))
         dash.stop()
         print(json.dumps({{"one": one, "two": two, "loss_traces": [list(t.y) for t in dash.loss.data],
-                          "memory_traces": sorted(t.name for t in dash.memory.data), "progress": dash.progress.value}}))
+                          "memory_traces": sorted(t.name for t in dash.memory.data), "progress": [b.value for b in dash.bars]}}))
         """)
         assert err is None, err
         r = json.loads(out.strip().splitlines()[-1])
@@ -31,7 +31,7 @@ def test_sp_from_a_kernel_equals_one_process_and_the_dashboard_sees_every_step(t
         assert all(abs(a - b) <= 1e-5 for a, b in zip(r["one"], r["two"])), (r["one"], r["two"])
         assert r["loss_traces"] == [r["one"], r["two"]]  # every step of both runs reached the dashboard
         assert r["memory_traces"] == ["SP=1 planned", "SP=1 rank 0", "SP=2 planned", "SP=2 rank 0", "SP=2 rank 1"]
-        assert r["progress"] == 3
+        assert r["progress"] == [3, 3]  # each run its own bar
     finally:
         kc.stop_channels(); km.shutdown_kernel(now=True)
 

@@ -19,7 +19,7 @@ from .packing import FlatteningCollator, PackedStream, plan_bins, synthetic_leng
 
 # %% auto #0
 __all__ = ['best_times', 'print_table', 'flan_batches', 'time_collator', 'bench_collation', 'bench_planning',
-           'bench_plan_capacity', 'bench_streaming', 'main']
+           'bench_plan_capacity', 'bench_streaming', 'bench_balance', 'main']
 
 # %% ../nbs/10_bench.ipynb #2ac6290c
 def best_times(fns: list, repeats: int = 5) -> list[float]:
@@ -154,6 +154,60 @@ def bench_streaming(n: int = 200_000, capacities=(2048, 8192), buffer_sizes=(1, 
             rows.append(row)
     return rows
 
+# %% ../nbs/10_bench.ipynb #b643fdcf
+def _balance_rank(groupings: dict, lengths: np.ndarray, vocab: int) -> dict:
+    "One DP rank: train every step of each grouping (interleaved); per step, this rank's compute and the synced step time."
+    import torch
+    import torch.distributed as dist
+    from workbench.core import tiny_model, restart_positions, cu_seq_lens
+    from workbench.attention import register
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    model = tiny_model("llama", attn_implementation=register(), vocab_size=vocab).train()
+    g = torch.Generator().manual_seed(rank)
+    def step(docs):
+        t0 = time.perf_counter()
+        ids = torch.randint(0, vocab, (1, int(sum(docs))), generator=g)
+        cu = torch.tensor(cu_seq_lens(docs))
+        model(input_ids=ids, labels=ids, position_ids=torch.tensor(restart_positions(docs))[None], use_cache=False,
+              cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=int(max(docs)), max_length_k=int(max(docs))).loss.backward()
+        compute = time.perf_counter() - t0
+        flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        dist.all_reduce(flat)  # the gradient reduction every rank waits at
+        model.zero_grad(set_to_none=True)
+        return compute, time.perf_counter() - t0
+    out = {name: [] for name in groupings}
+    n = max(len(s) for s in groupings.values())
+    step(lengths[groupings[next(iter(groupings))][0][rank]])  # warm-up, not timed
+    for k in range(n):
+        for name, steps in groupings.items():
+            if k < len(steps): out[name].append(step(lengths[steps[k][rank]]))
+    return out
+
+def bench_balance(n_short: int = 600, n_long: int = 24, capacity: int = 4096, dp: int = 2, vocab: int = 512,
+                  seed: int = 0, deadline_s: float = 600) -> list[dict]:
+    "Slowest-rank seconds per epoch on `dp` CPU ranks: bins grouped by tokens (the sampler) against by cost (`plan_balanced`)."
+    from workbench.cost import plan_balanced
+    from workbench.core import tiny_config
+    from workbench.launch import launch
+    rng = np.random.default_rng(seed)
+    lengths = np.r_[synthetic_lengths("flan", n_short, seed), rng.integers(capacity // 4, capacity + 1, n_long)]
+    bal = plan_balanced(lengths, capacity, dp, tiny_config("llama", vocab_size=vocab), attention="causal", seed=seed)
+    docs = [bal.plan.length[b] for b in bal.plan.bins]  # per bin: its documents' lengths
+    groupings = {"token-balanced": bal.token_steps[:, 0], "cost-balanced": bal.cost_steps[:, 0]}
+    per_rank = launch(_balance_rank, groupings, np.array(docs, dtype=object), vocab, num_processes=dp, quiet=True,
+                      deadline_s=deadline_s)
+    rows = []
+    for name, steps in groupings.items():
+        compute = np.array([[c for c, _ in r[name]] for r in per_rank]).T  # [steps, ranks]
+        synced = np.array([[s for _, s in r[name]] for r in per_rank]).T
+        rows.append({"grouping": name, "steps": len(steps), "fill": bal.plan.fill,
+                     "predicted max/mean": bal.imbalance(bal.rank_costs(steps[:, None])),
+                     "measured max/mean": float(compute.max(1).sum() / compute.mean(1).sum()),
+                     "slowest-rank s": float(synced.max(1).sum())})
+    rows[1]["speedup"] = rows[0]["slowest-rank s"] / rows[1]["slowest-rank s"]; rows[0]["speedup"] = 1.0
+    return rows
+
 # %% ../nbs/10_bench.ipynb #291c2323
 def main(argv=None):
     "Run the packing benchmarks at full size and print their tables."
@@ -167,6 +221,7 @@ def main(argv=None):
     print_table(bench_planning(a.examples, a.capacity, trl=not a.no_trl), "Planning: FLAN-like lengths")
     print_table(bench_plan_capacity(n=a.examples), "Planning by capacity: FLAN-like lengths, each capacity in a fresh process")
     print_table(bench_streaming(trl=not a.no_trl), "Streaming: PackedStream fill vs the global plan by buffer size (TRL windows of the same size)")
+    print_table(bench_balance(), "Cost-balanced planning: slowest-rank seconds per epoch on 2 CPU ranks, token- vs cost-balanced bins")
 
 # %% ../nbs/10_bench.ipynb #ef514dc7
 #| eval: false

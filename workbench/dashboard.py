@@ -4,114 +4,275 @@
 
 # %% ../nbs/09_dashboard.ipynb #bd89e01f
 from __future__ import annotations
+import html
 import json
+import logging
+import math
+import os
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import ipywidgets as widgets
 import plotly.graph_objects as go
 
 # %% auto #0
-__all__ = ['METRIC_KEYS', 'MetricsReader', 'Dashboard']
+__all__ = ['METRIC_KEYS', 'CPU_CAVEAT', 'MetricsReader', 'RunProgress', 'run_progress', 'Dashboard']
 
 # %% ../nbs/09_dashboard.ipynb #9c5d2370
-METRIC_KEYS = ("step", "rank", "loss", "tokens", "trained", "tokens_per_s", "peak_mem_bytes", "a2a_share", "time")
+METRIC_KEYS = ("step", "rank", "loss", "tokens", "trained", "tokens_per_s", "peak_mem_bytes", "a2a_share", "time",
+               "step_s", "mfu")  # mfu only where the cost model predicts the run (not LoRA, not mixture of experts)
+_HEAD = 256  # bytes of the file's start remembered to notice a rewrite in place
 
 class MetricsReader:
-    "Incremental reader of a run directory's `metrics.jsonl`: each `read()` returns only the lines written since the last."
+    "Incremental reader of a run directory's `metrics.jsonl`: each `read()` returns the complete lines written since the last."
     def __init__(self, run_dir):
-        self.run_dir, self.offset, self.rows = Path(run_dir), 0, []
+        self.run_dir, self.rows, self.offset = Path(run_dir), [], 0
+        self.restarts = 0  # times the file was replaced, truncated or rewritten and read again from the top
+        self.skipped = 0   # complete lines that are not a metrics row (torn by a killed writer), left out and counted
+        self._identity, self._head = None, b""
+
+    def _restart(self):
+        self.rows, self.offset, self._head, self.restarts = [], 0, b"", self.restarts + 1
+
     def read(self) -> list[dict]:
-        path = self.run_dir / "metrics.jsonl"
-        if not path.exists(): return []
-        with path.open() as f:
-            f.seek(self.offset)
-            text = f.read()
-        complete = text[: text.rfind("\n") + 1]  # a line still being written is read next time
-        self.offset += len(complete.encode())
-        new = [json.loads(line) for line in complete.splitlines() if line.strip()]
+        try: f = (self.run_dir / "metrics.jsonl").open("rb")
+        except FileNotFoundError:  # not written yet, or deleted: rows read before belong to a run that is gone
+            if self.offset: self._restart()
+            return []
+        with f:
+            st = os.fstat(f.fileno())
+            identity = (st.st_dev, st.st_ino)
+            if self.offset and (identity != self._identity or st.st_size < self.offset or f.read(len(self._head)) != self._head):
+                self._restart()  # a new run in a reused directory: replaced (new inode), truncated, or rewritten in place
+            self._identity, start = identity, self.offset
+            f.seek(start); data = f.read()
+        complete = data[: data.rfind(b"\n") + 1]  # a line still being written is read next time
+        if start == 0: self._head = complete[:_HEAD]
+        self.offset += len(complete)
+        new = []
+        for line in complete.splitlines():
+            try: row = json.loads(line)
+            except ValueError: row = None
+            if isinstance(row, dict) and "step" in row and "rank" in row: new.append(row)
+            elif line.strip(): self.skipped += 1
         self.rows += new
         return new
+
     @property
     def config(self) -> dict:
-        "The run's `config.json` ({} until rank 0 has written it)."
-        path = self.run_dir / "config.json"
-        return json.loads(path.read_text()) if path.exists() else {}
+        "The run's `config.json` ({} until rank 0 has written it, or while a hand-written one is incomplete)."
+        try: return json.loads((self.run_dir / "config.json").read_text())
+        except (FileNotFoundError, ValueError): return {}
+
+# %% ../nbs/09_dashboard.ipynb #ee8f76c5
+@dataclass
+class RunProgress:
+    "Where one run stands: steps done of how many, seconds its ranks have run, and the estimated seconds left."
+    name: str                     # the run's label
+    done: int                     # steps done (the last step written + 1: a resumed run counts the steps before it)
+    total: int | None             # steps the run will make (None: not known yet)
+    elapsed_s: float | None       # seconds since the run (or its resumption) started, at its last step
+    eta_s: float | None           # estimated seconds left at the pace of its steps so far (None: not known)
+    @property
+    def finished(self) -> bool: return self.total is not None and self.done >= self.total
+    def __str__(self):
+        if not self.done: return f"{self.name}: waiting"
+        of = f"{self.done}/{self.total}" if self.total else f"{self.done}"
+        took = f" in {self.elapsed_s:.1f} s" if self.elapsed_s is not None else ""
+        if self.finished: return f"{self.name}: done, {of} steps{took}"
+        left = f", ETA {self.eta_s:.0f} s" if self.eta_s is not None else ""
+        return f"{self.name}: {of} steps{took}{left}"
+
+def run_progress(name: str,              # the run's label
+                 rows: list[dict],       # its metrics rows, in file order
+                 total: int | None,      # the steps it will make, if known
+                 ) -> RunProgress:
+    "A run's own progress from its rank-0 rows (a resumed run's `time` restarts at 0: only its last session paces the ETA)."
+    mine = [r for r in rows if r["rank"] == 0]
+    done = max((r["step"] for r in mine), default=-1) + 1
+    times = [r["time"] for r in mine if "time" in r]
+    session = next((i for i in range(1, len(times)) if times[-i] < times[-i - 1]), len(times))
+    elapsed = times[-1] if times else None
+    eta = None
+    if total is not None and elapsed is not None and session:
+        eta = elapsed / session * max(total - done, 0)
+    return RunProgress(name, done, total, elapsed, eta)
 
 # %% ../nbs/09_dashboard.ipynb #25658473
 _COLORS = ("#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2")
+_RANK_DASH = ("solid", "dot", "dash", "dashdot")
+CPU_CAVEAT = ("CPU run: measured = the process's peak RSS (libraries, pages<br>"
+              "inherited at fork); planned (dashed) = GPU bf16 tensors: not comparable")
+_SYMBOLS = ("circle", "x", "diamond", "square", "triangle-up", "cross")
+_RUN_DASH = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
 
-def _figure(title: str, ytitle: str) -> go.FigureWidget:
-    return go.FigureWidget(layout=dict(title=title, xaxis_title="step", yaxis_title=ytitle, height=280, width=460,
-                                       margin=dict(l=50, r=10, t=40, b=40), template="plotly_white"))
+def _dtick(steps: int) -> int:
+    "Whole-step tick spacing giving at most about 10 ticks."
+    return max(1, math.ceil(steps / 10))
 
-def _label(reader: MetricsReader) -> str:
-    c = reader.config
-    return c.get("name") or (f"SP={c['sp']} DP={c['dp']}" if "sp" in c else reader.run_dir.name)
+def _figure(title: str, ytitle: str, steps: int) -> go.FigureWidget:
+    return go.FigureWidget(layout=dict(
+        title=title, xaxis=dict(title="step", tickformat="d", tick0=0, dtick=_dtick(steps)), yaxis_title=ytitle,
+        height=300, width=480, margin=dict(l=55, r=10, t=40, b=40), template="plotly_white"))
+
+def _source(run) -> tuple[Path, str, int | None]:
+    "A run given as its directory or as its `TrainConfig`: the directory, the name given ('' if none), its steps (or None)."
+    if hasattr(run, "out"): return Path(run.out), run.name, run.steps
+    return Path(run), "", None
+
+def _measured_on(config: dict) -> str:
+    "Device type of the run's measured memory: the one `config.json` records, else this machine's."
+    if "device" in config: return str(config["device"]).split(":")[0]
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 class Dashboard:
-    "Live or replayed figures of one or more run directories: loss, tokens/s, per-rank memory, all-to-all share."
-    def __init__(self, *run_dirs, total_steps: int | None = None):
-        self.readers = [MetricsReader(d) for d in run_dirs]
-        self.total_steps = total_steps or max([r.config.get("steps", 0) for r in self.readers] + [1])
-        self.loss = _figure("loss", "token-mean loss")
-        self.speed = _figure("throughput", "real tokens / s")
-        self.memory = _figure("peak memory per rank", "GiB")
-        self.a2a = _figure("time in all-to-all", "share of step")
-        self.progress = widgets.IntProgress(min=0, max=self.total_steps, description="steps")
+    "Live or replayed figures of one or more runs: loss, tokens/s, per-rank memory, all-to-all share, progress per run."
+    def __init__(self, *runs,                       # run directories, or the `TrainConfig`s of the runs
+                 names: list[str] | None = None,    # a label per run (default: the config's name, else SP/DP, else the folder)
+                 total_steps: int | None = None):   # steps of every run (default: each run's own `steps`)
+        sources = [_source(r) for r in runs]
+        if names is not None and len(names) != len(sources):
+            raise ValueError(f"names: {len(names)} names for {len(sources)} runs; give one per run")
+        self.readers = [MetricsReader(d) for d, _, _ in sources]
+        self.names = [names[i] if names else n for i, (_, n, _) in enumerate(sources)]
+        self._totals = [total_steps or s for _, _, s in sources]
+        steps = max([t or 0 for t in self.totals] + [1])
+        self.loss = _figure("loss", "token-mean loss", steps)
+        self.speed = _figure("throughput", "real tokens / s", steps)
+        self.memory = _figure("peak memory per rank", "GiB", steps)
+        self.a2a = _figure("time in all-to-all", "share of step", steps)
+        self.step_time = _figure("step time (dashed: predicted)", "seconds", steps)
+        self.mfu = _figure("MFU (dashed: predicted)", "model FLOPs utilisation", steps)
+        self.bars = [widgets.IntProgress(min=0, max=1, style={"description_width": "initial"}) for _ in self.readers]
+        self.texts = [widgets.Label() for _ in self.readers]
         self.status = widgets.HTML()
-        self.widget = widgets.VBox([widgets.HBox([self.progress, self.status]),
-                                    widgets.HBox([self.loss, self.speed]), widgets.HBox([self.memory, self.a2a])])
-        self._stop, self._thread = threading.Event(), None
+        self._cost = widgets.HBox([self.step_time, self.mfu], layout=widgets.Layout(display="none"))
+        self.widget = widgets.VBox([*(widgets.HBox([b, t]) for b, t in zip(self.bars, self.texts)), self.status,
+                                    widgets.HBox([self.loss, self.speed]), widgets.HBox([self.memory, self.a2a]), self._cost])
+        self._traces, self._drawn = {}, [None] * len(self.readers)
+        self._stop, self._thread, self.error, self.runs = threading.Event(), None, None, []
         self.refresh()
 
     def _ipython_display_(self):
         from IPython.display import display
         display(self.widget)
 
-    def _trace(self, fig, name, color, dash="solid"):
-        for t in fig.data:
-            if t.name == name: return t
-        fig.add_scatter(x=[], y=[], name=name, mode="lines+markers", line=dict(color=color, dash=dash))
-        return fig.data[-1]
+    @property
+    def totals(self) -> list[int | None]:
+        "Steps each run will make: as given, else its `config.json`'s (None until known)."
+        return [t or r.config.get("steps") for t, r in zip(self._totals, self.readers)]
+
+    def labels(self) -> list[str]:
+        "Each run's label: the name given, else its config's name, else its SP/DP layout, else its folder; repeats numbered."
+        out = []
+        for given, r in zip(self.names, self.readers):
+            c = r.config
+            out.append(given or c.get("name") or (f"SP={c['sp']} DP={c['dp']}" if "sp" in c else r.run_dir.name))
+        return [f"{l} #{out[:i].count(l) + 1}" if out.count(l) > 1 else l for i, l in enumerate(out)]
+
+    def figures(self) -> list[go.FigureWidget]:
+        "The figures that hold data (step time and MFU only when the runs record them)."
+        figs = [self.loss, self.speed, self.memory, self.a2a, self.step_time, self.mfu]
+        return [f for f in figs if any(len(t.x or ()) for t in f.data)]
+
+    def _series(self, i: int, label: str) -> dict:
+        "Every trace of run `i`: key -> (figure, name, x, y, line dash)."
+        reader, out = self.readers[i], {}
+        rows, config = reader.rows, reader.config
+        rank0 = [r for r in rows if r["rank"] == 0]
+        last = max((r["step"] for r in rows), default=0)
+        for fig, key in ((self.loss, "loss"), (self.speed, "tokens_per_s"), (self.a2a, "a2a_share"),
+                         (self.step_time, "step_s"), (self.mfu, "mfu")):
+            have = [r for r in rank0 if key in r]
+            if have: out[key] = (fig, label, [r["step"] for r in have], [r[key] for r in have], _RUN_DASH[i % len(_RUN_DASH)])
+        predicted = config.get("predicted") or {}
+        for fig, key in ((self.step_time, "step_s"), (self.mfu, "mfu")):  # the cost model's figure, beside the measured one
+            if rows and predicted.get(key) is not None:
+                out[f"predicted {key}"] = (fig, f"{label} predicted", [0, last], [predicted[key]] * 2, "dash")
+        if rows and config.get("expected_peak_bytes"):  # the planner's per-rank peak, drawn beside the measured ones
+            out["planned"] = (self.memory, f"{label} planned", [0, last], [config["expected_peak_bytes"] / 2**30] * 2, "longdash")
+        for rank in sorted({r["rank"] for r in rows}):
+            mine = [r for r in rows if r["rank"] == rank and "peak_mem_bytes" in r]
+            out[f"rank {rank}"] = (self.memory, f"{label} rank {rank}", [r["step"] for r in mine],
+                                   [r["peak_mem_bytes"] / 2**30 for r in mine], _RANK_DASH[rank % 4])
+        return out
+
+    def _draw(self, i: int, label: str):
+        "Redraw run `i` whole: traces it no longer has (a reused directory's old ranks) are emptied."
+        color, series = _COLORS[i % len(_COLORS)], self._series(i, label)
+        for key, t in self._traces.items():
+            if key[0] == i and key[1] not in series: t.x, t.y, t.showlegend = [], [], False
+        for key, (fig, name, x, y, dash) in series.items():
+            if (i, key) not in self._traces:  # each run its own dash, width and marker: identical curves stay visible
+                fig.add_scatter(x=[], y=[], name=name, mode="lines+markers", line=dict(color=color, dash=dash, width=max(4.5 - 2.5 * i, 1.5)),
+                                marker=dict(symbol=_SYMBOLS[i % len(_SYMBOLS)], size=max(11 - 3 * i, 6)))
+                self._traces[i, key] = fig.data[-1]
+            t = self._traces[i, key]
+            t.name, t.x, t.y, t.showlegend = name, x, y, True
+
+    def _annotate(self):
+        "Integer step ticks for the longest run; the CPU caveat on the memory figure when a CPU run's memory is drawn."
+        steps = max([t or 0 for t in self.totals] + [r["step"] + 1 for rd in self.readers for r in rd.rows] + [1])
+        for fig in (self.loss, self.speed, self.memory, self.a2a, self.step_time, self.mfu):
+            if fig.layout.xaxis.dtick != _dtick(steps): fig.layout.xaxis.dtick = _dtick(steps)
+        cpu = any(rd.rows and _measured_on(rd.config) == "cpu" for rd in self.readers)
+        note = [dict(text=CPU_CAVEAT, xref="paper", yref="paper", x=0, y=1.02, xanchor="left", yanchor="bottom",
+                     showarrow=False, align="left", font=dict(size=10, color="#9a6700"))] if cpu else []
+        if len(self.memory.layout.annotations) != len(note):  # above the plot, below the title: room made for it
+            self.memory.layout.annotations, self.memory.layout.margin.t = note, 70 if cpu else 40
 
     def refresh(self) -> int:
         "Read new metrics lines and redraw; returns how many lines arrived."
-        arrived = 0
-        for i, reader in enumerate(self.readers):
-            new = reader.read()
-            arrived += len(new)
-            if not new: continue
-            rows, color, label = reader.rows, _COLORS[i % len(_COLORS)], _label(reader)
-            rank0 = [r for r in rows if r["rank"] == 0]
-            with self.loss.batch_update(), self.speed.batch_update(), self.memory.batch_update(), self.a2a.batch_update():
-                for fig, key in ((self.loss, "loss"), (self.speed, "tokens_per_s"), (self.a2a, "a2a_share")):
-                    t = self._trace(fig, label, color)
-                    t.x, t.y = [r["step"] for r in rank0], [r[key] for r in rank0]
-                planned = reader.config.get("expected_peak_bytes")
-                if planned:  # the planner's per-rank peak, drawn beside the measured ones
-                    t = self._trace(self.memory, f"{label} planned", color, "longdash")
-                    t.x, t.y = [0, max(r["step"] for r in rows)], [planned / 2**30] * 2
-                for rank in sorted({r["rank"] for r in rows}):
-                    mine = [r for r in rows if r["rank"] == rank]
-                    t = self._trace(self.memory, f"{label} rank {rank}", color, ("solid", "dot", "dash", "dashdot")[rank % 4])
-                    t.x, t.y = [r["step"] for r in mine], [r["peak_mem_bytes"] / 2**30 for r in mine]
-        done = [max((r["step"] for r in rd.rows), default=-1) + 1 for rd in self.readers]
-        self.progress.value = min(max(done), self.total_steps)
-        self.status.value = " · ".join(f"{_label(rd)}: {n} steps" for rd, n in zip(self.readers, done))
+        arrived, labels = 0, self.labels()
+        figs = (self.loss, self.speed, self.memory, self.a2a, self.step_time, self.mfu)
+        with figs[0].batch_update(), figs[1].batch_update(), figs[2].batch_update(), figs[3].batch_update(), \
+             figs[4].batch_update(), figs[5].batch_update():
+            for i, reader in enumerate(self.readers):
+                new = reader.read()
+                arrived += len(new)
+                state = (labels[i], reader.restarts, len(reader.rows))
+                if state != self._drawn[i]: self._draw(i, labels[i]); self._drawn[i] = state
+            self._annotate()
+        if any(f is self.step_time or f is self.mfu for f in self.figures()): self._cost.layout.display = None
+        self.runs = [run_progress(l, rd.rows, t) for l, rd, t in zip(labels, self.readers, self.totals)]
+        for bar, text, p, rd in zip(self.bars, self.texts, self.runs, self.readers):
+            bar.max = max(p.total or p.done, 1); bar.value = min(p.done, bar.max); bar.description = p.name
+            bar.bar_style = "success" if p.finished else ""
+            text.value = str(p).split(": ", 1)[1] + (f" ({rd.skipped} torn lines left out)" if rd.skipped else "")
+        finished = sum(p.finished for p in self.runs)
+        line = f"{finished} of {len(self.runs)} runs done"
+        if self.error is not None:
+            line += (f" · <span style='color:#cf222e'>watch stopped: {html.escape(type(self.error).__name__)}: "
+                     f"{html.escape(str(self.error))}</span>")
+        self.status.value = line
         return arrived
 
     def watch(self, interval_s: float = 0.5):
         "Refresh from a background thread every `interval_s` until `stop()` (the kernel stays free for `launch`)."
-        self.stop()
-        self._stop.clear()
+        if not interval_s > 0: raise ValueError(f"interval_s={interval_s!r}: the seconds between refreshes must be > 0")
+        self._halt()
+        self._stop.clear(); self.error = None
         def loop():
-            while not self._stop.wait(interval_s): self.refresh()
-        self._thread = threading.Thread(target=loop, daemon=True); self._thread.start()
+            try:
+                while not self._stop.wait(interval_s): self.refresh()
+            except Exception as e:  # shown, logged, and raised by stop(): never a thread that died unseen
+                self.error = e
+                logging.getLogger(__name__).error("dashboard watch thread stopped", exc_info=e)
+                self.status.value += (f" · <span style='color:#cf222e'>watch stopped: {html.escape(type(e).__name__)}: "
+                                      f"{html.escape(str(e))}</span>")
+        self._thread = threading.Thread(target=loop, daemon=True, name="dashboard watch"); self._thread.start()
         return self
 
+    def _halt(self):
+        if self._thread is not None: self._stop.set(); self._thread.join(); self._thread = None
+
     def stop(self):
-        "Stop watching, after one last refresh."
-        if self._thread is not None:
-            self._stop.set(); self._thread.join(); self._thread = None
-            self.refresh()
+        "Stop watching, after one last refresh; raise the error that stopped the watch thread, if one did."
+        was_watching = self._thread is not None
+        self._halt()
+        if self.error is not None:
+            e, self.error = self.error, None
+            raise RuntimeError(f"the dashboard's watch thread stopped: {type(e).__name__}: {e}") from e
+        if was_watching: self.refresh()

@@ -5,14 +5,23 @@
 # %% ../nbs/11_demo.ipynb #e5870dd1
 from __future__ import annotations
 import argparse
+import base64
+import gzip
 import html
+import json
+import os
+import platform
+import re
 import shutil
+from datetime import datetime, timezone
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import numpy as np
 import plotly.graph_objects as go
 import plotly.offline
 
+from . import __version__
 from .core import SAMPLES, load_sample, load_tokenizer, tiny_model
 from .dashboard import Dashboard
 from .doctor import check_packing
@@ -21,28 +30,94 @@ from .train import TrainConfig, run
 from .viz import mask_figures, plot_lengths, plot_step_tokens
 
 # %% auto #0
-__all__ = ['HtmlReport', 'packing_section', 'masks_section', 'doctor_section', 'sp_section', 'run_demo', 'main']
+__all__ = ['PLOT_CONFIG', 'slug', 'environment', 'HtmlReport', 'packing_section', 'masks_section', 'doctor_fixes', 'doctor_table',
+           'doctor_text', 'doctor_section', 'sp_section', 'run_demo', 'main']
 
 # %% ../nbs/11_demo.ipynb #c8a425b4
+PLOT_CONFIG = dict(displaylogo=False, showSendToCloud=False, modeBarButtonsToRemove=["sendDataToCloud"], responsive=True)
+_STYLE = """body{font-family:system-ui,sans-serif;max-width:1200px;margin:auto;padding:0 1em;color:#1f2328;line-height:1.45}
+th,td{text-align:left;padding:2px 1.2em 2px 0;vertical-align:top}p.why{color:#444;max-width:60em}
+nav ol{columns:2}.row{display:grid;grid-template-columns:repeat(auto-fit,minmax(480px,1fr));gap:8px}
+.pass{color:#1a7f37;font-weight:bold}.fail{color:#cf222e;font-weight:bold}.warn{color:#9a6700;font-weight:bold}
+#nojs{color:#cf222e}section{border-top:1px solid #d0d7de;margin-top:2em}"""
+_LOADER = """<script>
+(async () => {
+  const unzip = async id => {
+    const bytes = Uint8Array.from(atob(document.getElementById(id).textContent), c => c.charCodeAt(0));
+    return await new Response(new Blob([bytes]).stream().pipeThrough(new DecompressionStream("gzip"))).text();
+  };
+  const lib = document.createElement("script"); lib.textContent = await unzip("plotly-js"); document.head.appendChild(lib);
+  const figures = JSON.parse(await unzip("figures-json")), config = JSON.parse(document.getElementById("plot-config").textContent);
+  for (const [i, fig] of figures.entries()) await Plotly.newPlot("figure-" + i, fig.data, fig.layout, config);
+  document.getElementById("nojs").remove();
+  document.body.dataset.rendered = figures.length;
+})().catch(e => { document.getElementById("nojs").textContent = "The figures could not be drawn: " + e; throw e; });
+</script>"""
+
+def _packed(text: str) -> str:
+    "gzip, then base64: how the page carries plotly.js and the figures."
+    return base64.b64encode(gzip.compress(text.encode(), 9)).decode()
+
+def slug(text: str) -> str:
+    "The anchor of a heading: lower case, runs of other characters as one hyphen."
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+def environment() -> list[tuple[str, str]]:
+    "Date, package versions and machine, as the report's header rows."
+    import torch
+    def ver(p):
+        try: return version(p)
+        except PackageNotFoundError: return "not installed"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    return [("date", datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")),
+            ("versions", f"workbench {__version__} · torch {torch.__version__} · transformers {ver('transformers')} · "
+                         f"trl {ver('trl')} · accelerate {ver('accelerate')} · plotly {ver('plotly')}"),
+            ("machine", f"{platform.platform()} · Python {platform.python_version()} · {cores} CPU cores · GPU: {gpu}")]
+
 class HtmlReport:
-    "A self-contained HTML page built from headings, key/value tables and plotly figures."
-    def __init__(self, title: str): self.title, self.parts = title, []
-    def heading(self, text: str): self.parts.append(f"<h2>{html.escape(text)}</h2>")
-    def table(self, rows: list[tuple[str, str]]):
-        body = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in rows)
-        self.parts.append(f"<table>{body}</table>")
-    def figure(self, fig: go.Figure): self.parts.append(fig.to_html(full_html=False, include_plotlyjs=False))
-    def rich(self, obj): self.parts.append(obj._repr_html_())
+    "A self-contained HTML page: date, versions and machine, a table of contents, then sections of prose, tables and figures."
+    def __init__(self, title: str): self.title, self.sections, self.figs = title, [], []
+    def section(self, heading: str,  # the section's title, also its entry in the table of contents
+                why: str):            # one or two sentences: what the section shows and why it matters
+        if any(h == heading for _, h, _ in self.sections): raise ValueError(f"a section {heading!r} exists already")
+        self.sections.append((slug(heading), heading, [f"<p class='why'>{html.escape(why)}</p>"]))
+    def _add(self, markup: str):
+        if not self.sections: raise ValueError("start a section first: report.section(heading, why)")
+        self.sections[-1][2].append(markup)
+    def text(self, text: str): self._add(f"<p>{html.escape(text)}</p>")
+    def table(self, rows: list[tuple], header: tuple | None = None):
+        "A table of strings (escaped); `header` names the columns."
+        cells = lambda r, tag: "".join(f"<{tag}>{html.escape(str(v))}</{tag}>" for v in r)
+        self._add("<table>" + (f"<tr>{cells(header, 'th')}</tr>" if header else "")
+                  + "".join(f"<tr>{cells(r, 'td')}</tr>" for r in rows) + "</table>")
+    def markup(self, fragment: str): self._add(fragment)  # HTML built by the caller, who escapes what it quotes
+    def figures(self, *figs: go.Figure, height: int | None = None):
+        "Figures side by side, each filling its column (the figure's own height unless `height`)."
+        divs = []
+        for fig in figs:
+            f = go.Figure(fig)
+            f.update_layout(width=None, autosize=True, height=height or f.layout.height or 420)
+            divs.append(f"<div id='figure-{len(self.figs)}'></div>"); self.figs.append(f.to_json())
+        self._add(f"<div class='row'>{''.join(divs)}</div>")
+
+    def page(self) -> str:
+        "The whole page as HTML."
+        env = "".join(f"<tr><th>{k}</th><td>{html.escape(v)}</td></tr>" for k, v in environment())
+        toc = "".join(f"<li><a href='#{s}'>{html.escape(h)}</a></li>" for s, h, _ in self.sections)
+        body = "".join(f"<section id='{s}'><h2>{html.escape(h)}</h2>{''.join(parts)}</section>" for s, h, parts in self.sections)
+        data = (f"<script type='application/json' id='plot-config'>{json.dumps(PLOT_CONFIG)}</script>"
+                f"<script type='text/plain' id='plotly-js'>{_packed(plotly.offline.get_plotlyjs())}</script>"
+                f"<script type='text/plain' id='figures-json'>{_packed('[' + ','.join(self.figs) + ']')}</script>")
+        return (f"<!doctype html><html lang='en'><head><meta charset='utf-8'><title>{html.escape(self.title)}</title>"
+                f"<style>{_STYLE}</style></head><body><h1>{html.escape(self.title)}</h1><table>{env}</table>"
+                f"<p id='nojs'>Drawing the figures (needs JavaScript and a browser with DecompressionStream)…</p>"
+                f"<nav><h2>Contents</h2><ol>{toc}</ol></nav>{body}{data}{_LOADER}</body></html>")
 
     def write(self, path: Path) -> Path:
-        "Write the page with plotly.js inlined once; returns the path."
-        js = plotly.offline.get_plotlyjs()
-        style = "body{font-family:sans-serif;max-width:1100px;margin:auto}th{text-align:left;padding-right:2em}"
-        page = (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(self.title)}</title>"
-                f"<style>{style}</style><script>{js}</script></head><body><h1>{html.escape(self.title)}</h1>"
-                + "".join(self.parts) + "</body></html>")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(page)
+        "Write the page; returns the path."
+        path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.page())
         return path
 
 # %% ../nbs/11_demo.ipynb #e5f3c249
@@ -51,40 +126,88 @@ def packing_section(report: HtmlReport, name: str, batch_size: int = 8, tokenize
     lengths = np.array([len(f["input_ids"]) for f in load_sample(name, tokenizer)])
     rep = packing_report(lengths, batch_size=batch_size, name=name)
     print(rep, end="\n\n")
-    report.heading(f"Packing: {name}")
+    report.section(f"Packing: {name}", f"A padded batch of {batch_size} computes on padding up to its longest example; "
+                   "padding-free packing computes only on real tokens. The table gives the padding share and the speedup "
+                   "bound it implies; left, the example lengths; right, the tokens each step holds.")
     report.table(rep.rows())
-    report.figure(plot_lengths(rep))
-    report.figure(plot_step_tokens(rep))
+    report.figures(plot_lengths(rep), plot_step_tokens(rep))
     return rep
 
 def masks_section(report: HtmlReport):
     "Add the effective-mask figures (correct packing against naive concatenation and each trap)."
     figs = mask_figures()
     print("mask figures: " + "; ".join(figs), end="\n\n")
-    report.heading("Attention masks: correct packing and the traps")
-    for fig in figs.values(): report.figure(fig)
+    report.section("Attention masks: correct packing and the traps",
+                   "Which key token each query token may attend to, as the model computes it. Correct packing keeps "
+                   "every example to itself (blocks on the diagonal); naive concatenation and the two traps let tokens "
+                   "attend across examples (leaks), which silently trains on the wrong context.")
+    first, *masks = figs.values()
+    report.figures(first)
+    for pair in range(0, len(masks), 2): report.figures(*masks[pair:pair + 2])
+
+def doctor_fixes(verdicts: dict) -> dict[str, list[str]]:
+    "Each distinct fix of the verdicts, once, with the checks it resolves (a fix often resolves several)."
+    fixes = {}
+    for v in verdicts.values():
+        for f in v.findings:
+            if f.fix and f.check not in fixes.setdefault(f.fix, []): fixes[f.fix].append(f.check)
+    return fixes
+
+def doctor_table(verdicts: dict) -> str:
+    "The verdicts side by side, a row per check, then each distinct fix once with the checks it resolves."
+    names, checks = list(verdicts), [f.check for f in next(iter(verdicts.values())).findings]
+    cell = lambda f: (f"<td><span class='{f.status}'>{f.status.upper()}</span>"
+                      + (f" {html.escape(f.detail)}" if f.status != "pass" else "") + "</td>")
+    rows = "".join(f"<tr><td>{html.escape(c)}</td>{''.join(cell(verdicts[n][c]) for n in names)}</tr>" for c in checks)
+    summary = "".join(f"<th>{html.escape(n)}: {html.escape(v.verdict)}</th>" for n, v in verdicts.items())
+    listed = "".join(f"<li>{html.escape(fix)} <i>(resolves: {html.escape(', '.join(c))})</i></li>"
+                     for fix, c in doctor_fixes(verdicts).items())
+    verified = {v.verified_with for v in verdicts.values() if v.verified_with}
+    return (f"<table><tr><th>check</th>{summary}</tr>{rows}</table>"
+            + (f"<p><b>Fix</b>, measured to work ({html.escape('; '.join(verified))}):</p><ul>{listed}</ul>" if listed else ""))
+
+def doctor_text(verdicts: dict) -> str:
+    "The same for a terminal: each verdict, the checks that did not pass, each fix once."
+    lines = []
+    for name, v in verdicts.items():
+        lines.append(f"{name}: {v.verdict}")
+        lines += [f"  [{f.status.upper()}] {f.check}: {f.detail}" for f in v.findings if f.status != "pass"]
+    return "\n".join(lines + [f"fix: {fix} (resolves: {', '.join(c)})" for fix, c in doctor_fixes(verdicts).items()])
 
 def doctor_section(report: HtmlReport, tokenizer=None):
     "Add the packing doctor's verdict on a tiny Llama: with `use_cache` at its default, then with `use_cache=False`."
     model, batch = tiny_model("llama"), FlatteningCollator()(load_sample("flan_like", tokenizer, limit=6))
-    report.heading("Packing doctor: tiny Llama with sdpa")
-    for kwargs in ({}, {"use_cache": False}):
-        verdict = check_packing(model, batch, kwargs)
-        print(f"forward kwargs {kwargs}:\n{verdict}", end="\n\n")
-        report.rich(verdict)
+    verdicts = {f"forward({', '.join(f'{k}={v}' for k, v in kw.items())})": check_packing(model, batch, kw)
+                for kw in ({}, {"use_cache": False})}
+    print(doctor_text(verdicts), end="\n\n")
+    v = next(iter(verdicts.values()))
+    report.section(f"Packing doctor: tiny {v.model.title()} with {v.attn_implementation}",
+                   "The doctor runs the model on one packed batch and measures whether examples leak into each other, "
+                   "then names the fix and checks that it works. A custom training loop that leaves use_cache at its "
+                   "default builds a cache, and transformers then ignores the example boundaries.")
+    report.markup(doctor_table(verdicts))
+    return verdicts
 
 def sp_section(report: HtmlReport, out: Path, steps: int = 6):
     "Train the same data on one process and with SP=2 over two processes; add the loss comparison and the run figures."
     for sp in (1, 2): shutil.rmtree(out / f"sp{sp}", ignore_errors=True)  # the demo's own runs start afresh each time
-    losses = {sp: run(TrainConfig(sp=sp, steps=steps, max_tokens=1024, out=str(out / f"sp{sp}"), name=f"SP={sp}"))
-              for sp in (1, 2)}
-    rows = [(f"step {i}", f"SP=1 {a:.6f}   SP=2 {b:.6f}   |diff| {abs(a - b):.1e}") for i, (a, b) in enumerate(zip(*losses.values()))]
-    print("loss, one process against sequence parallelism over two:\n" + "\n".join(f"  {k}: {v}" for k, v in rows), end="\n\n")
-    report.heading("Sequence parallelism: SP=2 over two CPU processes against one process")
-    report.table(rows)
-    dash = Dashboard(out / "sp1", out / "sp2")
-    for fig in (dash.loss, dash.speed, dash.memory, dash.a2a): report.figure(go.Figure(fig))
-    return losses
+    cfgs = [TrainConfig(sp=sp, steps=steps, max_tokens=1024, out=str(out / f"sp{sp}"), name=f"SP={sp}") for sp in (1, 2)]
+    one, two = (run(c) for c in cfgs)
+    diff = max(abs(a - b) for a, b in zip(one, two))
+    rows = [(i, f"{a:.6f}", f"{b:.6f}", f"{abs(a - b):.1e}") for i, (a, b) in enumerate(zip(one, two))]
+    print("loss, one process against sequence parallelism over two:\n"
+          + "\n".join(f"  step {i}: SP=1 {a}   SP=2 {b}   |diff| {d}" for i, a, b, d in rows), end="\n\n")
+    report.section("Sequence parallelism: SP=2 over two CPU processes against one process",
+                   "Ulysses sequence parallelism cuts each packed row into shards, one per process, and exchanges them "
+                   "inside attention so that every process still attends over the whole row. It changes the layout, "
+                   "not the arithmetic: the losses must match one process.")
+    report.text(f"The SP=2 loss equals the SP=1 loss at every step to within {diff:.1e} (float32 summation order), so "
+                "in the loss figure the two curves coincide: SP=1 is the thick solid line with circles, SP=2 the thin "
+                "dashed line with crosses drawn over it.")
+    report.table(rows, header=("step", "SP=1 loss", "SP=2 loss", "|difference|"))
+    figs = Dashboard(*cfgs).figures()
+    for pair in range(0, len(figs), 2): report.figures(*figs[pair:pair + 2], height=380)
+    return one, two
 
 def run_demo(out: Path = Path("reports"), batch_size: int = 8, sp_steps: int = 6) -> Path:
     "The whole tour: every section, printed and written to `out/demo.html` (run directories under `out/runs`)."
@@ -94,7 +217,7 @@ def run_demo(out: Path = Path("reports"), batch_size: int = 8, sp_steps: int = 6
     doctor_section(report, tok)
     sp_section(report, Path(out) / "runs", sp_steps)
     path = report.write(Path(out) / "demo.html")
-    print(f"wrote {path}")
+    print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
     return path
 
 # %% ../nbs/11_demo.ipynb #fbdd39fb

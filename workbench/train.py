@@ -30,6 +30,7 @@ from fastcore.docments import docments
 from tqdm import tqdm  # the text bar: forked ranks cannot draw notebook widgets
 
 from .attention import KEY as VARLEN_KEY, register as register_varlen
+from .cost import measured_mfu, run_device, run_prediction
 from .core import SAMPLES, data_dir, load_sample, load_tokenizer, model_families, tiny_config, tokenize_records
 from .launch import launch
 from .memory import Levers, estimate
@@ -594,7 +595,8 @@ def train_rank(cfg: TrainConfig) -> list[float]:
     features = load_features(cfg.data, tokenizer)
     check_token_ids(features, model.config.vocab_size, cfg.data)
     plan = plan_bins([len(f["input_ids"]) for f in features], cfg.max_tokens, overlong="split", seed=cfg.seed)
-    if _rank() == 0: print(plan_readout(plan))
+    predicted = run_prediction(cfg, model.config, plan)  # workbench.cost's roofline here (None: a run it does not model)
+    if _rank() == 0: print(plan_readout(plan)); print(predicted or "no step prediction: workbench.cost models neither LoRA nor this architecture's layers")
     pid = plan_id(plan)
     sampler = TokenBudgetSampler(plan, seed=cfg.seed, num_replicas=cfg.dp, rank=grid.dp_rank)
     pieces, collate = plan.dataset(features), FlatteningCollator(pad_to_multiple_of=cfg.sp)
@@ -603,12 +605,13 @@ def train_rank(cfg: TrainConfig) -> list[float]:
     start = load_checkpoint(out, model, opt, sampler, cfg, pid) if cfg.resume else 0
     if _rank() == 0:
         _replace_file(out / "config.json", json.dumps({**asdict(cfg), "plan": repr(plan),
-                                                       "expected_peak_bytes": memory_readout(cfg)[0]}, indent=1))
+                                                       "expected_peak_bytes": memory_readout(cfg)[0],
+                                                       **({"predicted": predicted.as_dict()} if predicted else {})}, indent=1))
         truncate_metrics(out, start)  # a resumed run logs each step once: rows past the checkpoint go
     if dist.is_initialized(): dist.barrier()
     with reporting(cfg, start) as sink:
         bins, losses, t_run = _endless(sampler), [], time.perf_counter()
-        for step in tqdm(range(start, cfg.steps), desc=f"train sp={cfg.sp} dp={cfg.dp}", disable=_rank() != 0):
+        for step in tqdm(range(start, cfg.steps), desc=f"train sp={cfg.sp} dp={cfg.dp}", disable=_rank() != 0, file=sys.stdout):  # stdout: not red in Jupyter
             t0, comm0 = time.perf_counter(), grid.clock.seconds
             rows = [next(bins) for _ in range(cfg.grad_accum)]
             shards = [shard_batch(collate([pieces[i] for i in b]), grid.sp_rank, cfg.sp) for b in rows]
@@ -630,7 +633,8 @@ def train_rank(cfg: TrainConfig) -> list[float]:
             if dist.is_initialized(): dist.all_reduce(everyone)  # real tokens and trained targets of every replica
             row = dict(step=step, rank=_rank(), loss=losses[-1], tokens=mine, trained=int(everyone[1]),
                        tokens_per_s=everyone[0].item() / seconds, peak_mem_bytes=peak_memory_bytes(device),
-                       a2a_share=(grid.clock.seconds - comm0) / seconds, time=time.perf_counter() - t_run)
+                       a2a_share=(grid.clock.seconds - comm0) / seconds, time=time.perf_counter() - t_run, step_s=seconds,
+                       **measured_mfu(model.config, [plan.length[b] for b in rows], cfg, seconds, predicted))
             write_metrics(out, **row)
             sink.log(row)
             if step + 1 == cfg.steps or cfg.save_every and (step + 1) % cfg.save_every == 0:
@@ -655,6 +659,7 @@ def run(cfg: TrainConfig) -> list[float]:
     "Train `cfg` on `cfg.sp * cfg.dp` forked processes (from a notebook or a script); return the per-step losses."
     preflight_run(cfg)
     print(memory_readout(cfg)[1])
+    run_device()  # measured once here (cached), so that every forked rank divides by the same peak
     results = launch(train_rank, cfg, num_processes=cfg.world, sp_size=cfg.sp, model_config=model_config(cfg),
                      timeout_s=cfg.timeout_s)
     peaks = {r["rank"]: r["peak_mem_bytes"] / 2**30 for r in read_metrics(Path(cfg.out))}

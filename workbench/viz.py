@@ -5,24 +5,29 @@
 # %% ../nbs/03_viz.ipynb #a7e5b2bf
 from __future__ import annotations
 import time
+from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import plotly.graph_objects as go
 import plotly.io as pio
 import torch
 
-from .core import SAMPLES, load_sample, tiny_model
-from .masks import SDPA_LIKE, MaskReport, eager_attentions, attention_leakage, example_grid, mask_report
-from .packing import (FlatteningCollator, NaiveConcatCollator, PackingReport, PaddingCollator, TokenBudgetSampler,
-                               plan_bins)
+from .core import SAMPLES, load_sample, load_tokenizer, tiny_config, tiny_model
+from .masks import (IMPLEMENTATIONS, SDPA_LIKE, MaskReport, eager_attentions, attention_leakage, example_grid,
+                             mask_report)
+from .packing import (LOSS_MASKS, FlatteningCollator, NaiveConcatCollator, PackingReport, PaddingCollator, TokenBudgetSampler,
+                               flatten_features, lengths_of, plan_bins)
 
 # %% auto #0
-__all__ = ['TEMPLATE', 'STRATEGIES', 'EXAMPLE_COLORS', 'PAD', 'UNUSED', 'PAD_COLOR', 'MASK_COLORSCALE', 'STATUS', 'FAMILIES',
-           'plot_lengths', 'plot_step_tokens', 'strategy_batch', 'layout_rows', 'layout_bars', 'layout_title',
-           'plot_batch_layout', 'block_edges', 'mask_traces', 'mask_layout', 'plot_mask', 'plot_attention',
-           'mask_figures', 'save_figures', 'MaskExplorer']
+__all__ = ['TEMPLATE', 'STRATEGIES', 'EXAMPLE_COLORS', 'PAD', 'UNUSED', 'PAD_COLOR', 'CATEGORIES', 'CATEGORY_COLORS',
+           'MASK_COLORSCALE', 'OUTLINE', 'FAMILIES', 'plot_lengths', 'plot_step_tokens', 'strategy_batch',
+           'layout_rows', 'layout_bars', 'layout_title', 'plot_batch_layout', 'mask_blocks', 'clamp_range',
+           'view_edges', 'block_edges', 'readable_tokens', 'example_outlines', 'mask_traces', 'mask_layout',
+           'plot_mask', 'plot_attention', 'mask_figures', 'save_figures', 'explorer_data', 'explorer_model',
+           'attention_kinds', 'explorer_tokenizer', 'MaskExplorer']
 
 # %% ../nbs/03_viz.ipynb #614b21f0
 TEMPLATE = "plotly_white"  # one look for every figure of the workbench
@@ -136,71 +141,177 @@ def plot_batch_layout(layouts: dict,          # name -> example grid [rows, T] (
     return fig
 
 # %% ../nbs/03_viz.ipynb #3a796e97
-MASK_COLORSCALE = [[0, "#eeeeee"], [0.5, "#2a62a8"], [0.55, "#fcbba1"], [1, "#a50f15"]]  # z: 0 masked .. 1 allowed, 1.1 .. 2 leak
-STATUS = np.array(["masked", "allowed", "leak"])
+CATEGORIES = ("masked", "allowed", "leak", "padding")  # what a cell of the mask view shows, by its code 0..3
+CATEGORY_COLORS = ("#eeeeee", "#2a62a8", "#d62728", "#bdbdbd")
+MASK_COLORSCALE = [[i / 4 + d, c] for i, c in enumerate(CATEGORY_COLORS) for d in (0, 0.25)]  # discrete: z codes, zmin -0.5, zmax 3.5
+
+def _window_counts(spec, edges_q: np.ndarray, edges_k: np.ndarray, row: int) -> np.ndarray:
+    "`spec.block_counts` for query edges covering only a part of the row (the outer blocks are computed and dropped)."
+    T = spec.shape[1]
+    full = np.unique(np.r_[0, edges_q, T])
+    first = int(np.searchsorted(full, edges_q[0]))
+    return spec.block_counts(full, edges_k, row)[first:first + len(edges_q) - 1]
+
+def mask_blocks(report: MaskReport,     # from `workbench.masks.mask_report`
+                edges_q: np.ndarray,    # rising query edges inside [0, T] (need not start at 0)
+                edges_k: np.ndarray,    # rising key edges inside [0, T]
+                row: int = 0,           # which row of the batch
+                ) -> tuple[np.ndarray, dict]:
+    """Per block of `edges_q` x `edges_k`: its category code (an index into `CATEGORIES`) and the exact pair counts.
+    A block is *leak* if any of its pairs leaks, else *allowed* if any pair is allowed, else *padding* if any pair
+    touches padding, else *masked*."""
+    eq, ek = np.asarray(edges_q, np.int64), np.asarray(edges_k, np.int64)
+    intended = (report.effective & report.intended)  # allowed and meant: within one example, between real tokens
+    within = _window_counts(intended, eq, ek, row)
+    leak = _window_counts(report.real, eq, ek, row) - within  # allowed between real tokens, but not meant
+    real = np.r_[0, np.cumsum(report.examples[row] >= 0)]
+    cells = np.outer(np.diff(eq), np.diff(ek))
+    padding = cells - np.outer(np.diff(real[eq]), np.diff(real[ek]))  # pairs with a padding query or key
+    code = np.select([leak > 0, within > 0, padding > 0], [2, 1, 3], 0).astype(np.int8)
+    return code, dict(allowed=within, leak=leak, padding=padding, cells=cells)
+
+# %% ../nbs/03_viz.ipynb #b0f78c5c
+def clamp_range(r,       # an axis range (two numbers, either order) or None for the whole row
+                T: int,  # tokens in the row
+                ) -> tuple[int, int]:
+    "The token interval `[lo, hi)` an axis range covers, clamped into `[0, T)` and at least one token wide."
+    if r is None: return 0, T
+    a, b = sorted(float(x) for x in r)
+    lo = int(np.clip(np.floor(a), 0, T - 1))
+    return lo, int(np.clip(np.ceil(b), lo + 1, T))
+
+def view_edges(lo: int, hi: int, max_cells: int) -> np.ndarray:
+    "Edges of equal blocks covering tokens `[lo, hi)` with at most `max_cells` blocks (single tokens when they fit)."
+    return np.r_[np.arange(lo, hi, -(-(hi - lo) // max_cells)), hi]
 
 def block_edges(T: int, max_cells: int) -> np.ndarray:
     "Edges of equal blocks (the last may be shorter) so that at most `max_cells` cover `T` tokens."
-    return np.r_[np.arange(0, T, -(-T // max_cells)), T]
+    return view_edges(0, T, max_cells)
 
-def _token_text(ids: np.ndarray, tokenizer) -> list[str]:
-    return [repr(t)[1:-1] for t in tokenizer.convert_ids_to_tokens(ids.tolist())] if tokenizer else [str(i) for i in ids]
+# %% ../nbs/03_viz.ipynb #8eb02aed
+_VISIBLE = str.maketrans({" ": "␣", "\n": "⏎", "\t": "⇥", "\r": "␍"})
 
-def mask_traces(report: MaskReport,    # from `workbench.masks.mask_report`
-                row: int = 0,          # which row of the batch
-                max_cells: int = 128,  # blocks per side at most
-                input_ids=None,        # the batch's token ids, for token hover in one-pair-per-cell views
-                tokenizer=None,        # decodes those ids (else ids are shown)
-                ) -> tuple[dict, dict, str]:
-    "Heatmap and boundary-line properties of the mask view, and its title: what `plot_mask` and `MaskExplorer` draw."
+def readable_tokens(ids,             # token ids (a 1-D sequence)
+                    tokenizer=None,  # a transformers tokenizer; without one the ids themselves are shown
+                    ) -> list[str]:
+    "Each id decoded on its own with its whitespace made visible (␣ space, ⏎ newline, ⇥ tab), never byte-level `Ġis`."
+    ids = [int(i) for i in np.asarray(ids).reshape(-1)]
+    if tokenizer is None: return [str(i) for i in ids]
+    raw = tokenizer.convert_ids_to_tokens(ids)
+    text = tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    out = []
+    for r, t in zip(raw, text):
+        if "\ufffd" in t: t = r  # a piece of a multi-byte character decodes to nothing readable alone
+        elif r and r.startswith("▁") and not t.startswith(" "): t = " " + t  # sentencepiece drops a lone token's space
+        out.append(t.translate(_VISIBLE) or "∅")
+    return out
+
+# %% ../nbs/03_viz.ipynb #e25c9cac
+def example_outlines(examples,              # [T] example of every token of one row (-1 padding)
+                     q: tuple[int, int],    # visible queries [lo, hi)
+                     k: tuple[int, int],    # visible keys [lo, hi)
+                     min_tokens: int = 1,   # outline only examples at least this long (shorter ones would be a mesh)
+                     ) -> dict:
+    "Line properties (x, y with gaps) outlining the diagonal square of every long enough example, inside the view only."
+    ex = np.asarray(examples)
+    s = np.flatnonzero(np.r_[True, np.diff(ex) != 0])
+    e = np.r_[s[1:], len(ex)]
+    keep = (ex[s] >= 0) & (e - s >= min_tokens)
+    s, e = s[keep], e[keep]
+    x0, x1, y0, y1 = np.maximum(s, k[0]), np.minimum(e, k[1]), np.maximum(s, q[0]), np.minimum(e, q[1])
+    seen = (x0 < x1) & (y0 < y1)
+    segs = []  # (xa, xb, ya, yb) of each side that lies inside the view
+    for at, lo, hi, cross in ((s, q[0], q[1], (x0, x1)), (e, q[0], q[1], (x0, x1))):  # top and bottom sides
+        m = seen & (at >= lo) & (at <= hi)
+        segs.append(np.stack([cross[0][m], cross[1][m], at[m], at[m]], 1))
+    for at, lo, hi, cross in ((s, k[0], k[1], (y0, y1)), (e, k[0], k[1], (y0, y1))):  # left and right sides
+        m = seen & (at >= lo) & (at <= hi)
+        segs.append(np.stack([at[m], at[m], cross[0][m], cross[1][m]], 1))
+    seg = np.concatenate(segs).astype(float)
+    gap = np.full((len(seg), 1), np.nan)
+    return dict(x=np.hstack([seg[:, :2], gap]).ravel(), y=np.hstack([seg[:, 2:], gap]).ravel())
+
+def _axis_labels(name, edges, ex, tokens):
+    "Hover label of each block of one axis: its token (and text) when it is one token, else its range."
+    span = lambda a, b: f"{a}" if a == b else f"{a}-{b}"
+    return [f"{name} {a} {tokens[a - edges[0]]} (example {ex[a]})" if b - a == 1 and tokens else
+            f"{name} {a}-{b - 1} (example {span(ex[a], ex[b - 1])})" for a, b in zip(edges[:-1].tolist(), edges[1:].tolist())]
+
+def _axis(lo, hi, reverse, tokens, label_tokens):
+    "An axis showing tokens [lo, hi): fixed range (queries run down), and the tokens' text as ticks when they are few."
+    ax = dict(range=[hi, lo] if reverse else [lo, hi], autorange=False, tickmode="auto", tickvals=None, ticktext=None)
+    if tokens is not None and hi - lo <= label_tokens:
+        ax.update(tickmode="array", tickvals=(np.arange(lo, hi) + 0.5).tolist(), ticktext=tokens, tickfont=dict(size=10))
+    return ax
+
+def mask_traces(report: MaskReport,     # from `workbench.masks.mask_report`
+                row: int = 0,           # which row of the batch
+                max_cells: int = 128,   # blocks per side at most (the figure never holds more cells)
+                input_ids=None,         # the batch's token ids, for token text where a cell is one token
+                tokenizer=None,         # decodes those ids (else the ids are shown)
+                q_range=None,           # visible query range (an axis range; None: the whole row), clamped into [0, T)
+                k_range=None,           # visible key range, likewise
+                min_gap: int = 2,       # outline an example only when it spans at least this many cells
+                label_tokens: int = 40, # name the tokens on an axis when it shows at most this many
+                ) -> tuple[dict, dict, str, dict]:
+    "Heatmap and outline properties of a mask view, its title and its axes: what `plot_mask` and `MaskExplorer` draw."
     ex = report.examples[row]
     T = len(ex)
-    e = block_edges(T, max_cells)
-    allowed, leak = report.block_fractions(e, e, row)
-    z = np.where(leak > 0, 1.1 + 0.9 * leak, allowed).astype(np.float32)
-    n = len(e) - 1
-    heat = dict(z=z, x=e.astype(np.int32), y=e.astype(np.int32), zmin=0, zmax=2, colorscale=MASK_COLORSCALE,
-                hovertemplate="%{text}<extra></extra>",
-                colorbar=dict(tickvals=[0, 1, 2], ticktext=["masked", "allowed", "leak"], len=0.6))
-    if n == T:  # one pair per cell: name the tokens and the status
-        tok = _token_text(np.asarray(input_ids[row]), tokenizer) if input_ids is not None else [""] * T
-        qs = [f"query {q} {tok[q]} (example {ex[q]})" for q in range(T)]
-        ks = [f"key {k} {tok[k]} (example {ex[k]})" for k in range(T)]
-        status = STATUS[np.where(leak > 0, 2, (allowed > 0).astype(int))].tolist()
-        heat["text"] = [[f"{qs[q]}<br>{ks[k]}<br>{st[k]}" for k in range(T)] for q, st in enumerate(status)]
-    else:  # a block per cell: its token and example ranges and what share of its pairs is allowed / leaked
-        span = lambda a, b: f"{a}" if a == b else f"{a}-{b}"
-        first, last = e[:-1], e[1:] - 1
-        qs = [f"q {a}-{b} ex {span(ex[a], ex[b])}<br>" for a, b in zip(first, last)]
-        ks = [f"k {a}-{b} ex {span(ex[a], ex[b])}<br>" for a, b in zip(first, last)]
-        al, lk = np.round(100 * allowed).astype(int).tolist(), np.round(100 * leak).astype(int).tolist()
-        share = lambda a, l: (f"leak {l}% " if l else "") + (f"allowed {a}%" if a or not l else "")
-        heat["text"] = [[q + ks[k] + (share(a[k], l[k]) if a[k] or l[k] else "masked") for k in range(n)]
-                        for q, a, l in zip(qs, al, lk)]
-    starts = np.flatnonzero(np.diff(ex) != 0) + 1
-    xs = np.concatenate([np.repeat(starts, 3).astype(float), np.tile([0, T, np.nan], len(starts))])
-    ys = np.concatenate([np.tile([0, T, np.nan], len(starts)), np.repeat(starts, 3).astype(float)])
-    xs[2:3 * len(starts):3] = np.nan
-    lines = dict(x=xs, y=ys)
+    (q0, q1), (k0, k1) = clamp_range(q_range, T), clamp_range(k_range, T)
+    eq, ek = view_edges(q0, q1, max_cells), view_edges(k0, k1, max_cells)
+    code, n = mask_blocks(report, eq, ek, row)
+    ids = None if input_ids is None else np.asarray(input_ids[row])
+    text = lambda lo, hi, edges: (readable_tokens(ids[lo:hi], tokenizer) if ids is not None else [""] * (hi - lo)) \
+        if len(edges) - 1 == hi - lo else None  # token text only where a cell is one token
+    escape = lambda ts: ts and [t.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;") for t in ts]  # plotly reads tags
+    tq, tk = escape(text(q0, q1, eq)), escape(text(k0, k1, ek))
+    qs, ks = _axis_labels("query", eq, ex, tq or []), _axis_labels("key", ek, ex, tk or [])
+    status = np.array(CATEGORIES)[code]
+    if n["cells"].max() > 1:  # a block: add the share of its pairs in each category present (strings built by numpy)
+        shares = ""
+        for k in ("leak", "allowed", "padding"):
+            p = np.round(100 * n[k] / n["cells"]).astype(int)
+            shares = np.strings.add(shares, np.where(p > 0, np.strings.add(f"{k} ", np.strings.add(p.astype(str), "% ")), ""))
+        shares = np.strings.strip(shares)
+        status = np.where(shares != "", np.strings.add(status, np.strings.add(" (", np.strings.add(shares, ")"))), status)
+    cell = np.strings.add(np.strings.add(np.array(qs)[:, None], "<br>"), np.strings.add(np.array(ks)[None, :], "<br>"))
+    heat = dict(z=code, x=ek.astype(np.int32), y=eq.astype(np.int32), zmin=-0.5, zmax=3.5, colorscale=MASK_COLORSCALE,
+                hovertemplate="%{text}<extra></extra>", text=np.strings.add(cell, status),
+                colorbar=dict(tickvals=list(range(len(CATEGORIES))), ticktext=list(CATEGORIES), len=0.6))
+    bq, bk = int(eq[1] - eq[0]), int(ek[1] - ek[0])
+    lines = example_outlines(ex, (q0, q1), (k0, k1), min_gap * max(bq, bk))
     s = report.stats()
-    title = (f"{s['cross-example pairs']:,} cross-example pairs ({s['contamination share']:.1%} of allowed) · "
-             f"{T:,} tokens{'' if n == T else f', {e[1] - e[0]}-token blocks'}<br><sub>{report.effective.path}</sub>")
-    return heat, lines, title
+    zoomed = (q0, q1, k0, k1) != (0, T, 0, T)
+    blocks = "one token per cell" if bq == bk == 1 else f"{bq}x{bk}-token blocks"
+    title = (f"{s['cross-example pairs']:,} cross-example pairs ({s['contamination share']:.1%} of allowed) · {T:,} tokens"
+             f"<br><sub>{blocks}" + (f" · queries {q0}-{q1 - 1}, keys {k0}-{k1 - 1}" if zoomed else "") +
+             f"<br>{report.effective.path}</sub>")
+    axes = dict(xaxis=_axis(k0, k1, False, tk, label_tokens), yaxis=_axis(q0, q1, True, tq, label_tokens))
+    return heat, lines, title, axes
 
 def mask_layout(title: str, size: int = 560) -> dict:
     "Layout of a mask view (passed to the figure's constructor, which Voila requires)."
     axis = dict(showgrid=False, zeroline=False, constrain="domain")
     return dict(title=dict(text=title, font=dict(size=13)), template=TEMPLATE, width=size + 40, height=size,
-                xaxis=dict(title="key token", **axis), margin=dict(t=90, l=60, r=20, b=50),
+                xaxis=dict(title="key token", **axis), margin=dict(t=100, l=60, r=20, b=50),
                 yaxis=dict(title="query token", autorange="reversed", scaleanchor="x", **axis))
 
-def plot_mask(report: MaskReport, row: int = 0, max_cells: int = 128, input_ids=None, tokenizer=None,
-              title: str | None = None) -> go.Figure:
-    "Heatmap of the mask a model applies to one row: allowed, masked and leaked (cross-example) pairs, with example boundaries."
-    heat, lines, auto = mask_traces(report, row, max_cells, input_ids, tokenizer)
-    return go.Figure([go.Heatmap(**heat), go.Scatter(**lines, mode="lines", line=dict(color="rgba(0,0,0,0.6)", width=1),
-                                                     hoverinfo="skip", showlegend=False)],
-                     layout=mask_layout(f"{title}<br>{auto}" if title else auto))
+OUTLINE = dict(mode="lines", hoverinfo="skip", showlegend=False, line=dict(color="rgba(0,0,0,0.45)", width=1))
+
+def plot_mask(report: MaskReport,     # from `workbench.masks.mask_report`, for any batch
+              row: int = 0,           # which row of the batch
+              max_cells: int = 128,   # blocks per side at most
+              input_ids=None,         # the batch's token ids, for token text where a cell is one token
+              tokenizer=None,         # decodes those ids (else the ids are shown)
+              title: str | None = None,  # a first title line above the computed one
+              q_range=None,           # visible query range (None: the whole row), clamped into [0, T)
+              k_range=None,           # visible key range, likewise
+              ) -> go.Figure:
+    "Heatmap of the mask a model applies to one row (allowed, masked, leak, padding), with the examples outlined."
+    heat, lines, auto, axes = mask_traces(report, row, max_cells, input_ids, tokenizer, q_range, k_range)
+    layout = mask_layout(f"{title}<br>{auto}" if title else auto)
+    for name, ax in axes.items(): layout[name] = {**layout[name], **ax}
+    return go.Figure([go.Heatmap(**heat), go.Scatter(**lines, **OUTLINE)], layout=layout)
 
 # %% ../nbs/03_viz.ipynb #5d243c9a
 def plot_attention(model,                 # a transformers causal LM
@@ -273,41 +384,166 @@ def _sample(name: str) -> list[dict]:
     "A shipped sample, tokenized once per process."
     return load_sample(name)
 
+# %% ../nbs/03_viz.ipynb #81d769a2
+def explorer_data(data,              # a `datasets.Dataset`, a list of feature dicts, or one collated batch (a dict of [B, T])
+                  vocab_size: int | None = None,  # every id must lie below it (the tokenizer's or the model's), when known
+                  ) -> list[dict] | dict:
+    "The user's data as the explorer takes it: features (batched by the chosen strategy) or one batch, drawn as given."
+    import datasets
+    if isinstance(data, datasets.IterableDataset):
+        raise TypeError("an IterableDataset cannot be indexed by step: materialise a part of it, e.g. "
+                        "datasets.Dataset.from_list(list(ds.take(1000)))")
+    if isinstance(data, datasets.Dataset):
+        if "input_ids" not in data.column_names:
+            raise ValueError(f"the dataset has no 'input_ids' column (columns: {data.column_names}): tokenize it first, "
+                             f"e.g. ds.map(lambda r: tokenizer(r['text']))")
+        if len(data) == 0: raise ValueError("the dataset is empty: pass at least one example")
+        lengths_of(data)  # raises on a column of text, nulls or batched rows
+        data = data.select_columns([c for c in data.column_names if c in ("input_ids", "labels", *LOSS_MASKS)]).to_list()
+    if isinstance(data, (list, tuple)):
+        if len(data) == 0: raise ValueError("data is an empty list: pass at least one tokenized example")
+        ids = flatten_features(list(data)).input_ids  # names the example and the fix on any bad feature
+    elif isinstance(data, Mapping):
+        data = _explorer_batch(data)
+        ids = data["input_ids"].reshape(-1).numpy()
+    else:
+        raise TypeError(f"data is a {type(data).__name__}: pass a datasets.Dataset, a list of feature dicts with "
+                        f"input_ids, or one collated batch (a dict with input_ids [B, T])")
+    if ids.min() < 0: raise ValueError(f"data holds a negative token id ({int(ids.min())}): ids must be vocabulary indices")
+    if vocab_size is not None and ids.max() >= vocab_size:
+        raise ValueError(f"data holds token id {int(ids.max())}, but the vocabulary has {vocab_size} entries: pass the "
+                         f"tokenizer (and model) the data was tokenized with")
+    return list(data) if isinstance(data, (list, tuple)) else data
+
+def _explorer_batch(batch) -> dict:
+    "One collated batch with its per-token tensors checked against input_ids [B, T]."
+    if "input_ids" not in batch: raise ValueError(f"the batch has no input_ids (keys: {sorted(batch)}): collate tokenized examples")
+    try: ids = torch.as_tensor(batch["input_ids"])
+    except (ValueError, TypeError):
+        raise ValueError("the batch's input_ids are ragged: pass the examples as a list of feature dicts instead") from None
+    if ids.ndim != 2:
+        raise ValueError(f"the batch's input_ids have shape {list(ids.shape)}; one batch is [B, T]: add a batch "
+                         f"dimension (ids[None]) or pass a list of feature dicts")
+    if ids.is_floating_point(): raise ValueError(f"the batch's input_ids are {ids.dtype}: cast token ids to int64")
+    if ids.numel() == 0: raise ValueError(f"the batch's input_ids are empty ({list(ids.shape)}): collate at least one token")
+    out = {**batch, "input_ids": ids}
+    for k in ("attention_mask", "position_ids", "labels", "seq_idx"):
+        if batch.get(k) is None: continue
+        out[k] = torch.as_tensor(batch[k])
+        if out[k].shape != ids.shape:
+            raise ValueError(f"the batch's {k} has shape {list(out[k].shape)} but input_ids has {list(ids.shape)}: "
+                             f"every per-token tensor must be [B, T]")
+    return out
+
+def explorer_model(model) -> tuple[str, object, Callable]:
+    "`(name, config, load)` of a model directory (with config.json) or a model object; `load()` gives the model."
+    from transformers import AutoConfig, AutoModelForCausalLM
+    if isinstance(model, (str, Path)):
+        path = Path(model)
+        if not (path / "config.json").is_file():
+            why = "has no config.json" if path.is_dir() else "is not a directory"
+            raise ValueError(f"{path} {why}: pass the folder written by model.save_pretrained(folder), or the model object")
+        return path.name, AutoConfig.from_pretrained(path), lambda: AutoModelForCausalLM.from_pretrained(path).eval()
+    if not hasattr(getattr(model, "config", None), "to_dict"):
+        raise TypeError(f"model is a {type(model).__name__}: pass a transformers model (with .config) or the folder "
+                        f"written by its save_pretrained")
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a PEFT wrapper is named by its model
+    return type(base).__name__, model.config, lambda: model
+
+def attention_kinds(config) -> dict[str, int | None]:
+    "The masks a model's layers use, named: `full attention` (window None) and/or `sliding window W`."
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None) or [
+        "sliding_attention" if window and getattr(config, "use_sliding_window", True) is not False else "full_attention"]
+    kinds = {"full attention" if t == "full_attention" else f"sliding window {window}": None if t == "full_attention" else window
+             for t in dict.fromkeys(types) if t in ("full_attention", "sliding_attention")}
+    if not kinds: raise ValueError(f"the model's layers are {sorted(set(types))}: the explorer draws full and sliding-window attention only")
+    return kinds
+
+def explorer_tokenizer(tokenizer, model=None):
+    "A tokenizer object, one loaded from a folder, the model folder's own when `tokenizer` is None, or None."
+    from transformers import AutoTokenizer
+    if tokenizer is None and isinstance(model, (str, Path)) and any(
+            (Path(model) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        tokenizer = model
+    if isinstance(tokenizer, (str, Path)):
+        try: return AutoTokenizer.from_pretrained(str(tokenizer))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"no tokenizer could be loaded from {tokenizer}: pass the folder written by "
+                             f"tokenizer.save_pretrained(folder), or the tokenizer object ({e})") from None
+    if tokenizer is not None and not all(hasattr(tokenizer, a) for a in ("convert_ids_to_tokens", "batch_decode")):
+        raise TypeError(f"tokenizer is a {type(tokenizer).__name__}: pass a transformers tokenizer or its folder")
+    return tokenizer
+
 # %% ../nbs/03_viz.ipynb #257bf650
-FAMILIES = ("llama", "mistral")  # tiny model families offered by the explorer (mistral: sliding window 16)
+FAMILIES = ("llama", "mistral")  # shipped tiny model families offered by the explorer (mistral: sliding window 16)
+
+def _vocab(tokenizer=None, config=None) -> int | None:
+    "The smallest vocabulary ids must fit: the tokenizer's and the model's (its text config's)."
+    sizes = [len(tokenizer)] if tokenizer is not None else []
+    if config is not None and getattr(config.get_text_config(), "vocab_size", None): sizes.append(config.get_text_config().vocab_size)
+    return min(sizes) if sizes else None
+
+@lru_cache(maxsize=None)
+def _shipped_tokenizer(): return load_tokenizer()
 
 class MaskExplorer:
-    "Interactive true-mask explorer: dataset, strategy, size, implementation and traps -> mask, layout and stats."
-    def __init__(self, sample: str = "flan_like",        # shipped dataset
+    "Interactive true-mask explorer over shipped samples or your own model, tokenizer and data; zoom to single tokens."
+    def __init__(self, sample: str = "flan_like",        # shipped dataset shown first (when `data` is not given)
                  strategy: str = "flattening",           # one of STRATEGIES
                  size: int = 8,                          # examples per batch, or token budget for token-budget packing
-                 attn_implementation: str = "sdpa",      # implementation whose mask is drawn
-                 family: str = "llama",                  # tiny model family (sets the sliding window)
+                 attn_implementation: str | None = None, # implementation whose mask is drawn (None: the model's, else sdpa)
+                 family: str | None = None,              # model shown first: a shipped family or your model's name (None: yours, else llama)
                  use_cache: bool = False,                # trap 1: a cache switches packed detection off
                  ones_mask: bool = False,                # trap 2: an all-ones attention_mask
-                 max_cells: int = 128,                   # mask blocks per side
+                 max_cells: int = 128,                   # mask cells per side at most, at every zoom
                  leak_tokens: int = 1024,                # measure leaked attention mass up to this many tokens (eager is O(T^2))
+                 data=None,                              # your data: a datasets.Dataset, a list of feature dicts, or one batch
+                 tokenizer=None,                         # your tokenizer (object or folder) for your data's token text
+                 model=None,                             # your model: a folder with config.json, or a model object
+                 data_name: str = "your data",           # how your data is named in the dataset menu
                  ):
         import ipywidgets as W
-        from workbench.masks import IMPLEMENTATIONS
         self.max_cells, self.leak_tokens, self._plans, self._models, self._quiet = max_cells, leak_tokens, {}, {}, False
+        self._view = None  # (q0, q1, k0, k1) shown, None for the whole row
+        self._models_by_label, self._loaders = {}, {f: (lambda f=f: tiny_model(f)) for f in FAMILIES}
+        for f in FAMILIES:
+            for kind, window in attention_kinds(tiny_config(f)).items(): self._models_by_label[f"{f} ({kind})"] = (f, window)
+        user_config, self._user_model = None, None
+        if model is not None:
+            name, user_config, load = explorer_model(model)
+            name = f"{name} (yours)" if name in FAMILIES else name
+            self._user_model, self._loaders[name] = name, load
+            self._models_by_label = {f"{name} ({k})": (name, w) for k, w in attention_kinds(user_config).items()} | self._models_by_label
+        tok = explorer_tokenizer(tokenizer, model)
+        self._sources = {s: (None, _shipped_tokenizer) for s in SAMPLES}  # name -> (data or None for shipped, tokenizer getter)
+        if data is not None:
+            if data_name in SAMPLES: raise ValueError(f"data_name {data_name!r} is a shipped sample's name: choose another")
+            self._sources = {data_name: (explorer_data(data, _vocab(tok, user_config)), lambda: tok)} | self._sources
+        labels = list(self._models_by_label)
+        family = family or (self._user_model or "llama")
+        chosen = [l for l in labels if l == family or l.startswith(f"{family} (")]
+        if not chosen: raise ValueError(f"unknown model {family!r}; choose one of {labels}")
+        own = getattr(user_config, "_attn_implementation", None)
+        attn = attn_implementation or (own if own in IMPLEMENTATIONS else "sdpa")
         c = self.controls = dict(
-            sample=W.Dropdown(options=SAMPLES, value=sample, description="dataset"),
+            sample=W.Dropdown(options=list(self._sources), value=data_name if data is not None else sample, description="dataset"),
             strategy=W.Dropdown(options=STRATEGIES, value=strategy, description="strategy"),
             size=W.BoundedIntText(value=size, min=1, max=1 << 17, description=self._size_label(strategy)),
             step=W.BoundedIntText(value=0, min=0, max=1 << 20, description="step"),
             row=W.BoundedIntText(value=0, min=0, max=0, description="row"),
-            family=W.Dropdown(options=FAMILIES, value=family, description="model"),
-            attn_implementation=W.Dropdown(options=IMPLEMENTATIONS, value=attn_implementation, description="attention"),
+            family=W.Dropdown(options=labels, value=chosen[0], description="model"),
+            attn_implementation=W.Dropdown(options=IMPLEMENTATIONS, value=attn, description="attention"),
             use_cache=W.Checkbox(value=use_cache, description="use_cache (trap 1)", indent=False),
             ones_mask=W.Checkbox(value=ones_mask, description="all-ones attention_mask (trap 2)", indent=False))
         for name, w in c.items(): w.add_class(f"wb-{name}")
         self.stats = W.HTML().add_class("wb-stats")
-        heat, lines, title, layout_grid = self._compute()
-        self.mask_fig = go.FigureWidget([go.Heatmap(**heat), go.Scatter(**lines, mode="lines", hoverinfo="skip",
-                                         showlegend=False, line=dict(color="rgba(0,0,0,0.6)", width=1))],
-                                        layout=mask_layout(title, size=520))
-        self.layout_fig = go.FigureWidget([_bar(layout_grid)], layout=dict(
+        self._compute()
+        heat, lines, title, axes = self._traces()
+        layout = mask_layout(title, size=520)
+        for k, ax in axes.items(): layout[k] = {**layout[k], **ax}
+        self.mask_fig = go.FigureWidget([go.Heatmap(**heat), go.Scatter(**lines, **OUTLINE)], layout=layout)
+        self.layout_fig = go.FigureWidget([_bar(self.report.examples)], layout=dict(
             title=dict(text=self._layout_title(), font=dict(size=13)), template=TEMPLATE, height=300, width=460,
             bargap=0, barmode="overlay", margin=dict(t=60, l=50, r=20, b=40),
             xaxis=dict(title="token position"), yaxis=dict(title="row", autorange="reversed")))
@@ -319,6 +555,8 @@ class MaskExplorer:
                                       W.VBox([box(self.layout_fig, "wb-layout", f"{self.layout_fig.layout.width}px"), self.stats])])
                               ]).add_class("wb-explorer")
         for w in c.values(): w.observe(self._changed, names="value")
+        self.mask_fig.layout.on_change(self._relayout, "xaxis.range", "yaxis.range")  # zooms and pans in the browser
+        self.mask_fig.layout.on_change(self._autorange, "xaxis.autorange", "yaxis.autorange")  # "reset axes"
 
     @staticmethod
     def _size_label(strategy): return "token budget" if strategy == "token-budget packing" else "batch size"
@@ -326,37 +564,53 @@ class MaskExplorer:
     @property
     def state(self) -> dict: return {k: w.value for k, w in self.controls.items()}
 
+    def _source(self):
+        data, tok = self._sources[self.state["sample"]]
+        return (_sample(self.state["sample"]) if data is None else data), tok()
+
     def _batch(self) -> tuple[dict, np.ndarray]:
         s = self.state
-        feats = _sample(s["sample"])
-        plan = None
-        if s["strategy"] == "token-budget packing":
-            key = (s["sample"], s["size"])
-            if key not in self._plans:
-                self._plans[key] = plan_bins([len(f["input_ids"]) for f in feats], capacity=s["size"], overlong="truncate")
-            plan = self._plans[key]
-        batch, lengths = strategy_batch(feats, s["strategy"], s["size"], s["step"], plan)
+        feats, _ = self._source()
+        if isinstance(feats, dict): batch, lengths = feats, None  # one batch of yours: drawn as given
+        else:
+            plan = None
+            if s["strategy"] == "token-budget packing":
+                key = (s["sample"], s["size"])
+                if key not in self._plans:
+                    self._plans[key] = plan_bins([len(f["input_ids"]) for f in feats], capacity=s["size"], overlong="truncate")
+                plan = self._plans[key]
+            batch, lengths = strategy_batch(feats, s["strategy"], s["size"], s["step"], plan)
         if s["ones_mask"] and "attention_mask" not in batch:
             batch = {**batch, "attention_mask": torch.ones_like(batch["input_ids"])}
         return batch, lengths
 
     def _compute(self):
+        "Build the batch and its mask report for the controls; the view goes back to the whole row."
         s = self.state
         t0 = time.perf_counter()
-        batch, lengths = self._batch()
-        window = 16 if s["family"] == "mistral" else None  # the shipped tiny Mistral's config.sliding_window
-        self.batch, self.lengths = batch, lengths
-        self.report = mask_report(batch, lengths, s["attn_implementation"], s["use_cache"], window)
+        self.batch, self.lengths = self._batch()
+        one_batch = isinstance(self._source()[0], dict)
+        for k in ("strategy", "size", "step"): self.controls[k].disabled = one_batch  # a batch of yours has its own layout
+        window = self._models_by_label[s["family"]][1]
+        self.report = mask_report(self.batch, self.lengths, s["attn_implementation"], s["use_cache"], window)
         rows = self.report.examples.shape[0]
         self._quiet = True  # clamping the row control must not start a second redraw
         try: self.controls["row"].max = rows - 1
         finally: self._quiet = False
-        row = min(s["row"], rows - 1)
-        heat, lines, title = mask_traces(self.report, row, self.max_cells)
+        self._view = None
         self.compute_ms = 1000 * (time.perf_counter() - t0)
-        return heat, lines, title, self.report.examples
 
-    def _layout_title(self) -> str: return layout_title(self.state["strategy"], self.report.examples)
+    @property
+    def row(self) -> int: return min(self.state["row"], self.report.examples.shape[0] - 1)
+
+    def _traces(self):
+        q0, q1, k0, k1 = self._view or (None,) * 4
+        return mask_traces(self.report, self.row, self.max_cells, self.batch["input_ids"], self._source()[1],
+                           None if q0 is None else (q0, q1), None if k0 is None else (k0, k1))
+
+    def _layout_title(self) -> str:
+        name = self.state["sample"] if isinstance(self._source()[0], dict) else self.state["strategy"]
+        return layout_title(name, self.report.examples)
 
     def leaked_mass(self) -> str:
         "The measured leaked attention mass, or why it is not measured."
@@ -364,29 +618,62 @@ class MaskExplorer:
         s = self.state
         if s["attn_implementation"] not in SDPA_LIKE: return "not measured (flash kernels return no weights)"
         if self.report.examples.size > self.leak_tokens: return f"not measured (over {self.leak_tokens:,} tokens)"
-        if s["family"] not in self._models: self._models[s["family"]] = tiny_model(s["family"])
-        mass = attention_leakage(self._models[s["family"]], self.batch, self.lengths, s["use_cache"])
+        key = self._models_by_label[s["family"]][0]
+        if key not in self._models: self._models[key] = self._loaders[key]()
+        model = self._models[key]
+        top, vocab = int(self.batch["input_ids"].max()), _vocab(config=model.config)
+        if vocab is not None and top >= vocab: return f"not measured (token id {top} is past the model's vocabulary of {vocab})"
+        mass = attention_leakage(model, self.batch, self.lengths, s["use_cache"])
         return f"{mass.mean():.1%} mean, {mass.max():.1%} worst head"
 
     def _render_stats(self):
         st = self.report.stats()
+        x, y = self.mask_fig.data[0].x, self.mask_fig.data[0].y
         rows = [("real tokens", f"{st['real tokens']:,} of {st['tokens']:,}"), ("padding share", f"{st['padding share']:.1%}"),
                 ("examples", f"{st['examples']}"), ("allowed pairs", f"{st['allowed pairs']:,}"),
                 ("cross-example pairs", f"{st['cross-example pairs']:,}"), ("contamination share", f"{st['contamination share']:.1%}"),
                 ("leaked attention mass", self.leaked_mass()), ("mask path", self.report.effective.path),
+                ("view", f"queries {y[0]}-{y[-1] - 1}, keys {x[0]}-{x[-1] - 1}: {len(y) - 1} x {len(x) - 1} cells"),
                 ("last update", f"{self.compute_ms:.0f} ms to compute")]
         self.stats.value = ("<table class='wb-stats-table'>" +
                             "".join(f"<tr><td><b>{k}</b></td><td data-stat='{k}'>{v}</td></tr>" for k, v in rows) + "</table>")
 
+    def _draw_mask(self):
+        heat, lines, title, axes = self._traces()
+        self._quiet = True  # the ranges set here must not come back as a zoom
+        try:
+            with self.mask_fig.batch_update():
+                self.mask_fig.data[0].update(heat)
+                self.mask_fig.data[1].update(lines)
+                self.mask_fig.layout.title.text = title
+                self.mask_fig.layout.update(axes)
+        finally: self._quiet = False
+
+    def zoom(self, keys=None,     # key (x) axis range in tokens, None for the whole row
+             queries=None,        # query (y) axis range, None for the whole row
+             ):
+        "Show only `queries` x `keys` (clamped into [0, T)); the blocks shrink with the view, down to single tokens."
+        t0 = time.perf_counter()
+        T = self.report.examples.shape[1]
+        view = (*clamp_range(queries, T), *clamp_range(keys, T))
+        if view == (self._view or (0, T, 0, T)): return
+        self._view = None if view == (0, T, 0, T) else view
+        self._draw_mask()
+        self.compute_ms = 1000 * (time.perf_counter() - t0)
+        self._render_stats()
+
+    def _relayout(self, layout, x_range, y_range):
+        if not self._quiet: self.zoom(x_range, y_range)
+
+    def _autorange(self, layout, x_auto, y_auto):
+        if not self._quiet and (x_auto is True or y_auto is True): self.zoom()
+
     def redraw(self):
-        "Recompute the batch and its mask and update both figures and the stats in place."
-        heat, lines, title, grid = self._compute()
-        with self.mask_fig.batch_update():
-            self.mask_fig.data[0].update(heat)
-            self.mask_fig.data[1].update(lines)
-            self.mask_fig.layout.title.text = title
+        "Recompute the batch and its mask and update both figures and the stats in place (the whole row is shown)."
+        self._compute()
+        self._draw_mask()
         with self.layout_fig.batch_update():
-            self.layout_fig.data[0].update(layout_bars(grid))
+            self.layout_fig.data[0].update(layout_bars(self.report.examples))
             self.layout_fig.layout.title.text = self._layout_title()
         self._render_stats()
 

@@ -1,0 +1,206 @@
+"FLOP accounting against torch's counter on real tiny models, the cost-balanced planner, the predictor and plan_layout."
+import json
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from workbench.attention import register as register_varlen
+from workbench.core import cu_seq_lens, restart_positions, tiny_config, tiny_model
+from workbench.cost import (CPU_FLOP_FORMULAS, DEVICES, LAYOUT_LEVERS, Dims, Efficiency, attention_work, calibrate,
+                            calibrate_run, device, hf_blog_table, measured_flops, plan_balanced, plan_layout, predict_step,
+                            step_cost)
+from workbench.memory import Levers, estimate, preset_config
+from workbench.packing import plan_bins, synthetic_lengths
+from workbench.tiling import checkpoint_layers, tile_mlp
+from workbench.ulysses import check_sp
+
+FAMILIES = {"llama": "sdpa", "qwen2": "sdpa", "gemma": "sdpa", "phi": "sdpa", "qwen3": "sdpa", "olmo2": "sdpa",
+            "gemma2": "eager"}  # dense MHA, GQA + biases, MQA, two-matrix MLP, qk-norm, post-norms, sliding + eager
+
+
+def _batch(layout: str, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    if layout == "packed":
+        lens = [150, 33, 1, 90, 64]
+        cu = torch.tensor(cu_seq_lens(lens))
+        ids = torch.randint(0, 8000, (1, sum(lens)), generator=g)
+        return dict(input_ids=ids, labels=ids.clone(), position_ids=torch.tensor(restart_positions(lens))[None],
+                    cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lens), max_length_k=max(lens))
+    ids = torch.randint(0, 8000, (4, 80), generator=g)
+    mask = torch.ones_like(ids); mask[1, 50:] = 0; mask[3, 2:] = 0
+    return dict(input_ids=ids, labels=ids.clone(), attention_mask=mask)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_flops_match_torch_counter(family, checkpointing):
+    "Packed sdpa/eager (the row's square), packed varlen (each document's), padded sdpa: within 1% (in fact exact)."
+    cases = [(FAMILIES[family], "packed"), (FAMILIES[family], "padded")]
+    if family != "gemma2": cases.append((register_varlen(), "packed"))  # gemma2's softcapping is refused by varlen
+    for attn, layout in cases:
+        m = tiny_model(family, attn_implementation=attn).train()
+        if checkpointing: checkpoint_layers(m)
+        batch = _batch(layout)
+        with FlopCounterMode(display=False, custom_mapping=CPU_FLOP_FORMULAS) as counter:
+            m(**batch, use_cache=False).loss.backward()
+        m.zero_grad()
+        ran = counter.get_total_flops()
+        planned = step_cost(m.config, batch, attention=attention_work(attn, "cpu"), levers=Levers(checkpointing=checkpointing))
+        assert abs(planned.total / ran - 1) < 0.01, (family, attn, layout, planned.total, ran)
+        assert planned.total == ran  # exactly, in fact: every matmul is accounted for
+        assert measured_flops(m, batch) == ran  # FlopCount applies the same formulas
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "olmo2"])
+@pytest.mark.parametrize("lv", [Levers(checkpointing=False, tiled_loss=True, loss_chunk=64),
+                                Levers(checkpointing=False, tiled_mlp=True, mlp_chunk=48),
+                                Levers(checkpointing=True, tiled_mlp=True, mlp_chunk=48, tiled_loss=True, loss_chunk=100)],
+                         ids=["tiled_loss", "tiled_mlp", "all"])
+def test_lever_flops(family, lv):
+    "The tiled loss recomputes the logits, the tiled MLP reruns the MLP (whole, even under checkpointing)."
+    m = tiny_model(family).train()
+    if lv.checkpointing: checkpoint_layers(m)
+    if lv.tiled_mlp: tile_mlp(m, lv.mlp_chunk)
+    batch = _batch("packed")
+    ran = measured_flops(m, batch, lv.loss_chunk if lv.tiled_loss else None)
+    assert step_cost(m.config, batch, attention="row", levers=lv).total == ran
+
+
+def test_sequence_parallel_share_and_bytes():
+    cfg = tiny_config("qwen2")
+    one, two = step_cost(cfg, [[64, 64]]), step_cost(cfg, [[64, 64]], sp=2, dp=3, zero_stage=2)
+    assert two.total * 2 == one.total and one.bytes["all-to-all"] == 0
+    d = Dims.of(cfg)
+    assert two.bytes["all-to-all"] == 2 * d.layers * 2 * (128 // 2) * d.head_dim * (2 * d.heads + 2 * d.kv_heads)
+    assert two.bytes["gradient reduction"] == int(5 / 6 * d.params * 2)  # reduce-scatter over 6 ranks
+    assert two.bytes["optimizer (device)"] == 30 * d.params // 6
+
+
+def test_configs_without_optional_fields():
+    phi = tiny_config("phi")
+    assert getattr(phi, "head_dim", None) is None and Dims.of(phi).head_dim == phi.hidden_size // phi.num_attention_heads
+    broken = tiny_config("llama")
+    broken.num_key_value_heads = None  # the model's own code cannot build this: the error says so
+    with pytest.raises(ValueError, match="cannot build a llama model"): Dims.of(broken)
+    with pytest.raises(ValueError, match="mixture of experts"): step_cost(tiny_config("mixtral"), [[8]])
+
+
+def test_bad_inputs():
+    cfg = tiny_config("llama")
+    for kw, msg in [(dict(attention="flash"), "causal"), (dict(sp=0), "positive"), (dict(dp=1.5), "positive"),
+                    (dict(zero_stage=5), "zero_stage"), (dict(dtype_bytes=3), "dtype_bytes")]:
+        with pytest.raises(ValueError, match=msg): step_cost(cfg, [[8]], **kw)
+    for rows, msg in [([], "no rows"), ([[3, -1]], "row 0"), ({"labels": torch.zeros(1, 3)}, "cannot read rows")]:
+        with pytest.raises(ValueError, match=msg): step_cost(cfg, rows)
+    with pytest.raises(ValueError, match="H100 SXM"): device("B200")
+    with pytest.raises(ValueError, match="H100 SXM"): predict_step(cfg, [[8]], "TPU")
+
+
+@pytest.mark.parametrize("mix", ["flan", "long"])
+@pytest.mark.parametrize("dp,accum", [(2, 1), (8, 1), (4, 4)])
+def test_balanced_beats_token_balanced(mix, dp, accum):
+    rng = np.random.default_rng(1)
+    lengths, capacity = ((synthetic_lengths("flan", 20_000), 8192) if mix == "flan" else
+                         (np.r_[synthetic_lengths("flan", 4_000), rng.integers(4096, 32768, 150)], 32768))
+    b = plan_balanced(lengths, capacity, dp, "qwen3-4b", grad_accum=accum)
+    token = plan_bins(lengths, capacity)
+    assert b.cost_imbalance < b.token_imbalance
+    assert abs(b.plan.fill - token.fill) <= 0.005
+    assert b.cost_steps.shape[1:] == (accum, dp) and b.token_steps.shape[1:] == (accum, dp)
+    assert set(b.cost_steps.ravel()) == set(range(len(b.plan.bins)))  # every bin trains
+
+
+def test_planner_edges():
+    with pytest.raises(ValueError, match="no bins"): plan_balanced([], 64, 2, "qwen3-4b")
+    with pytest.raises(ValueError, match="longer than capacity"): plan_balanced([100, 3], 64, 2, "qwen3-4b")
+    assert len(plan_balanced([100, 3], 64, 2, "qwen3-4b", overlong="split").plan.bins) == 2
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="dp must be"): plan_balanced([10], 64, bad, "qwen3-4b")
+    with pytest.raises(ValueError, match="grad_accum"): plan_balanced([10], 64, 2, "qwen3-4b", grad_accum=0)
+    few = plan_balanced([10, 20, 30], 64, 8, "qwen3-4b")  # more ranks than bins: bins served again, as the sampler does
+    assert few.cost_steps.shape == (1, 1, 8) and few.token_steps.shape == (1, 1, 8)
+
+
+def test_blog_points():
+    table, eff = hf_blog_table()
+    assert (table[table.fitted].error.abs() <= 0.10).all() and len(table) == 4
+    assert 0.2 < table.query("sp == 4 and seq_len == 65536").mfu.item() < 0.4  # the published ~28%
+    assert 0 < eff.matmul <= 1 and 0 < eff.memory <= 1
+
+
+def _run_dir(tmp_path, rows, predicted=True):
+    (tmp_path / "config.json").write_text(json.dumps({"predicted": dict(step_s=1, mfu=0.1, flops_per_step=1e9,
+                                                                        peak_flops=1e12, device="x")} if predicted else {}))
+    (tmp_path / "metrics.jsonl").write_text(rows)
+    return tmp_path
+
+
+def test_calibrate_run(tmp_path):
+    # steps of known work: step_s = flops / (peak * 0.25) + 0.1 s; mfu = flops / step_s / peak
+    peak, lines = 1e12, []
+    for step, flops in enumerate([1e11, 1e11, 2e11, 4e11, 3e11]):
+        s = flops / peak / 0.25 + 0.1
+        lines.append(json.dumps(dict(step=step, tokens_per_s=1.0, time=1.0, step_s=s, mfu=flops / s / peak)))
+    eff = calibrate_run(_run_dir(tmp_path, "\n".join(lines) + '\n{"step": 5, "step_s": 0.'))  # a half-written last line
+    assert abs(eff.matmul - 0.25) < 1e-9 and abs(eff.overhead_s - 0.1) < 1e-9
+
+
+def test_calibrate_run_refusals(tmp_path):
+    with pytest.raises(ValueError, match="no rows"): calibrate_run(_run_dir(tmp_path, ""))
+    with pytest.raises(ValueError, match="no rows"):  # rows from before step_s and mfu existed
+        calibrate_run(_run_dir(tmp_path, json.dumps(dict(step=3, tokens_per_s=1.0, time=1.0)) + "\n"))
+    with pytest.raises(ValueError, match="predicted"): calibrate_run(_run_dir(tmp_path, "", predicted=False))
+    with pytest.raises(ValueError, match="no time for compute"):
+        calibrate([({"matmul": 1.0, "attention": 0, "comm": 0, "memory": 0, "overhead": 1.0}, 0.5),
+                   ({"matmul": 2.0, "attention": 0, "comm": 0, "memory": 0, "overhead": 1.0}, 0.4)], ("compute", "overhead"))
+
+
+@pytest.mark.parametrize("model", ["qwen3-4b", "llama-3.1-8b", "tiny-qwen2"])
+def test_plan_layout_never_refused(model):
+    "Over GPU counts and memory sizes: every returned layout fits the memory planner and passes the SP preflight."
+    config = tiny_config("qwen2") if model == "tiny-qwen2" else preset_config(model)
+    lengths = np.r_[synthetic_lengths("flan", 500), [30_000]]
+    for gpus in (1, 2, 4, 8):
+        for memory in (16, 40, 80):
+            layouts = plan_layout(config, lengths, gpus, memory)
+            assert len(layouts.table) + len(layouts.refused) > 0
+            for r in layouts.table.itertuples():
+                check_sp(config, r.sp, world_size=gpus, seq_len=r.row_tokens)
+                assert r.sp * r.dp == gpus
+                assert estimate(config, r.row_tokens, r.sp, r.dp, levers=LAYOUT_LEVERS[r.levers],
+                                optimizer_offload=r.optimizer_offload).gib <= memory
+            if len(layouts.table): assert layouts.table.frontier.any()
+
+
+def test_plan_layout_bad_inputs():
+    for kw, err, msg in [(dict(split="ring"), NotImplementedError, "issue 19"), (dict(split="x"), ValueError, "unknown split"),
+                         (dict(gpus=0), ValueError, "gpus"), (dict(gpu_memory=-1), ValueError, "gpu_memory"),
+                         (dict(lengths=[]), ValueError, "no lengths"), (dict(device="H300"), ValueError, "H100 SXM")]:
+        args = dict(model="qwen3-4b", lengths=[100], gpus=4) | kw
+        with pytest.raises(err, match=msg): plan_layout(**args)
+    with pytest.raises(ValueError, match="mixture of experts"): plan_layout(tiny_config("mixtral"), [100], 1, 80)
+
+
+def test_run_records_prediction(tmp_path):
+    "A real run: config.json['predicted'] as the dashboard contract says, every row with step_s and mfu, calibration from it."
+    from workbench.train import TrainConfig, read_metrics, run
+    out = tmp_path / "run"
+    run(TrainConfig(steps=4, max_tokens=256, out=str(out)))
+    predicted = json.loads((out / "config.json").read_text())["predicted"]
+    assert set(predicted) == {"step_s", "mfu", "flops_per_step", "peak_flops", "device"} and predicted["step_s"] > 0
+    rows = read_metrics(out)
+    assert all(r["step_s"] > 0 and 0 < r["mfu"] < 1 for r in rows)
+    assert calibrate_run(out).matmul > 0
+
+
+def test_unmodelled_runs_get_no_prediction():
+    "LoRA (no weight gradients for frozen weights) and mixtures of experts: no prediction, so no MFU is claimed."
+    from workbench.cost import run_prediction
+    from workbench.train import TrainConfig
+    plan = plan_bins(synthetic_lengths("flan", 32), 2048)
+    assert run_prediction(TrainConfig(), tiny_config("llama"), plan) is not None
+    assert run_prediction(TrainConfig(model="mixtral"), tiny_config("mixtral"), plan) is None
+    lora = TrainConfig(); lora.lora_r = 4  # set after construction: TrainConfig checks that peft is installed
+    assert run_prediction(lora, tiny_config("llama"), plan) is None

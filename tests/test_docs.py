@@ -1,0 +1,166 @@
+"""The documentation site, built as `make docs` builds it and read in headless Chromium with the network cut off; the
+notebooks a reader opens (kernelspec); `make lab` as root on 127.0.0.1 with its token URL printed."""
+import functools
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from html.parser import HTMLParser
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import urldefrag, urlparse
+
+import nbformat
+import pytest
+from nbdev.clean import clean_nb
+
+from browser_utils import CHROMIUM, browser_page, free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+SITE = ROOT / "site"
+NOTEBOOKS = sorted(p for p in (ROOT / "nbs").rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts)
+KERNELSPEC = {"display_name": "python3", "language": "python", "name": "python3"}
+FIGURE_PAGES = ["nbs/03_viz.html", "nbs/tutorials/explore_masks.html"]  # pages known to hold plotly figures
+
+
+class Quiet(SimpleHTTPRequestHandler):
+    def log_message(self, *args): pass
+
+
+@pytest.fixture(scope="module")
+def site():
+    "Build the site exactly as `make docs` does, then serve it on 127.0.0.1 from a thread; yields its base URL."
+    assert Path(CHROMIUM).exists(), "Debian's chromium is missing: apt-get install -y chromium (.ci/run does it)"
+    build = subprocess.run([sys.executable, str(ROOT / "docs" / "build.py")], cwd=ROOT, capture_output=True, text=True,
+                           timeout=1200, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert build.returncode == 0, f"docs/build.py failed:\n{build.stdout[-3000:]}\n{build.stderr[-5000:]}"
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(SITE)))
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try: yield f"http://127.0.0.1:{httpd.server_port}/"
+    finally:
+        httpd.shutdown(); httpd.server_close(); thread.join(10)
+
+
+class Ids(HTMLParser):
+    "Every element id of a page (the targets of `page.html#id` links)."
+    def __init__(self):
+        super().__init__(); self.ids = set()
+    def handle_starttag(self, tag, attrs):
+        self.ids.update(v for k, v in attrs if k in ("id", "name") and v)
+
+
+def page_ids(path: Path) -> set[str]:
+    p = Ids(); p.feed(path.read_text(errors="replace")); return p.ids
+
+
+@pytest.mark.timeout(1500)  # a clean build executes every notebook: 10 min measured on a loaded 2-core box, then ~3 min of pages
+def test_site_reads_offline_in_chromium(site):
+    "Every page loads with no console error and no request off 127.0.0.1; every figure draws; no internal link is broken."
+    pages = sorted(str(p.relative_to(SITE)) for p in SITE.rglob("*.html") if p.name != "404.html")
+    for rel in ["index.html", *FIGURE_PAGES, "api/workbench.packing.html"]:
+        assert rel in pages, f"{rel} is missing from the site: {pages}"
+    src = ROOT / ".docs-build" / "src"
+    for nb in NOTEBOOKS:  # every notebook has its page, and nothing a page cannot draw was left in it
+        if nb.name.startswith("_"): continue
+        rel = nb.relative_to(ROOT)
+        assert str(rel.with_suffix(".html")) in pages, f"{rel} has no page"
+        text = (src / rel).read_text()
+        assert "application/vnd.plotly.v1+json" not in text and "widget-view+json" not in text, f"{rel}: an undrawn figure"
+    problems, visited = [], {}
+    with browser_page() as page:
+        refused = []
+        page.route("**/*", lambda route: route.continue_() if route.request.url.startswith((site, "data:"))
+                   else (refused.append(route.request.url), route.abort()))
+        for rel in pages:
+            errors = []
+            on_console = lambda m: errors.append(m.text) if m.type == "error" else None
+            on_error = lambda e: errors.append(str(e))
+            page.on("console", on_console); page.on("pageerror", on_error)
+            page.goto(site + rel, wait_until="load")
+            page.wait_for_timeout(300)  # MathJax and plotly draw just after load
+            figures = page.eval_on_selector_all(".plotly-graph-div", "els => els.map(e => !!e.querySelector('.main-svg'))")
+            visited[rel] = page.eval_on_selector_all("a[href]", "els => els.map(e => e.href)")
+            page.remove_listener("console", on_console); page.remove_listener("pageerror", on_error)
+            problems += [f"{rel}: console error: {e}" for e in errors]
+            problems += [f"{rel}: asked the network for {u}" for u in refused]; refused.clear()
+            if not all(figures): problems.append(f"{rel}: {figures.count(False)} of {len(figures)} figures did not draw")
+            if rel in FIGURE_PAGES and not figures: problems.append(f"{rel}: no figure at all")
+    for rel, links in visited.items():
+        for url in links:
+            if not url.startswith(site): continue
+            target, anchor = urldefrag(url)
+            path = SITE / urlparse(target).path.lstrip("/")
+            if path.is_dir(): path = path / "index.html"
+            if not path.is_file(): problems.append(f"{rel}: broken link {url}")
+            elif anchor and path.suffix == ".html" and anchor not in page_ids(path):
+                problems.append(f"{rel}: link {url} names no element of its page")
+    assert not problems, "\n".join(sorted(set(problems)))
+    with browser_page() as page:  # the search box finds an API name, on its API page
+        page.goto(site + "index.html", wait_until="load")
+        box = page.locator("input.md-search__input")
+        box.click(); box.fill("FlatteningCollator")
+        page.wait_for_function("""() => [...document.querySelectorAll('.md-search-result__item a')].some(
+            a => a.href.includes('api/workbench.packing.html') && a.href.endsWith('#flatteningcollator'))""", timeout=15000)
+    index = json.loads((SITE / "search" / "search_index.json").read_text())
+    assert any(d["location"].startswith("api/workbench.packing.html#flatteningcollator") for d in index["docs"])
+
+
+def test_every_notebook_has_a_kernelspec_that_nbdev_clean_keeps():
+    "JupyterLab opens each notebook with its kernel (no kernel prompt, no autosave rewriting a tracked file)."
+    assert NOTEBOOKS
+    for path in NOTEBOOKS:
+        nb = json.loads(path.read_text())
+        assert nb["metadata"].get("kernelspec") == KERNELSPEC, f"{path.relative_to(ROOT)}: kernelspec {nb['metadata'].get('kernelspec')}"
+        clean_nb(nb)
+        assert nb["metadata"]["kernelspec"] == KERNELSPEC, f"nbdev_clean changes the kernelspec of {path.name}"
+
+
+def make_lab(*args) -> list[str]:
+    "`make lab` against this interpreter's environment (its install stamp taken as up to date)."
+    venv = Path(sys.prefix)
+    return ["make", "-C", str(ROOT), "lab", f"VENV={venv}", "-o", str(venv / ".installed"), *args]
+
+
+def test_make_lab_command_line():
+    "127.0.0.1 and port 8888 by default, both overridable; --allow-root exactly when running as root."
+    out = subprocess.run(make_lab("-n"), capture_output=True, text=True, timeout=30, check=True).stdout
+    assert "--ServerApp.ip=127.0.0.1 --ServerApp.port=8888" in out, out
+    assert ("--allow-root" in out) == (os.geteuid() == 0), out
+    out = subprocess.run(make_lab("-n", "IP=0.0.0.0", "PORT=9000"), capture_output=True, text=True, timeout=30).stdout
+    assert "--ServerApp.ip=0.0.0.0 --ServerApp.port=9000" in out, out
+
+
+def test_make_lab_starts_and_prints_its_token_url(tmp_path):
+    "The real `make lab` (as root here when the suite runs as root): it serves 127.0.0.1 and prints a URL that opens it."
+    port = free_port()
+    env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"), "JUPYTER_CONFIG_DIR": str(tmp_path / "config")}
+    proc = subprocess.Popen(make_lab(f"PORT={port}"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=env, start_new_session=True)
+    lines, url = [], None
+    try:
+        reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+        reader.start()
+        deadline = time.monotonic() + 90
+        while url is None and time.monotonic() < deadline and proc.poll() is None:
+            found = re.search(rf"http://127\.0\.0\.1:{port}/lab\?token=(\w+)", "".join(lines))
+            url = found and found[0]
+            time.sleep(0.3)
+        assert url, f"no token URL printed:\n{''.join(lines)[-3000:]}"
+        token = url.split("token=")[1]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status?token={token}", timeout=10) as r:
+            assert r.status == 200
+        with pytest.raises(urllib.error.HTTPError) as denied:  # the token is what guards it
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status", timeout=10)
+        assert denied.value.code == 403
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try: proc.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL); proc.wait(5)
