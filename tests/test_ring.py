@@ -7,6 +7,7 @@ the dispatcher (ring sends and Ulysses all-to-alls) equal `comm_elements`; the b
 2 processes each train with Ulysses inside each node and the ring across them. The rest needs no process.
 """
 import json
+import re
 import os
 import signal
 import subprocess
@@ -228,3 +229,30 @@ def test_two_torchrun_nodes_ulysses_inside_ring_across_equal_one_process(tmp_pat
     ref = _one_thread(ring_losses, two_heads, rows(3))["losses"]
     assert got["world"] == 4 and len(got["losses"]) == 3
     assert max(abs(a - b) for a, b in zip(got["losses"], ref)) <= 1e-6, (got["losses"], ref)
+
+
+# ---------------------------------------------------------------- workbench.train: --ring
+
+def test_train_hybrid_run_equals_one_process_and_bad_flags_are_refused(tmp_path, capsys):
+    from workbench.train import TrainConfig, _config, _parser, run
+    one = run(TrainConfig(model="qwen2", steps=2, max_tokens=256, out=str(tmp_path / "one")))
+    hybrid = run(TrainConfig(model="qwen2", sp=2, ring=2, steps=2, max_tokens=256, out=str(tmp_path / "hybrid")))
+    assert len(one) == len(hybrid) == 2
+    assert max(abs(a - b) for a, b in zip(one, hybrid)) <= 1e-6, (one, hybrid)
+    metrics = [json.loads(l) for l in (tmp_path / "hybrid" / "metrics.jsonl").read_text().splitlines()]
+    assert {m["rank"] for m in metrics} == {0, 1, 2, 3}
+    for step in (0, 1):  # every real token is on exactly one rank (a plan's shards, padding excluded)
+        assert len({m["trained"] for m in metrics if m["step"] == step}) == 1
+    saved = json.loads((tmp_path / "hybrid" / "config.json").read_text())
+    assert saved["ring"] == 2 and saved["expected_peak_bytes"] is None and "predicted" not in saved  # not modelled: not claimed
+    assert TrainConfig(sp=2, ring=2, dp=2).world == 8
+    for bad, words in ((dict(ring=2, loss_chunk=64), "ring (--ring) > 1"), (dict(ring=2, attn="eager"), "ring (--ring) > 1"),
+                       (dict(ring=2, shard=True), "ring (--ring) > 1"), (dict(ring=0), "ring (--ring) must be an integer >= 1")):
+        with pytest.raises(ValueError, match=re.escape(words)): TrainConfig(**bad)
+    p = _parser()
+    assert _config(p, p.parse_args(["--sp", "2", "--ring", "2", "--nproc", "8"]), 1).dp == 2
+    with pytest.raises(SystemExit): _config(p, p.parse_args(["--sp", "2", "--ring", "2", "--nproc", "6"]), 1)
+    assert "not a multiple of --sp x --ring = 2 x 2 = 4" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"ulysses=8 does not suit.*layouts of SP=16 that work: \[\(1, 16\), \(2, 8\), \(4, 4\)\]"):
+        run(TrainConfig(model="qwen2", sp=8, ring=2, steps=1, out=str(tmp_path / "bad")))  # refused before any fork
+    assert not (tmp_path / "bad").exists()
