@@ -256,3 +256,18 @@ def test_train_hybrid_run_equals_one_process_and_bad_flags_are_refused(tmp_path,
     with pytest.raises(ValueError, match=r"ulysses=8 does not suit.*layouts of SP=16 that work: \[\(1, 16\), \(2, 8\), \(4, 4\)\]"):
         run(TrainConfig(model="qwen2", sp=8, ring=2, steps=1, out=str(tmp_path / "bad")))  # refused before any fork
     assert not (tmp_path / "bad").exists()
+
+
+def test_launch_preflight_accepts_the_hybrid_split_and_names_bad_ones():
+    from workbench.launch import Layout, preflight
+    cfg = tiny_config("llama", **TWO_HEADS)
+    assert repr(Layout(8, sp_size=2, cpu=True, ring=2)) == "8 CPU processes (gloo), DP=2 x SP=2 x ring=2"
+    assert repr(Layout(4, sp_size=2, cpu=True)) == "4 CPU processes (gloo), DP=2 x SP=2"  # without a ring: as before
+    preflight(Layout(4, sp_size=2, cpu=True, ring=2), free_port(), model_config=cfg)   # Ulysses 2 x ring 2: fine
+    preflight(Layout(4, sp_size=1, cpu=True, ring=4), free_port(), model_config=cfg)   # ring alone: no head limit
+    with pytest.raises(ValueError, match="more than the 2 attention heads"):
+        preflight(Layout(4, sp_size=4, cpu=True), free_port(), model_config=cfg)         # Ulysses alone cannot
+    with pytest.raises(ValueError, match=r"ulysses=4 does not suit.*work: \[\(1, 8\), \(2, 4\)\]"):
+        preflight(Layout(8, sp_size=4, cpu=True, ring=2), free_port(), model_config=cfg)
+    for n, sp, ring in ((6, 2, 2), (4, 2, 0)):
+        with pytest.raises(ValueError, match="must divide num_processes"): Layout(n, sp_size=sp, cpu=True, ring=ring)

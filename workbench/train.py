@@ -673,7 +673,7 @@ def run(cfg: TrainConfig) -> list[float]:
     preflight_run(cfg)
     print(memory_readout(cfg)[1])
     run_device()  # measured once here (cached), so that every forked rank divides by the same peak
-    results = launch(train_rank, cfg, num_processes=cfg.world, sp_size=cfg.sp, model_config=model_config(cfg),
+    results = launch(train_rank, cfg, num_processes=cfg.world, sp_size=cfg.sp, ring=cfg.ring, model_config=model_config(cfg),
                      timeout_s=cfg.timeout_s)
     peaks = {r["rank"]: r["peak_mem_bytes"] / 2**30 for r in read_metrics(Path(cfg.out))}
     print("measured per-rank peak: " + ", ".join(f"rank {k} {v:.3f} GiB" for k, v in sorted(peaks.items())))
