@@ -82,7 +82,7 @@ FIGURE_SNAPSHOT = """\
 import gc as _gc, json as _json, sys as _sys
 if "plotly" in _sys.modules:
     from plotly.basewidget import BaseFigureWidget as _W
-    print(_json.dumps({w.model_id: _json.loads(w.to_json()) for w in _gc.get_objects() if isinstance(w, _W) and w.model_id}))
+    print(_json.dumps({w.model_id: _json.loads(w.to_json()) for w in _gc.get_objects() if issubclass(type(w), _W) and w.model_id}))
 """
 
 

@@ -45,18 +45,22 @@ class RankError(RuntimeError):
 # %% ../nbs/07_launch.ipynb #c41507e7
 class Layout:
     "Processes, device and the data-parallel × sequence-parallel grid of a launch."
-    def __init__(self, num_processes: int, sp_size: int = 1, cpu: bool = False):
+    def __init__(self, num_processes: int, sp_size: int = 1, cpu: bool = False, ring: int = 1):
         if num_processes < 1: raise ValueError(f"num_processes must be >= 1, got {num_processes}")
         if sp_size < 1 or num_processes % sp_size:
             raise ValueError(f"sp_size={sp_size} must divide num_processes={num_processes}: the world is DP x SP; "
                              f"valid SP sizes are {[d for d in range(1, num_processes + 1) if num_processes % d == 0]}")
-        self.num_processes, self.sp_size, self.dp_size = num_processes, sp_size, num_processes // sp_size
+        if ring < 1 or num_processes % (sp_size * ring):
+            raise ValueError(f"ring={ring} must be >= 1 and sp_size x ring = {sp_size} x {ring} must divide num_processes="
+                             f"{num_processes}: the world is DP x SP (Ulysses) x ring (workbench.sp.ring)")
+        self.num_processes, self.sp_size, self.ring = num_processes, sp_size, ring
+        self.dp_size = num_processes // (sp_size * ring)
         self.cuda = torch.cuda.is_available() and not cpu
         self.backend = "nccl" if self.cuda else "gloo"
 
     def __repr__(self):
         where = "CUDA GPUs (nccl)" if self.cuda else "CPU processes (gloo)"
-        return f"{self.num_processes} {where}, DP={self.dp_size} x SP={self.sp_size}"
+        return f"{self.num_processes} {where}, DP={self.dp_size} x SP={self.sp_size}" + (f" x ring={self.ring}" if self.ring > 1 else "")
 
 # %% ../nbs/07_launch.ipynb #975a102d
 MIXED_PRECISION = ("no", "fp16", "bf16")
@@ -79,7 +83,10 @@ def preflight(layout: Layout, port: int, mixed_precision: str = "no", model_conf
     with socket.socket() as s:
         try: s.bind(("127.0.0.1", port))
         except OSError: raise ValueError(f"port {port} is in use: pass another port, or port=None to pick a free one") from None
-    if model_config is not None and layout.sp_size > 1:
+    if model_config is not None and layout.ring > 1:  # the hybrid: Ulysses degree vs heads, the ring takes the rest
+        from workbench.sp.ring import check_layout
+        check_layout(model_config, layout.sp_size, layout.ring, world_size=layout.num_processes)
+    elif model_config is not None and layout.sp_size > 1:
         from workbench.ulysses import check_sp
         check_sp(model_config, layout.sp_size, world_size=layout.num_processes, seq_len=seq_len)
 
@@ -260,6 +267,7 @@ def launch(fn,                                # what every rank runs; a function
            *args,                             # its arguments, the same on every rank
            num_processes: int = 2,            # ranks to fork on this machine
            sp_size: int = 1,                  # sequence-parallel group size; must divide num_processes
+           ring: int = 1,                     # ring attention degree (workbench.sp.ring): sp_size x ring processes share a row
            cpu: bool = False,                 # gloo on CPU processes even where CUDA GPUs are present
            timeout_s: float = 60,             # limit of the rendezvous and of each collective, in every rank
            port: int | None = None,           # rendezvous port on 127.0.0.1 (None: a free one)
@@ -270,7 +278,7 @@ def launch(fn,                                # what every rank runs; a function
            deadline_s: float | None = None,   # wall-clock limit of the whole launch (None: none)
           ) -> list:
     "Run `fn(*args)` on `num_processes` forked ranks; return every rank's result, or raise the first real failure as `RankError`."
-    layout = Layout(num_processes, sp_size, cpu)
+    layout = Layout(num_processes, sp_size, cpu, ring)
     if not timeout_s > 0 or not (deadline_s is None or deadline_s > 0):
         raise ValueError(f"timeout_s={timeout_s!r}, deadline_s={deadline_s!r}: both are seconds > 0 (deadline_s=None: no limit)")
     port = port or free_port()

@@ -38,6 +38,8 @@ from .packing import FlatteningCollator, TokenBudgetSampler, plan_bins
 from .tiling import checkpoint_layers, lean_kernels, tile_mlp
 from .shard import full_state, is_sharded, load_full_state, reduce_gradients, shard_model
 from .ulysses import ParallelGrid, check_sp, global_loss, register_ulysses, shard_batch, sp_forward
+from .sp.ring import HybridGrid, check_layout, register_ring, ring_forward
+from .sp.balance import ring_batch
 
 # %% auto #0
 __all__ = ['DTYPES', 'PRESETS', 'PROJECT', 'CHECKPOINTS', 'MODEL_DIR', 'ADAPTER_DIR', 'SAVE_WAIT', 'flag', 'tracker_names',
@@ -49,7 +51,7 @@ __all__ = ['DTYPES', 'PRESETS', 'PROJECT', 'CHECKPOINTS', 'MODEL_DIR', 'ADAPTER_
 
 # %% ../nbs/08_train.ipynb #aa8d263e
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}  # besides "auto"
-_AT_LEAST = dict(sp=1, dp=1, steps=1, max_tokens=1, grad_accum=1, seed=0, loss_chunk=0, mlp_chunk=0, save_every=0, keep=1, lora_r=0)
+_AT_LEAST = dict(sp=1, ring=1, dp=1, steps=1, max_tokens=1, grad_accum=1, seed=0, loss_chunk=0, mlp_chunk=0, save_every=0, keep=1, lora_r=0)
 
 def flag(name: str) -> str:
     "The command-line flag of a `TrainConfig` field."
@@ -82,6 +84,7 @@ class TrainConfig:
     model: str = "llama"        # a shipped tiny family (data_samples/configs) or a local checkpoint directory
     data: str = "flan_like"     # a shipped sample (flan_like, orca_like, long_docs) or a local .jsonl/.json/.parquet/.csv file
     sp: int = 1                 # processes sharing one sequence (Ulysses)
+    ring: int = 1               # ring attention degree: a row is split over sp x ring processes (Ulysses inside a node, the ring across)
     dp: int = 1                 # data-parallel replicas
     steps: int = 10             # optimizer steps (a resumed run continues up to this step)
     max_tokens: int = 2048      # tokens per packed row (one row per micro-step per DP replica, cut into `sp` shards)
@@ -107,7 +110,7 @@ class TrainConfig:
     report_to: tuple[str, ...] = ()  # trackers also fed every metrics row, on rank 0: tensorboard,wandb,mlflow,... or all / none
 
     @property
-    def world(self) -> int: return self.sp * self.dp
+    def world(self) -> int: return self.sp * self.ring * self.dp
 
     def __post_init__(self):  # before anything plans or launches: the planner would otherwise name its own option
         for name, low in _AT_LEAST.items():
@@ -125,6 +128,9 @@ class TrainConfig:
             raise ValueError("offload_checkpoints moves activation checkpoints to the host: set checkpointing=True as well")
         if self.lora_r and importlib.util.find_spec("peft") is None:
             raise ValueError("lora_r (--lora-r) trains LoRA adapters with the peft package: pip install peft")
+        if self.ring > 1 and (self.attn != "sdpa" or self.loss_chunk or self.shard):
+            raise ValueError("ring (--ring) > 1 computes attention with its own exact blocks and does not combine with "
+                             "--attn other than sdpa, --loss-chunk or --shard yet: drop them or use --ring 1")
         if self.cpu_offload and not self.shard:
             raise ValueError("cpu_offload offloads the sharded states: set shard=True as well")
         self.report_to = tracker_names(self.report_to)  # a missing package is named here, before anything trains
@@ -304,6 +310,7 @@ def expected_memory(cfg: TrainConfig):
 
 def memory_readout(cfg: TrainConfig) -> tuple[int | None, str]:
     "The planned per-rank peak in bytes and the line saying it, or None and the line saying why the planner cannot."
+    if cfg.ring > 1: return None, "memory readout: none (the planner does not model ring attention yet); training anyway"
     try: plan = expected_memory(cfg)
     except ValueError as e: return None, f"memory readout: none for this model ({e}); training anyway"
     host = f"; host memory for the offloads {plan.host_gib:.3f} GiB" if plan.host_gib else ""
@@ -567,6 +574,7 @@ def _endless(sampler):
 
 def attention_key(cfg: TrainConfig) -> str:
     "The attention the model runs: `cfg.attn` wrapped in Ulysses when the sequence is split, `cfg.attn` itself when not."
+    if cfg.ring > 1: return register_ring()  # the hybrid: Ulysses over sp processes inside, the ring around them
     if cfg.attn == VARLEN_KEY: register_varlen()  # the workbench's own key needs no import to remember
     return register_ulysses(cfg.attn) if cfg.sp > 1 else cfg.attn
 
@@ -582,21 +590,23 @@ def train_rank(cfg: TrainConfig) -> list[float]:
     "Train on this process as one rank of the `cfg.dp` x `cfg.sp` grid; return the loss of every step it trained."
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world != cfg.world:
-        raise ValueError(f"the config asks for sp x dp = {cfg.sp} x {cfg.dp} = {cfg.world} processes but {world} are "
-                         f"running: launch {cfg.world} processes or change sp/dp")
+        raise ValueError(f"the config asks for sp x ring x dp = {cfg.sp} x {cfg.ring} x {cfg.dp} = {cfg.world} processes "
+                         f"but {world} are running: launch {cfg.world} processes or change sp/ring/dp")
     check_out(cfg)
     device = _device()
-    grid = ParallelGrid.build(cfg.sp, device.type)
+    grid = HybridGrid.build(cfg.sp, cfg.ring, device.type) if cfg.ring > 1 else ParallelGrid.build(cfg.sp, device.type)
     wait = dist.new_group(backend="gloo", timeout=SAVE_WAIT) if dist.is_initialized() else None  # for checkpoint saves
     model = build_model(cfg, attention_key(cfg), device)
-    check_sp(model.config, cfg.sp, world_size=world)
+    if cfg.ring > 1: check_layout(model.config, cfg.sp, cfg.ring, world_size=world)
+    else: check_sp(model.config, cfg.sp, world_size=world)
     if cfg.shard: model = shard_model(model, grid, cpu_offload=cfg.cpu_offload)  # before the optimizer sees the parameters
     tokenizer = load_tokenizer()  # what load_features tokenizes with; saved beside the model in every checkpoint
     features = load_features(cfg.data, tokenizer)
     check_token_ids(features, model.config.vocab_size, cfg.data)
     plan = plan_bins([len(f["input_ids"]) for f in features], cfg.max_tokens, overlong="split", seed=cfg.seed)
-    predicted = run_prediction(cfg, model.config, plan)  # workbench.cost's roofline here (None: a run it does not model)
-    if _rank() == 0: print(plan_readout(plan)); print(predicted or "no step prediction: workbench.cost models neither LoRA nor this architecture's layers")
+    predicted = run_prediction(cfg, model.config, plan) if cfg.ring == 1 else None  # workbench.cost's roofline (None: a run it does not model)
+    if _rank() == 0: print(plan_readout(plan)); print(predicted or ("no step prediction: workbench.cost does not model ring attention yet" if cfg.ring > 1
+                                                                    else "no step prediction: workbench.cost models neither LoRA nor this architecture's layers"))
     pid = plan_id(plan)
     sampler = TokenBudgetSampler(plan, seed=cfg.seed, num_replicas=cfg.dp, rank=grid.dp_rank)
     pieces, collate = plan.dataset(features), FlatteningCollator(pad_to_multiple_of=cfg.sp)
@@ -611,23 +621,25 @@ def train_rank(cfg: TrainConfig) -> list[float]:
     if dist.is_initialized(): dist.barrier()
     with reporting(cfg, start) as sink:
         bins, losses, t_run = _endless(sampler), [], time.perf_counter()
-        for step in tqdm(range(start, cfg.steps), desc=f"train sp={cfg.sp} dp={cfg.dp}", disable=_rank() != 0, file=sys.stdout):  # stdout: not red in Jupyter
+        for step in tqdm(range(start, cfg.steps), desc=f"train sp={cfg.sp} ring={cfg.ring} dp={cfg.dp}", disable=_rank() != 0, file=sys.stdout):  # stdout: not red in Jupyter
             t0, comm0 = time.perf_counter(), grid.clock.seconds
             rows = [next(bins) for _ in range(cfg.grad_accum)]
-            shards = [shard_batch(collate([pieces[i] for i in b]), grid.sp_rank, cfg.sp) for b in rows]
+            shards = [ring_batch(collate([pieces[i] for i in b]), grid) if cfg.ring > 1 else
+                      shard_batch(collate([pieces[i] for i in b]), grid.sp_rank, cfg.sp) for b in rows]
             count = sum(s["num_items_in_batch"] for s in shards)
             step_loss = torch.zeros((), device=device)
             for s in shards:
                 s["num_items_in_batch"] = count  # the denominator is the whole step's trained tokens
-                _, loss = sp_forward(model, s, grid, cfg.loss_chunk or None)
+                _, loss = ring_forward(model, s, grid) if cfg.ring > 1 else sp_forward(model, s, grid, cfg.loss_chunk or None)
                 loss.backward()
                 step_loss += loss.detach()
             reduce_gradients(model, grid)  # summed over the grid (FSDP2 already reduce-scattered a sharded model's)
             opt.step(); opt.zero_grad(set_to_none=True)
             losses.append(global_loss(step_loss, grid))
             real = sum(int(plan.length[b].sum()) for b in rows)  # real tokens of this replica's rows
-            width = shards[0]["input_ids"].shape[1]
-            mine = sum(min(max(int(plan.length[b].sum()) - grid.sp_rank * width, 0), width) for b in rows)
+            mine = sum(int((s["token_index"] < int(plan.length[b].sum())).sum()) if cfg.ring > 1 else  # a plan's tokens
+                       min(max(int(plan.length[b].sum()) - grid.sp_rank * s["input_ids"].shape[1], 0), s["input_ids"].shape[1])
+                       for s, b in zip(shards, rows))
             seconds = time.perf_counter() - t0
             everyone = torch.tensor([float(real), float(count)] if grid.sp_rank == 0 else [0.0, 0.0], device=device)
             if dist.is_initialized(): dist.all_reduce(everyone)  # real tokens and trained targets of every replica
@@ -645,7 +657,8 @@ def train_rank(cfg: TrainConfig) -> list[float]:
 def preflight_run(cfg: TrainConfig):
     "Refuse, before any process starts, a run that would fail inside one: model, attention, run directory, data."
     config = model_config(cfg)
-    check_sp(config, cfg.sp, world_size=cfg.world)
+    if cfg.ring > 1: check_layout(config, cfg.sp, cfg.ring, world_size=cfg.world)  # Ulysses degree vs heads; the ring the rest
+    else: check_sp(config, cfg.sp, world_size=cfg.world)
     from transformers import AutoModelForCausalLM
     try:  # on the meta device: no memory, but the model's own refusal of an attention it cannot use
         with torch.device("meta"): AutoModelForCausalLM.from_config(config, attn_implementation=attention_key(cfg))
@@ -660,7 +673,7 @@ def run(cfg: TrainConfig) -> list[float]:
     preflight_run(cfg)
     print(memory_readout(cfg)[1])
     run_device()  # measured once here (cached), so that every forked rank divides by the same peak
-    results = launch(train_rank, cfg, num_processes=cfg.world, sp_size=cfg.sp, model_config=model_config(cfg),
+    results = launch(train_rank, cfg, num_processes=cfg.world, sp_size=cfg.sp, ring=cfg.ring, model_config=model_config(cfg),
                      timeout_s=cfg.timeout_s)
     peaks = {r["rank"]: r["peak_mem_bytes"] / 2**30 for r in read_metrics(Path(cfg.out))}
     print("measured per-rank peak: " + ", ".join(f"rank {k} {v:.3f} GiB" for k, v in sorted(peaks.items())))
@@ -686,11 +699,15 @@ def _config(p: argparse.ArgumentParser, a: argparse.Namespace, world: int) -> Tr
     except ValueError as e: p.error(str(e))
     if a.nproc is not None and a.nproc < 1: p.error(f"--nproc must be at least 1 process, got {a.nproc}")
     nproc = a.nproc or (world if world > 1 else None)
-    if nproc and nproc % cfg.sp:
-        p.error(f"--nproc {nproc} is not a multiple of --sp {cfg.sp}: the processes form a dp x sp grid; "
-                f"use --nproc {cfg.sp * max(1, nproc // cfg.sp)} or an --sp that divides {nproc}")
-    if nproc and "dp" not in given: cfg = replace(cfg, dp=nproc // cfg.sp)
-    if nproc and nproc != cfg.world: p.error(f"--nproc {nproc} but --sp x --dp = {cfg.sp} x {cfg.dp} = {cfg.world}")
+    seq = cfg.sp * cfg.ring  # processes sharing one row
+    what = f"--sp {cfg.sp}" if cfg.ring == 1 else f"--sp x --ring = {cfg.sp} x {cfg.ring} = {seq}"
+    if nproc and nproc % seq:
+        p.error(f"--nproc {nproc} is not a multiple of {what}: the processes form a dp x sp{' x ring' * (cfg.ring > 1)} grid; "
+                f"use --nproc {seq * max(1, nproc // seq)} or an --sp{'/--ring' * (cfg.ring > 1)} that divides {nproc}")
+    if nproc and "dp" not in given: cfg = replace(cfg, dp=nproc // seq)
+    if nproc and nproc != cfg.world:
+        p.error(f"--nproc {nproc} but {'--sp x --dp' if cfg.ring == 1 else '--sp x --ring x --dp'} = "
+                f"{cfg.sp}{f' x {cfg.ring}' * (cfg.ring > 1)} x {cfg.dp} = {cfg.world}")
     return cfg
 
 _INTERRUPTS = ("KeyboardInterrupt",)  # what SIGINT becomes in this process (launch's ranks ignore it; the parent ends them)

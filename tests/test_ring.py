@@ -1,0 +1,276 @@
+"""Distributed proofs of `workbench.sp` (ring attention and the hybrid Ulysses × ring layout): P CPU processes joined by
+gloo compute what one process computes, on packed rows of several documents.
+
+Two launches (2 and 4 processes) check many cases each: fp64 logits, loss and every parameter gradient within 1e-10
+relative error of one plain-sdpa process; fp32 per-step AdamW losses within 1e-6; the point-to-point elements counted at
+the dispatcher (ring sends and Ulysses all-to-alls) equal `comm_elements`; the block pairs skipped equal `block_pairs`' prediction.
+`workbench.train --ring` from the notebook launcher and from two torchrun "nodes" of 2 processes each (Ulysses inside
+each node, the ring across them) gives one process's losses. The rest needs no process.
+"""
+import json
+import re
+import os
+import signal
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+
+from workbench.core import shift_labels, tiny_config, tiny_model
+from workbench.launch import free_port, launch
+from workbench.sp.balance import (PLANS, balanced_plan, imbalance, plan_row, token_work, unshard, zigzag_plan)
+from workbench.sp.proofs import balance_markdown, balance_table, check_ring, ring_losses
+from workbench.sp.ring import (HybridGrid, block_pairs, check_layout, choose_layout, contiguous_plan, documents,
+                               register_ring, ring_forward, ring_shard, sp_layouts)
+from workbench.ulysses import Case, case_rows, check_sp, one_process
+
+F64 = [Case("llama", "sdpa", dtype="float64"),                  # MHA, 203 FLAN-like tokens (not a multiple of P)
+       Case("qwen2", "sdpa", dtype="float64"),                  # GQA, 2 kv heads
+       Case("mistral", "sdpa", dtype="float64"),                # GQA + sliding window 16
+       Case("qwen2", "sdpa", packed=False, dtype="float64"),    # one document spanning every shard
+       Case("llama", "sdpa", packed=False, dtype="float64", tokens=3)]  # fewer tokens than processes: shards of padding only
+F32 = [Case("qwen2", "eager"), Case("mistral", "sdpa"),
+       Case("llama", "sdpa", checkpointing=True),  # layers recomputed in backward: the ring and the all-to-alls run again
+       Case("qwen2", "sdpa", dtype="bfloat16")]    # bf16 blocks travel as bf16, statistics in fp32
+TOL = {"float32": 1e-5, "float64": 1e-10, "bfloat16": 3e-2}  # bf16: as close as two bf16 kernels get (measured ≤ 1.3e-2)
+TWO_HEADS = dict(num_attention_heads=2, num_key_value_heads=1)  # Ulysses alone stops at SP=2 (1 kv head)
+
+
+def two_heads(attn: str, dtype=torch.float32):
+    return tiny_model("llama", attn_implementation=attn, dtype=dtype, **TWO_HEADS)
+
+
+def _jobs(jobs: list) -> list:
+    "Every rank: run each (function, args) job in turn (one launch checks many things)."
+    torch.set_num_threads(1)
+    return [fn(*args) for fn, args in jobs]
+
+
+def _one_thread(fn, *args):
+    "The reference as the launched ranks compute it: one thread, so the same summation order (losses equal to the last ulp)."
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try: return fn(*args)
+    finally: torch.set_num_threads(threads)
+
+
+def _references(cases, dps):
+    return {dp: [one_process(c, dp) for c in cases] for dp in dps}
+
+
+def assert_ring_results(results: list, n_expected: int):
+    assert len(results) == n_expected
+    for r in results:
+        tol, where = TOL[r["case"].dtype], f"{r['case']} at ulysses={r['ulysses']}, ring={r['ring']}, dp={r['dp']}, {r['strategy']}, rank {r['rank']}"
+        assert r["n_params"] >= 21, f"{where}: only {r['n_params']} parameters got gradients"
+        assert max(r["logits"], r["loss"], r["grads"]) <= tol, (
+            f"{where}: relative error logits {r['logits']:.2e}, loss {r['loss']:.2e}, gradients {r['grads']:.2e} > {tol}")
+        assert r["p2p"] == r["p2p_formula"], f"{where}: sent {r['p2p']} elements (forward, backward), formula {r['p2p_formula']}"
+        assert r["p2p_bytes"][0] == r["p2p"][0] * getattr(torch, r["case"].dtype).itemsize, f"{where}: blocks left their dtype"
+        assert r["a2a"] == r["a2a_formula"], f"{where}: all-to-all {r['a2a']} elements (forward, backward), formula {r['a2a_formula']}"
+        assert r["skipped"] == r["skipped_predicted"], f"{where}: skipped {r['skipped']} block pairs, predicted {r['skipped_predicted']}"
+
+
+def rows(n=3):
+    return case_rows(Case(tokens=203), n)
+
+
+# ---------------------------------------------------------------- layouts, plans, shards: no processes needed
+
+def test_layouts_listed_and_bad_pairs_refused():
+    qwen = tiny_config("qwen2")  # 4 heads, 2 kv heads
+    assert sp_layouts(qwen, 4) == [(1, 1), (1, 2), (2, 1), (1, 4), (2, 2), (4, 1)]
+    assert sp_layouts(qwen, 16, sp_size=16) == [(1, 16), (2, 8), (4, 4)]   # Ulysses <= 4 heads, the ring the rest
+    assert sp_layouts(qwen, 6, sp_size=4) == []                            # 4 does not divide 6
+    cfg = tiny_config("llama", **TWO_HEADS)
+    with pytest.raises(ValueError, match="more than the 2 attention heads"): check_sp(cfg, 4)
+    assert check_layout(cfg, 2, 2).kv_repeat == 2 and check_layout(cfg, 1, 4, world_size=8).dp_size == 2
+    with pytest.raises(ValueError, match=r"ulysses=4 does not suit.*layouts of SP=4 that work: \[\(1, 4\), \(2, 2\)\]"):
+        check_layout(cfg, 4, 1)
+    with pytest.raises(ValueError, match=r"ulysses=3 does not suit.*does not divide the 4 attention heads"):
+        check_layout(qwen, 3, 2)
+    with pytest.raises(ValueError, match="world_size=6 is not a multiple of sp_size=4"):
+        check_layout(qwen, 2, 2, world_size=6)
+    assert choose_layout(qwen, 8) == (4, 2) and choose_layout(qwen, 8, per_node=1) == (1, 8) and choose_layout(cfg, 6) == (2, 3)
+    with pytest.raises(ValueError, match="positive integer"): choose_layout(qwen, 0)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="positive integer"): check_layout(qwen, 1, bad)
+    model = two_heads(register_ring())
+    shard = ring_shard(rows(1)[0], contiguous_plan(203, 1), 0)
+    with pytest.raises(ValueError, match="ulysses=4 does not suit"):
+        ring_forward(model, shard, HybridGrid(ulysses=4, ring=1))  # refused before any exchange
+    from workbench.ulysses import shard_batch
+    with pytest.raises(ValueError, match="build it with ring_shard"):
+        ring_forward(model, shard_batch(rows(1)[0], 0, 1), HybridGrid())
+    with pytest.raises(ValueError, match="cu_seq_lens_q ends at 204 but the ring blocks hold 203"):
+        ring_forward(model, {**shard, "cu_seq_lens_q": torch.tensor([0, 102, 204], dtype=torch.int32)}, HybridGrid())
+
+
+def test_one_block_equals_sdpa_across_families_or_refuses_by_name():
+    "A ring of one block is plain exact attention: other families' attention modules (norms, windows, biases) fit the seam."
+    row = rows(1)[0]
+    keys = ("input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+    for family in ("gemma3", "phi3", "olmo2", "qwen3", "starcoder2"):
+        ref = tiny_model(family, attn_implementation="sdpa", dtype=torch.float64)(**{k: row[k] for k in keys}, use_cache=False).logits
+        model = tiny_model(family, attn_implementation=register_ring(), dtype=torch.float64)
+        logits, _ = ring_forward(model, ring_shard(row, contiguous_plan(203, 1), 0), HybridGrid())
+        assert ((logits - ref).abs().max() / ref.abs().max()).item() <= 1e-10, family
+    for family, words in (("gemma2", "does not implement softcap"), ("stablelm", "does not pass forward keywords")):
+        model = tiny_model(family, attn_implementation=register_ring())
+        with pytest.raises(ValueError, match=words):
+            ring_forward(model, ring_shard(row, contiguous_plan(203, 1), 0), HybridGrid())
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("strategy", PLANS)
+def test_every_plan_is_a_permutation_and_shards_undo(parts, strategy):
+    row = rows(1)[0]
+    batch, plan = plan_row(row, parts, strategy)
+    n = batch["input_ids"].shape[1]
+    assert n >= 203 and torch.equal(plan.flatten().sort().values, torch.arange(n))
+    shards = [ring_shard(batch, plan, s) for s in range(parts)]
+    assert torch.equal(unshard([s["input_ids"] for s in shards], plan, 203), row["input_ids"])
+    assert torch.equal(unshard([s["position_ids"] for s in shards], plan, 203), row["position_ids"])  # global positions travel
+    assert torch.equal(unshard([s["shift_labels"] for s in shards], plan, 203), shift_labels(row["labels"])[:, :203])
+    assert (unshard([s["shift_labels"] for s in shards], plan)[:, 203:] == -100).all()  # the padding trains nothing
+    assert {s["num_items_in_batch"] for s in shards} == {int((row["labels"][0, 1:] != -100).sum())}
+
+
+def test_shards_refuse_what_they_cannot_cut():
+    row = rows(1)[0]
+    with pytest.raises(ValueError, match="pad it first"): contiguous_plan(203, 2)
+    with pytest.raises(ValueError, match="every token of the 203-token row exactly once"):
+        ring_shard(row, torch.arange(203).flip(0)[:200].view(4, 50), 0)
+    dup = torch.arange(204).view(4, 51).clone(); dup[0, 0] = 1
+    with pytest.raises(ValueError, match="exactly once"): ring_shard(plan_row(row, 4, "contiguous")[0], dup, 0)
+    with pytest.raises(ValueError, match="outside a plan of 4 shards"): ring_shard(plan_row(row, 4, "contiguous")[0], contiguous_plan(204, 4), 4)
+    with pytest.raises(ValueError, match="ring blocks of ulysses=3"): ring_shard(plan_row(row, 4, "contiguous")[0], contiguous_plan(204, 4), 0, 3)
+    with pytest.raises(ValueError, match="attention_mask"):
+        ring_shard({**row, "attention_mask": torch.ones_like(row["input_ids"])}, contiguous_plan(203, 1), 0)
+    with pytest.raises(ValueError, match="choose one of"): plan_row(row, 2, "random")
+
+
+def test_skipped_pairs_predicted_from_the_plan():
+    cu = torch.tensor([0, 40, 90, 96, 160])
+    doc = documents(cu)
+    contiguous = block_pairs(contiguous_plan(160, 4), doc)
+    assert int((~contiguous).sum()) == 10 and contiguous.diagonal().all()
+    assert int((~block_pairs(contiguous_plan(160, 4), doc, causal=False)).sum()) == 8  # documents alone (symmetric)
+    one_doc = documents(torch.tensor([0, 160]))
+    assert int((~block_pairs(contiguous_plan(160, 4), one_doc)).sum()) == 6              # causality alone
+    assert int((~block_pairs(zigzag_plan(160, 4), one_doc)).sum()) == 0                  # zigzag: every pair works
+    assert int((~block_pairs(contiguous_plan(160, 4), one_doc, window=16)).sum()) == 9   # window: a block and the one before
+
+
+def test_document_aware_sharding_balances_flan_like_rows():
+    "Benchmark-shaped check on FLAN-like packed rows (the BENCHMARKS.md table uses more rows)."
+    table = balance_table(capacities=(8192,), parts=(2, 4, 8), n_rows=4)
+    print("\n" + balance_markdown(table))
+    for r in table:
+        assert r["balanced_mean"] < min(r["contiguous_mean"], r["zigzag_mean"]), r
+        assert r["balanced_worst"] <= min(r["contiguous_worst"], r["zigzag_worst"]) and r["balanced_worst"] < 1.05, r
+    one_doc = token_work(torch.tensor([0, 4096]))
+    assert imbalance(zigzag_plan(4096, 4), one_doc) == 1.0 < imbalance(contiguous_plan(4096, 4), one_doc)
+    assert imbalance(balanced_plan(torch.tensor([0, 4096]), 4), one_doc) == 1.0
+
+
+# ---------------------------------------------------------------- equivalence: 2 and 4 processes, one launch each
+
+def test_ring_of_two_equals_one_process():
+    cases = F64 + F32
+    jobs = [(check_ring, (cases, [(1, 2)], PLANS, _references(cases, [1])))]
+    (results,) = zip(*launch(_jobs, jobs, num_processes=2, cpu=True, quiet=True, timeout_s=120, deadline_s=240))
+    assert_ring_results([r for rank in results for r in rank], 2 * len(PLANS) * len(cases))
+
+
+def test_ring_of_four_hybrid_2x2_and_training_equal_one_process():
+    f64_layouts = [(1, 4), (2, 2), (4, 1)]  # (4, 1): qwen2's 2 kv heads fewer than the Ulysses degree
+    rows3 = rows(3)
+    f32_model, f64_model = partial(two_heads, dtype=torch.float32), partial(two_heads, dtype=torch.float64)
+    train = [(1, 4), (2, 2)]  # a 2-head, 1-kv-head model Ulysses alone cannot run at SP=4; (2, 2) replicates the kv head
+    jobs = [(check_ring, (F64, f64_layouts, ("balanced",), _references(F64, [1]))),
+            (check_ring, (F64[:2] + F32, [(1, 2)], ("zigzag",), _references(F64[:2] + F32, [2]))),  # DP 2 x ring 2
+            *[(ring_losses, (f32_model, rows3, layout)) for layout in train],
+            *[(ring_losses, (f64_model, rows3[:1], layout)) for layout in train]]
+    per_rank = launch(_jobs, jobs, num_processes=4, cpu=True, quiet=True, timeout_s=120, deadline_s=300)
+    checks = [r for rank in per_rank for job in rank[:2] for r in job]
+    assert_ring_results(checks, 4 * (len(F64) * len(f64_layouts) + len(F64[:2] + F32)))
+    ref32, ref64 = _one_thread(ring_losses, f32_model, rows3), _one_thread(ring_losses, f64_model, rows3[:1])
+    for rank in per_rank:
+        for got, layout in zip(rank[2:4], train):
+            assert len(got["losses"]) == 3
+            assert max(abs(a - b) for a, b in zip(got["losses"], ref32["losses"])) <= 1e-6, (layout, got["losses"], ref32["losses"])
+        for got, layout in zip(rank[4:], train):
+            errors = [((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got["grads"], ref64["grads"])]
+            assert len(errors) == 21 and max(errors) <= 1e-10, (layout, max(errors))
+
+
+# ---------------------------------------------------------------- workbench.train: --ring
+
+def _torchrun_nodes(port: int, args: list, timeout: float = 240) -> list[str]:
+    "Two `torchrun --nnodes 2 --node_rank {0,1}` invocations of 2 processes each on 127.0.0.1; their outputs (the trees killed on a timeout)."
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(n),
+                               "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(port), *args],
+                              cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True) for n in (0, 1)]
+    try:
+        logs = [p.communicate(timeout=timeout)[0] for p in nodes]
+    finally:
+        for p in nodes:  # on a timeout or an error: the whole torchrun tree, then reap
+            if p.poll() is None: os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)
+    assert [p.returncode for p in nodes] == [0, 0], logs
+    return logs
+
+
+def test_train_ring_from_the_notebook_launcher_and_two_torchrun_nodes_equals_one_process(tmp_path, capsys):
+    "workbench.train --ring: run() (forked ranks) and two torchrun 'nodes' (Ulysses pairs {0,1}, {2,3}; rings {0,2}, {1,3})."
+    from workbench.train import TrainConfig, _config, _parser, run
+    common = dict(model="qwen2", data="orca_like", steps=2, max_tokens=512)
+    one = run(TrainConfig(**common, out=str(tmp_path / "one")))
+    hybrid = run(TrainConfig(**common, sp=2, ring=2, out=str(tmp_path / "hybrid")))
+    logs = _torchrun_nodes(free_port(), ["-m", "workbench.train", "--sp", "2", "--ring", "2", "--dp", "1", "--model", "qwen2",
+                                         "--data", "orca_like", "--steps", "2", "--max-tokens", "512", "--out", str(tmp_path / "nodes")])
+    nodes = json.loads(logs[0].strip().splitlines()[-1])["losses"]  # global rank 0 (node 0) prints the losses
+    assert len(one) == len(hybrid) == len(nodes) == 2 and min(one) > 1  # two steps that train something
+    for got in (hybrid, nodes):
+        assert max(abs(a - b) for a, b in zip(got, one)) <= 1e-6, (got, one)
+    metrics = [json.loads(l) for l in (tmp_path / "hybrid" / "metrics.jsonl").read_text().splitlines()]
+    assert {m["rank"] for m in metrics} == {0, 1, 2, 3}
+    for step in (0, 1):  # every real token on exactly one rank: the ranks' tokens add up to one process's
+        mine = sum(m["tokens"] for m in metrics if m["step"] == step)
+        assert mine == sum(m["tokens"] for m in (json.loads(l) for l in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines())
+                           if m["step"] == step)
+    saved = json.loads((tmp_path / "hybrid" / "config.json").read_text())
+    assert saved["ring"] == 2 and saved["expected_peak_bytes"] is None and "predicted" not in saved  # not modelled: not claimed
+    assert TrainConfig(sp=2, ring=2, dp=2).world == 8
+    for bad, words in ((dict(ring=2, loss_chunk=64), "ring (--ring) > 1"), (dict(ring=2, attn="eager"), "ring (--ring) > 1"),
+                       (dict(ring=2, shard=True), "ring (--ring) > 1"), (dict(ring=0), "ring (--ring) must be an integer >= 1")):
+        with pytest.raises(ValueError, match=re.escape(words)): TrainConfig(**bad)
+    p = _parser()
+    assert _config(p, p.parse_args(["--sp", "2", "--ring", "2", "--nproc", "8"]), 1).dp == 2
+    with pytest.raises(SystemExit): _config(p, p.parse_args(["--sp", "2", "--ring", "2", "--nproc", "6"]), 1)
+    assert "not a multiple of --sp x --ring = 2 x 2 = 4" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"ulysses=8 does not suit.*layouts of SP=16 that work: \[\(1, 16\), \(2, 8\), \(4, 4\)\]"):
+        run(TrainConfig(model="qwen2", sp=8, ring=2, steps=1, out=str(tmp_path / "bad")))  # refused before any fork
+    assert not (tmp_path / "bad").exists()
+
+
+def test_launch_preflight_accepts_the_hybrid_split_and_names_bad_ones():
+    from workbench.launch import Layout, preflight
+    cfg = tiny_config("llama", **TWO_HEADS)
+    assert repr(Layout(8, sp_size=2, cpu=True, ring=2)) == "8 CPU processes (gloo), DP=2 x SP=2 x ring=2"
+    assert repr(Layout(4, sp_size=2, cpu=True)) == "4 CPU processes (gloo), DP=2 x SP=2"  # without a ring: as before
+    preflight(Layout(4, sp_size=2, cpu=True, ring=2), free_port(), model_config=cfg)   # Ulysses 2 x ring 2: fine
+    preflight(Layout(4, sp_size=1, cpu=True, ring=4), free_port(), model_config=cfg)   # ring alone: no head limit
+    with pytest.raises(ValueError, match="more than the 2 attention heads"):
+        preflight(Layout(4, sp_size=4, cpu=True), free_port(), model_config=cfg)         # Ulysses alone cannot
+    with pytest.raises(ValueError, match=r"ulysses=4 does not suit.*work: \[\(1, 8\), \(2, 4\)\]"):
+        preflight(Layout(8, sp_size=4, cpu=True, ring=2), free_port(), model_config=cfg)
+    for n, sp, ring in ((6, 2, 2), (4, 2, 0)):
+        with pytest.raises(ValueError, match="must divide num_processes"): Layout(n, sp_size=sp, cpu=True, ring=ring)
