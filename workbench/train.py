@@ -658,8 +658,8 @@ def train_rank(cfg: TrainConfig) -> list[float]:
             opt.step(); opt.zero_grad(set_to_none=True)
             losses.append(global_loss(step_loss, grid))
             real = sum(int(plan.length[b].sum()) for b in rows)  # real tokens of this replica's rows
-            width = shards[0]["input_ids"].shape[1]
-            mine = sum(min(max(int(plan.length[b].sum()) - grid.sp_rank * width, 0), width) for b in rows)
+            widths = [s["input_ids"].shape[1] for s in shards]  # each micro-step's shard width: rows differ in length
+            mine = sum(min(max(int(plan.length[b].sum()) - grid.sp_rank * w, 0), w) for b, w in zip(rows, widths))
             seconds = time.perf_counter() - t0
             everyone = torch.tensor([float(real), float(count)] if grid.sp_rank == 0 else [0.0, 0.0], device=device)
             if dist.is_initialized(): dist.all_reduce(everyone)  # real tokens and trained targets of every replica
