@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from workbench.cost import plan_balanced
-from workbench.packing import TokenBudgetSampler, plan_bins, synthetic_lengths
+from workbench.packing import FlatteningCollator, TokenBudgetSampler, plan_bins, synthetic_lengths
 
 
 @pytest.fixture(scope="module")
@@ -123,3 +123,38 @@ def test_a_cost_balanced_dp_run_trains_the_planned_groups_and_refuses_the_other_
     assert config["balance"] == "cost" and config["imbalance"] == {"tokens": bal.token_imbalance, "cost": bal.cost_imbalance}
     with pytest.raises(ValueError, match=r"balance='cost' \(--balance; this run has 'tokens'\)"):
         run(TrainConfig(**{**cfg.__dict__, "balance": "tokens", "steps": 6, "resume": True}))
+
+
+def test_packed_trainer_cost_balance_trains_the_plan_and_resumes_exactly(tmp_path):
+    import torch
+    from datasets import Dataset
+    from transformers import TrainingArguments
+    from workbench.core import load_sample, tiny_model
+    from workbench.hf import PackedTrainer
+    ds = Dataset.from_list(load_sample("flan_like", limit=48))
+    seen = []
+    def record(features):  # the pieces of every micro-step the trainer collates
+        seen.append(sorted(len(f["input_ids"]) for f in features))
+        return FlatteningCollator()(features)
+    def mk(out, collate=None, **kw):
+        args = TrainingArguments(**{**dict(output_dir=str(out), max_steps=4, gradient_accumulation_steps=2, report_to=[],
+                                           use_cpu=True, save_strategy="no", logging_steps=1, disable_tqdm=True), **kw})
+        return PackedTrainer(model=tiny_model("llama").train(), args=args, train_dataset=ds, max_tokens=1024, balance="cost",
+                             data_collator=collate)
+    full = mk(tmp_path / "full", record); full.train()
+    bal = full.balanced
+    assert bal.cost_steps.shape[1:] == (2, 1) and full.plan is bal.plan
+    served = bal.sampler(0, seed=42).epoch_steps()[:, 0]  # TrainingArguments' default seed
+    epoch = [sorted(int(bal.plan.length[i]) for i in bal.plan.bins[b]) for b in served]
+    assert seen[:len(epoch)] == epoch[:len(seen)]  # the micro-steps in the planned order, each optimizer step whole
+    half = mk(tmp_path / "half", save_strategy="steps", save_steps=2); half.train()
+    resumed = mk(tmp_path / "half"); resumed.train(resume_from_checkpoint=str(tmp_path / "half" / "checkpoint-2"))
+    loss = lambda t: [h["loss"] for h in t.state.log_history if "loss" in h]
+    assert len(loss(resumed)) == 4 and loss(resumed) == loss(full)
+    for a, b in zip(full.model.parameters(), resumed.model.parameters()): torch.testing.assert_close(a, b, atol=0, rtol=0)
+    for kw, msg in ((dict(balance="flops"), "balance must be 'tokens' or 'cost'"),
+                    (dict(balance="cost", max_tokens=None), "pass max_tokens= as well"),
+                    (dict(balance="cost", train_dataset=ds.to_iterable_dataset()), "a stream is packed as it is read")):
+        args = TrainingArguments(output_dir=str(tmp_path / "bad"), max_steps=1, report_to=[], use_cpu=True)
+        with pytest.raises(ValueError, match=re.escape(msg)):
+            PackedTrainer(model=tiny_model("llama"), args=args, **{"train_dataset": ds, "max_tokens": 1024, **kw})
