@@ -1,13 +1,18 @@
 "Cost-balanced grouping in training: the sampler serves exactly the planned groups, reshuffles whole ones, resumes exactly; a real DP run trains them."
 import json
 import re
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from workbench.cost import plan_balanced
 from workbench.packing import FlatteningCollator, TokenBudgetSampler, plan_bins, synthetic_lengths
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -94,9 +99,18 @@ def test_bad_groupings_are_refused_with_the_fix(lengths):
     ]
     for kwargs, msg in cases:
         with pytest.raises(ValueError, match=re.escape(msg)): TokenBudgetSampler(plan, num_replicas=2, **kwargs)
-    with pytest.raises(ValueError, match="balance .--balance. 'flops' is not one of"):
-        from workbench.train import TrainConfig
-        TrainConfig(balance="flops")
+
+
+def test_bad_balance_values_and_unmodelled_models_are_refused(tmp_path):
+    from workbench.core import tiny_config
+    from workbench.train import TrainConfig, cost_modelled, preflight_run
+    with pytest.raises(ValueError, match="balance .--balance. 'flops' is not one of"): TrainConfig(balance="flops")
+    cli = subprocess.run([sys.executable, "-m", "workbench.train", "--balance", "flops", "--out", str(tmp_path / "cli")],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert cli.returncode == 2 and "balance (--balance) 'flops' is not one of" in cli.stderr, cli.stderr
+    with pytest.raises(ValueError, match=r"balance \(--balance\) 'cost' needs the cost of this model's steps: mixtral is a mixture"):
+        preflight_run(TrainConfig(model="mixtral", balance="cost", out=str(tmp_path / "moe")))  # before any process starts
+    assert cost_modelled(TrainConfig(model="mixtral"), tiny_config("mixtral")) is False  # tokens: trains on, no readout
 
 
 def test_a_cost_balanced_dp_run_trains_the_planned_groups_and_refuses_the_other_balance_on_resume(tmp_path):
