@@ -72,7 +72,10 @@ def test_resume_mid_epoch_and_mid_group_continues_exactly(lengths, taken):
     assert list(r) == rest and len(rest) == len(s) - taken
     nxt = bal.sampler(1, seed=4); nxt.set_epoch(3)
     assert list(r) == list(nxt)  # and then the next epoch, reshuffled the same way
+    old = {k: v for k, v in state.items() if k != "grouping"}  # a state saved before groupings were recorded: the default's
+    with pytest.raises(ValueError, match="another grouping of the bins"): bal.sampler(1, seed=4).load_state_dict(old)
     token = TokenBudgetSampler(bal.plan, seed=4, num_replicas=2, rank=1)
+    if len(token) == len(s): token.load_state_dict(old)  # the default grouping takes it
     if len(token) == len(s):  # same row count: only the grouping tells them apart
         with pytest.raises(ValueError, match="another grouping of the bins"): token.load_state_dict(state)
     else:

@@ -519,7 +519,8 @@ class TokenBudgetSampler(torch.utils.data.Sampler):
             if state[k] != v:
                 raise ValueError(f"state was saved with {k}={state[k]} but this sampler has {k}={v}: rebuild it from the "
                                  f"same plan, seed and num_replicas as the run that saved it")
-        if state.get("grouping", self.grouping) != self.grouping:  # absent: a state saved before groupings were recorded
+        was = state.get("grouping")  # absent: saved before groupings were recorded, so by the default grouping
+        if was != self.grouping and (was is not None or self.given):
             raise ValueError("state was saved by a sampler serving another grouping of the bins (tokens against cost "
                              "balance, or other steps/group): rebuild it with the steps and group of the run that saved it")
         if not 0 <= state["consumed"] <= len(self.steps):
