@@ -236,7 +236,7 @@ def module_page(modname: str) -> str:
 def api_modules() -> list[str]:
     "Every exported module, read from nbdev's index (workbench/_modidx.py)."
     from workbench._modidx import d
-    return sorted(m for m in d["syms"] if m.count(".") == 1)
+    return sorted(m for m in d["syms"] if m.startswith("workbench."))  # sub-packages too (workbench.sp.ring)
 
 
 # ---------------------------------------------------------------- assets, config, build

@@ -194,7 +194,8 @@ def bench_balance(n_short: int = 600, n_long: int = 24, capacity: int = 4096, dp
     lengths = np.r_[synthetic_lengths("flan", n_short, seed), rng.integers(capacity // 4, capacity + 1, n_long)]
     bal = plan_balanced(lengths, capacity, dp, tiny_config("llama", vocab_size=vocab), attention="causal", seed=seed)
     docs = [bal.plan.length[b] for b in bal.plan.bins]  # per bin: its documents' lengths
-    groupings = {"token-balanced": bal.token_steps[:, 0], "cost-balanced": bal.cost_steps[:, 0]}
+    groupings = {"token-balanced": bal.token_steps[:, 0],  # the default sampler's epoch 0, as training serves it
+                 "cost-balanced": bal.sampler(seed=seed).epoch_steps()}  # [steps, dp]: what a balance="cost" run serves
     per_rank = launch(_balance_rank, groupings, np.array(docs, dtype=object), vocab, num_processes=dp, quiet=True,
                       deadline_s=deadline_s)
     rows = []

@@ -293,6 +293,13 @@ class BalancedPlan:
                 ("optimizer steps", f"{len(self.cost_steps):,} x {self.cost_steps.shape[1]} micro-steps x {self.cost_steps.shape[2]} ranks"),
                 ("max/mean rank cost, token-balanced", f"{self.token_imbalance:.3f}"),
                 ("max/mean rank cost, cost-balanced", f"{self.cost_imbalance:.3f}")]
+    def sampler(self, rank: int = 0,   # this process's data-parallel rank
+                shuffle: bool = True,  # a new order of the optimizer steps every epoch (each kept whole)
+                seed: int = 0,         # the seed of that order; the same on every rank
+               ) -> TokenBudgetSampler:
+        "The `TokenBudgetSampler` that serves `cost_steps` to `rank`: micro-step by micro-step, one optimizer step's together."
+        _, grad_accum, dp = self.cost_steps.shape
+        return TokenBudgetSampler(self.plan, shuffle, seed, dp, rank, steps=self.cost_steps.reshape(-1, dp), group=grad_accum)
     def __repr__(self): return "\n".join(f"{k}: {v}" for k, v in self.rows())
     def _repr_markdown_(self): return "\n".join(["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in self.rows()])
 
@@ -526,12 +533,13 @@ def run_options(cfg) -> dict:
                 zero_stage=3 if cfg.shard else 0, optimizer_offload=cfg.cpu_offload,
                 dtype_bytes={"bfloat16": 2, "float32": 4, "float64": 8}[dtype])
 
-def run_prediction(cfg, config, plan: Plan, efficiency: Efficiency = Efficiency(), steps: int = 64) -> Prediction | None:
+def run_prediction(cfg, config, plan: Plan, efficiency: Efficiency = Efficiency(), steps: int = 64,
+                   sampler: TokenBudgetSampler | None = None) -> Prediction | None:  # sampler: the run's (None: the token-balanced one)
     "A run's predicted step: its first `steps` optimizer steps as the sampler serves them, each at its slowest rank, averaged (None for a LoRA run or an architecture `Dims` refuses: training goes on without)."
     if getattr(cfg, "lora_r", 0): return None  # frozen weights take no weight gradients: not modelled, so no MFU claimed
     try: Dims.of(config)
     except ValueError: return None  # mixture of experts, no decoder layers: `Dims.of(config)` says why
-    served = TokenBudgetSampler(plan, seed=cfg.seed, num_replicas=cfg.dp).epoch_steps()
+    served = (sampler or TokenBudgetSampler(plan, seed=cfg.seed, num_replicas=cfg.dp)).epoch_steps()
     served = np.resize(served, (-(-len(served) // cfg.grad_accum) * cfg.grad_accum, cfg.dp)).reshape(-1, cfg.grad_accum, cfg.dp)
     opts, dev = run_options(cfg), run_device()
     slowest = [max((predict_step(config, [plan.length[plan.bins[b]] for b in step[:, r]], dev, efficiency, **opts)

@@ -13,7 +13,9 @@ import numpy as np
 import torch
 
 from .core import IGNORE_INDEX, lengths_from_positions, restart_positions
+from .cost import attention_work, plan_balanced
 from .doctor import Finding, DoctorReport, check_packing, unwrap
+from .memory import Levers
 from .packing import LOSS_MASKS, FlatteningCollator, OVERLONG, PackedStream, TokenBudgetSampler, plan_bins
 from transformers import Trainer
 from trl import SFTTrainer
@@ -163,8 +165,12 @@ class PackedMixin:
                  max_tokens: int | None = None,  # token budget of one training step per rank; set, it rules and per_device_train_batch_size is unused in training (None: per_device_train_batch_size examples)
                  overlong: str = "error",        # examples over max_tokens: "error", "truncate", "split" or "drop"
                  buffer_size: int = 2000,        # a streamed train_dataset: examples held while packing it (`PackedStream`)
+                 balance: str = "tokens",        # with max_tokens: group each optimizer step's bins over ranks by tokens, or by predicted cost (`workbench.cost.plan_balanced`)
                  **kwargs):
         if overlong not in OVERLONG: raise ValueError(f"overlong must be one of {OVERLONG}, got {overlong!r}")
+        if balance not in ("tokens", "cost"): raise ValueError(f"balance must be 'tokens' or 'cost', got {balance!r}")
+        if balance == "cost" and max_tokens is None:
+            raise ValueError("balance='cost' groups token-budget bins: pass max_tokens= as well")
         if getattr(args, "padding_free", False) or getattr(args, "packing", False):
             raise ValueError(f"{type(self).__name__} is padding-free by itself (FlatteningCollator, one row per step); TRL "
                              f"refuses a collator beside SFTConfig(padding_free=True) or packing=True: leave both False, and "
@@ -173,14 +179,16 @@ class PackedMixin:
         super().__init__(model, args, data_collator or FlatteningCollator(), prep(train_dataset), prep(eval_dataset), *rest, **kwargs)
         packed = self.train_dataset is not None and "seq_lengths" in _dataset_columns(self.train_dataset)
         self.data_collator = LabelGuard(self.data_collator, packed=packed)
-        self.max_tokens, self.overlong, self.buffer_size, self.plan = max_tokens, overlong, buffer_size, None
+        self.max_tokens, self.overlong, self.buffer_size, self.plan, self.balanced = max_tokens, overlong, buffer_size, None, None
         if max_tokens is not None:
             if self.args.train_sampling_strategy != "random":
                 raise ValueError(f"max_tokens replaces Trainer's sampler, so train_sampling_strategy="
                                  f"{self.args.train_sampling_strategy!r} would be ignored: leave it 'random' (token-budget "
                                  f"bins are shuffled per epoch), or drop max_tokens")
             if self.train_dataset is None: raise ValueError("max_tokens plans the train_dataset's bins: pass a train_dataset")
-            if not _is_stream(self.train_dataset): self.plan = plan_bins(self.train_dataset, max_tokens, overlong=overlong, seed=self.args.seed)
+            if balance == "cost": self.balanced = self._plan_balanced()  # its predicted max/mean rank cost: repr(trainer.balanced)
+            if self.balanced: self.plan = self.balanced.plan
+            elif not _is_stream(self.train_dataset): self.plan = plan_bins(self.train_dataset, max_tokens, overlong=overlong, seed=self.args.seed)
             elif self.args.dataloader_num_workers:
                 warnings.warn(f"dataloader_num_workers={self.args.dataloader_num_workers} is not used for a streamed "
                               f"train_dataset with max_tokens: PackedStream packs it in the main process (each worker "
@@ -189,6 +197,16 @@ class PackedMixin:
             if p is not None and (p.truncated or p.split or p.dropped):
                 warnings.warn(f"max_tokens={max_tokens}, overlong={overlong!r}: {p.truncated} examples truncated, {p.split} "
                               f"split, {p.dropped} dropped ({p.lost_tokens} tokens lost) of {p.n_examples}")
+
+    def _plan_balanced(self):
+        "The cost-balanced grouping of the train dataset's bins over this run's ranks and accumulation steps."
+        if _is_stream(self.train_dataset): raise ValueError("balance='cost' plans the whole train_dataset: a stream is packed as it is read; use balance='tokens'")
+        config = getattr(self.model, "config", None)
+        if config is None: raise ValueError("balance='cost' prices the bins with the model's config: pass model= (not only model_init)")
+        a = self.args
+        attention = attention_work(getattr(config, "_attn_implementation", None) or "sdpa", a.device.type)  # private: the attention the model runs
+        return plan_balanced(self.train_dataset, self.max_tokens, a.world_size, config, a.gradient_accumulation_steps, attention,
+                             Levers(checkpointing=bool(a.gradient_checkpointing)), overlong=self.overlong, seed=a.seed)
 
     def compute_loss(self, model, inputs, *args, **kwargs):
         # a cache built in training turns off packed-example detection (sdpa/eager/flex attend across examples)
@@ -214,8 +232,9 @@ class PackedMixin:
             self.stream = PackedStream(ds, self.max_tokens, self.buffer_size, self.overlong, collate_fn=collate,
                                        num_replicas=args.world_size, rank=args.process_index)  # .report counts its bins
             return _BudgetLoader(self.stream, batch_size=None, pin_memory=args.dataloader_pin_memory)
-        sampler = TokenBudgetSampler(self.plan, seed=args.data_seed if args.data_seed is not None else args.seed,
-                                     num_replicas=args.world_size, rank=args.process_index)
+        seed = args.data_seed if args.data_seed is not None else args.seed
+        sampler = (self.balanced.sampler(args.process_index, seed=seed) if self.balanced else
+                   TokenBudgetSampler(self.plan, seed=seed, num_replicas=args.world_size, rank=args.process_index))
         return _BudgetLoader(self.plan.dataset(ds), batch_sampler=sampler, collate_fn=collate,
                              num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory)
 

@@ -30,7 +30,7 @@ from fastcore.docments import docments
 from tqdm import tqdm  # the text bar: forked ranks cannot draw notebook widgets
 
 from .attention import KEY as VARLEN_KEY, register as register_varlen
-from .cost import measured_mfu, run_device, run_prediction
+from .cost import Dims, measured_mfu, plan_balanced, run_device, run_options, run_prediction
 from .core import SAMPLES, data_dir, load_sample, load_tokenizer, model_families, tiny_config, tokenize_records
 from .launch import launch
 from .memory import Levers, estimate
@@ -42,15 +42,17 @@ from .sp.ring import HybridGrid, check_layout, register_ring, ring_forward
 from .sp.balance import ring_batch
 
 # %% auto #0
-__all__ = ['DTYPES', 'PRESETS', 'PROJECT', 'CHECKPOINTS', 'MODEL_DIR', 'ADAPTER_DIR', 'SAVE_WAIT', 'flag', 'tracker_names',
-           'TrainConfig', 'chat_features', 'load_features', 'check_token_ids', 'model_config', 'add_lora',
-           'build_model', 'peak_memory_bytes', 'expected_memory', 'memory_readout', 'write_metrics', 'read_metrics',
-           'truncate_metrics', 'hparams', 'open_trackers', 'TrackerSink', 'reporting', 'plan_id', 'save_model_dir',
-           'checkpoints', 'latest_checkpoint', 'commit_checkpoint', 'check_resume', 'check_out', 'save_checkpoint',
-           'load_checkpoint', 'attention_key', 'plan_readout', 'train_rank', 'preflight_run', 'run', 'main']
+__all__ = ['DTYPES', 'BALANCES', 'PRESETS', 'PROJECT', 'CHECKPOINTS', 'MODEL_DIR', 'ADAPTER_DIR', 'SAVE_WAIT', 'flag',
+           'tracker_names', 'TrainConfig', 'chat_features', 'load_features', 'check_token_ids', 'model_config',
+           'add_lora', 'build_model', 'peak_memory_bytes', 'expected_memory', 'memory_readout', 'write_metrics',
+           'read_metrics', 'truncate_metrics', 'hparams', 'open_trackers', 'TrackerSink', 'reporting', 'plan_id',
+           'save_model_dir', 'checkpoints', 'latest_checkpoint', 'commit_checkpoint', 'check_resume', 'check_out',
+           'save_checkpoint', 'load_checkpoint', 'attention_key', 'plan_readout', 'cost_modelled', 'plan_run',
+           'balance_readout', 'train_rank', 'preflight_run', 'run', 'main']
 
 # %% ../nbs/08_train.ipynb #aa8d263e
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}  # besides "auto"
+BALANCES = ("tokens", "cost")  # how a step's bins are grouped over ranks and micro-steps
 _AT_LEAST = dict(sp=1, ring=1, dp=1, steps=1, max_tokens=1, grad_accum=1, seed=0, loss_chunk=0, mlp_chunk=0, save_every=0, keep=1, lora_r=0)
 
 def flag(name: str) -> str:
@@ -89,6 +91,7 @@ class TrainConfig:
     steps: int = 10             # optimizer steps (a resumed run continues up to this step)
     max_tokens: int = 2048      # tokens per packed row (one row per micro-step per DP replica, cut into `sp` shards)
     grad_accum: int = 1         # micro-steps per optimizer step (the loss is token-weighted over all of them)
+    balance: str = "tokens"     # group each step's bins over ranks by tokens, or by predicted cost (workbench.cost): tokens / cost
     lr: float = 1e-3            # AdamW learning rate
     seed: int = 0               # model init, data order
     attn: str = "sdpa"          # inner attention: eager, sdpa or workbench_varlen
@@ -124,6 +127,9 @@ class TrainConfig:
         if self.dtype not in ("auto", *DTYPES):
             why = " (float16 training needs loss scaling, which this loop does not do: use bfloat16)" if self.dtype == "float16" else ""
             raise ValueError(f"dtype (--dtype) {self.dtype!r} is not one of {['auto', *DTYPES]}{why}")
+        if self.balance not in BALANCES:
+            raise ValueError(f"balance (--balance) {self.balance!r} is not one of {BALANCES}: tokens groups bins of similar "
+                             f"size, cost balances each optimizer step's predicted FLOPs over the ranks")
         if self.offload_checkpoints and not self.checkpointing:
             raise ValueError("offload_checkpoints moves activation checkpoints to the host: set checkpointing=True as well")
         if self.lora_r and importlib.util.find_spec("peft") is None:
@@ -586,6 +592,30 @@ def plan_readout(plan) -> str:
             f"{len(plan.length) - plan.n_examples + plan.split} pieces, each trained without the tokens before it: "
             f"raise --max-tokens to keep them whole")
 
+def cost_modelled(cfg: TrainConfig, config) -> bool:
+    "Whether `workbench.cost` models this architecture's steps; where `cfg.balance` is 'cost' and it does not, an error naming the fix."
+    try: return bool(Dims.of(config))
+    except ValueError as e:
+        if cfg.balance != "cost": return False
+        raise ValueError(f"balance (--balance) 'cost' needs the cost of this model's steps: {e}; use --balance tokens") from None
+
+def plan_run(cfg: TrainConfig, config, lengths, rank: int = 0):
+    "The run's plan, `rank`'s sampler grouped as `cfg.balance` says, and both groupings' predicted balance (None: an architecture `workbench.cost` does not model)."
+    if not cost_modelled(cfg, config):
+        plan = plan_bins(lengths, cfg.max_tokens, overlong="split", seed=cfg.seed)
+        return plan, TokenBudgetSampler(plan, seed=cfg.seed, num_replicas=cfg.dp, rank=rank), None
+    opts = run_options(cfg)  # the attention work and levers of this run: what a bin costs
+    bal = plan_balanced(lengths, cfg.max_tokens, cfg.dp, config, cfg.grad_accum, opts["attention"], opts["levers"],
+                        overlong="split", seed=cfg.seed)
+    if cfg.balance == "cost": return bal.plan, bal.sampler(rank, seed=cfg.seed), bal
+    return bal.plan, TokenBudgetSampler(bal.plan, seed=cfg.seed, num_replicas=cfg.dp, rank=rank), bal
+
+def balance_readout(cfg: TrainConfig, bal) -> str:
+    "One line on how evenly the ranks' predicted work is spread, for both groupings."
+    if bal is None: return f"balance: {cfg.balance}; no cost prediction for this architecture"
+    return (f"balance: {cfg.balance}; predicted max/mean rank cost per optimizer step: token-balanced "
+            f"{bal.token_imbalance:.3f}, cost-balanced {bal.cost_imbalance:.3f}")
+
 def train_rank(cfg: TrainConfig) -> list[float]:
     "Train on this process as one rank of the `cfg.dp` x `cfg.sp` grid; return the loss of every step it trained."
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -603,12 +633,13 @@ def train_rank(cfg: TrainConfig) -> list[float]:
     tokenizer = load_tokenizer()  # what load_features tokenizes with; saved beside the model in every checkpoint
     features = load_features(cfg.data, tokenizer)
     check_token_ids(features, model.config.vocab_size, cfg.data)
-    plan = plan_bins([len(f["input_ids"]) for f in features], cfg.max_tokens, overlong="split", seed=cfg.seed)
-    predicted = run_prediction(cfg, model.config, plan) if cfg.ring == 1 else None  # workbench.cost's roofline (None: a run it does not model)
-    if _rank() == 0: print(plan_readout(plan)); print(predicted or ("no step prediction: workbench.cost does not model ring attention yet" if cfg.ring > 1
-                                                                    else "no step prediction: workbench.cost models neither LoRA nor this architecture's layers"))
+    plan, sampler, bal = plan_run(cfg, model.config, [len(f["input_ids"]) for f in features], grid.dp_rank)
+    predicted = run_prediction(cfg, model.config, plan, sampler=sampler) if cfg.ring == 1 else None  # workbench.cost's roofline (None: a run it does not model)
+    if _rank() == 0:
+        print(plan_readout(plan)); print(balance_readout(cfg, bal))
+        print(predicted or ("no step prediction: workbench.cost does not model ring attention yet" if cfg.ring > 1
+                            else "no step prediction: workbench.cost models neither LoRA nor this architecture's layers"))
     pid = plan_id(plan)
-    sampler = TokenBudgetSampler(plan, seed=cfg.seed, num_replicas=cfg.dp, rank=grid.dp_rank)
     pieces, collate = plan.dataset(features), FlatteningCollator(pad_to_multiple_of=cfg.sp)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)  # LoRA: the adapters
     out = Path(cfg.out); out.mkdir(parents=True, exist_ok=True)
@@ -616,6 +647,7 @@ def train_rank(cfg: TrainConfig) -> list[float]:
     if _rank() == 0:
         _replace_file(out / "config.json", json.dumps({**asdict(cfg), "plan": repr(plan),
                                                        "expected_peak_bytes": memory_readout(cfg)[0],
+                                                       **({"imbalance": {"tokens": bal.token_imbalance, "cost": bal.cost_imbalance}} if bal else {}),
                                                        **({"predicted": predicted.as_dict()} if predicted else {})}, indent=1))
         truncate_metrics(out, start)  # a resumed run logs each step once: rows past the checkpoint go
     if dist.is_initialized(): dist.barrier()
@@ -665,6 +697,7 @@ def preflight_run(cfg: TrainConfig):
     except ValueError as e: raise ValueError(f"attn (--attn) {cfg.attn!r}: {e}") from None
     except KeyError: raise ValueError(f"attn (--attn) {cfg.attn!r}: {config.model_type} models do not look attention up in "
                                       f"transformers' AttentionInterface, so they cannot run a registered one: use sdpa or eager") from None
+    cost_modelled(cfg, config)  # balance 'cost' on an architecture the cost model refuses: said here
     check_out(cfg)
     check_token_ids(load_features(cfg.data), config.vocab_size, cfg.data)
 
