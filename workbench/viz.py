@@ -293,7 +293,7 @@ def mask_layout(title: str, size: int = 560) -> dict:
     "Layout of a mask view (passed to the figure's constructor, which Voila requires)."
     axis = dict(showgrid=False, zeroline=False, constrain="domain")
     return dict(title=dict(text=title, font=dict(size=13)), template=TEMPLATE, width=size + 40, height=size,
-                xaxis=dict(title="key token", **axis), margin=dict(t=100, l=60, r=20, b=50),
+                xaxis=dict(title="key token", **axis), margin=dict(t=125, l=60, r=20, b=50),
                 yaxis=dict(title="query token", autorange="reversed", scaleanchor="x", **axis))
 
 OUTLINE = dict(mode="lines", hoverinfo="skip", showlegend=False, line=dict(color="rgba(0,0,0,0.45)", width=1))
