@@ -22,7 +22,8 @@ from .core import lengths_from_positions
 from .memory import LEVER_LADDER, Levers, Shape, estimate, max_context, preset_config
 from .packing import Plan, TokenBudgetSampler, lengths_of, plan_bins
 from .tiling import causal_lm_loss_sum, decoder_layers
-from .ulysses import a2a_elements, check_sp, sp_sizes
+from .sp.all_to_all import a2a_elements
+from .sp.grid import check_sp, sp_sizes
 
 # %% auto #0
 __all__ = ['ATTENTION_WORK', 'ADAMW_BYTES', 'CPU_FLOP_FORMULAS', 'DEVICES', 'FACTORS', 'device_of', 'FIT_GROUPS',

@@ -37,9 +37,12 @@ from .memory import Levers, estimate
 from .packing import FlatteningCollator, TokenBudgetSampler, plan_bins
 from .tiling import checkpoint_layers, lean_kernels, tile_mlp
 from .shard import full_state, is_sharded, load_full_state, reduce_gradients, shard_model
-from .ulysses import ParallelGrid, check_sp, global_loss, register_ulysses, shard_batch, sp_forward
-from .sp.ring import HybridGrid, check_layout, register_ring, ring_forward
 from .sp.balance import ring_batch
+from .sp.grid import check_layout, check_sp, ParallelGrid
+from .sp.loss import global_loss
+from .sp.ring import register_ring, ring_forward
+from .sp.shard import shard_batch
+from .sp.ulysses import register_ulysses, sp_forward
 
 # %% auto #0
 __all__ = ['DTYPES', 'BALANCES', 'PRESETS', 'PROJECT', 'CHECKPOINTS', 'MODEL_DIR', 'ADAPTER_DIR', 'SAVE_WAIT', 'flag',
@@ -624,7 +627,7 @@ def train_rank(cfg: TrainConfig) -> list[float]:
                          f"but {world} are running: launch {cfg.world} processes or change sp/ring/dp")
     check_out(cfg)
     device = _device()
-    grid = HybridGrid.build(cfg.sp, cfg.ring, device.type) if cfg.ring > 1 else ParallelGrid.build(cfg.sp, device.type)
+    grid = ParallelGrid.build(cfg.sp, cfg.ring, device.type)
     wait = dist.new_group(backend="gloo", timeout=SAVE_WAIT) if dist.is_initialized() else None  # for checkpoint saves
     model = build_model(cfg, attention_key(cfg), device)
     if cfg.ring > 1: check_layout(model.config, cfg.sp, cfg.ring, world_size=world)
@@ -633,7 +636,7 @@ def train_rank(cfg: TrainConfig) -> list[float]:
     tokenizer = load_tokenizer()  # what load_features tokenizes with; saved beside the model in every checkpoint
     features = load_features(cfg.data, tokenizer)
     check_token_ids(features, model.config.vocab_size, cfg.data)
-    plan, sampler, bal = plan_run(cfg, model.config, [len(f["input_ids"]) for f in features], grid.dp_rank)
+    plan, sampler, bal = plan_run(cfg, model.config, [len(f["input_ids"]) for f in features], grid.rank("dp"))
     predicted = run_prediction(cfg, model.config, plan, sampler=sampler) if cfg.ring == 1 else None  # workbench.cost's roofline (None: a run it does not model)
     if _rank() == 0:
         print(plan_readout(plan)); print(balance_readout(cfg, bal))
