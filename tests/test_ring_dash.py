@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from workbench.core import tiny_config
 from workbench.cost import plan_balanced, run_options
 from workbench.dashboard import COMM_TITLE, METRIC_KEYS, Dashboard
 from workbench.launch import launch
@@ -23,7 +24,8 @@ from workbench.train import TrainConfig, balance_readout, model_config, plan_run
 COMMON = dict(model="qwen2", data="orca_like", steps=2, max_tokens=256, timeout_s=60)  # qwen2: 4 heads, 2 kv heads
 RUNS = {"hybrid": dict(sp=2, ring=2, grad_accum=2),                            # both groups; two rows per step
         "ring": dict(sp=1, ring=2, dtype="bfloat16", checkpointing=True),      # bf16 blocks, fp32 gradients, recompute
-        "ulysses": dict(sp=2)}                                                # no ring: ring_share 0.0, ring_bytes 0
+        "ulysses": dict(sp=2),                                                # no ring: ring_share 0.0, ring_bytes 0
+        "replicated": dict(sp=2, ring=2)}  # a local model of 2 heads and 1 kv head: Ulysses 2 replicates it, the ring passes both
 
 
 class CountBytes(CountComm):
@@ -44,8 +46,10 @@ def counted_train(cfg: TrainConfig) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root, out = tmp_path_factory.mktemp("ringdash"), {}
+    tiny_config("llama", num_attention_heads=2, num_key_value_heads=1).save_pretrained(root / "two_heads")
     for name, kw in RUNS.items():
-        cfg = TrainConfig(**COMMON, **kw, name=name, out=str(root / name))
+        model = str(root / "two_heads") if name == "replicated" else COMMON["model"]
+        cfg = TrainConfig(**{**COMMON, "model": model}, **kw, name=name, out=str(root / name))
         counted = launch(counted_train, cfg, num_processes=cfg.world, sp_size=cfg.sp, ring=cfg.ring, cpu=True, quiet=True,
                          timeout_s=60, deadline_s=240)
         rows = [json.loads(l) for l in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
@@ -87,7 +91,7 @@ def test_dashboard_draws_the_all_to_all_and_the_ring_apart_and_old_rows_without_
             assert list(t.x) == [0, 1] and list(t.y) == [r[key] for r in rank0] and t.line.dash == dash_, (name, kind)
     assert list(traces["old all-to-all"].y) == [0.2, 0.3]
     colors = {t.name.split()[0]: t.line.color for t in traces.values()}
-    assert len(set(colors.values())) == 4  # one colour per run: its two traces share it, the line dash tells them apart
+    assert len(set(colors.values())) == len(RUNS) + 1  # one colour per run: its two traces share it, the dash tells them apart
     assert traces["hybrid ring"].line.color == traces["hybrid all-to-all"].line.color
 
 
@@ -112,6 +116,16 @@ def test_tokens_balance_never_deals_the_cost_grouping_and_reads_the_same_imbalan
         assert line.startswith(f"balance: tokens; predicted max/mean rank cost per optimizer step: token-balanced {bal.token_imbalance:.3f}")
         assert ("--balance cost groups" in line) == (dp > 1) and "cost-balanced" not in line, line
     assert bal.token_imbalance != bal.cost_imbalance  # at dp=3 the groupings differ: the equalities above could fail
-    from workbench.core import tiny_config
     assert plan_run(TrainConfig(model="mixtral"), tiny_config("mixtral"), lengths)[2] is None  # not modelled: trains on
     assert balance_readout(TrainConfig(model="mixtral"), None) == "balance: tokens; no cost prediction for this architecture"
+
+
+def test_a_run_resumed_past_the_upgrade_draws_its_ring_trace_only_where_rows_have_it(tmp_path):
+    "Older rows (no ring_share) then newer ones in one directory, as a run resumed after an upgrade writes them: no zeros invented."
+    d = tmp_path / "resumed"; d.mkdir()
+    base = dict(rank=0, loss=9.0, tokens=100, tokens_per_s=1e3, peak_mem_bytes=2**30, a2a_share=0.25)
+    rows = [dict(base, step=s, time=s + 1.0) for s in range(2)] + [dict(base, step=s, time=s - 1.0, ring_share=0.125) for s in (2, 3)]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    dash = Dashboard(d, names=["resumed"])
+    traces = {t.name: (list(t.x), list(t.y)) for t in dash.comm.data}
+    assert traces == {"resumed all-to-all": ([0, 1, 2, 3], [0.25] * 4), "resumed ring": ([2, 3], [0.125] * 2)}

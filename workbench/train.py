@@ -601,6 +601,7 @@ def cost_modelled(cfg: TrainConfig, config) -> bool:
 
 def token_imbalance(cfg: TrainConfig, config, plan) -> float:
     "Predicted max/mean rank cost per optimizer step as the token-budget sampler serves `plan` (what `BalancedPlan.token_imbalance` says, without dealing the cost grouping)."
+    if cfg.dp == 1: return 1.0  # one rank is its own slowest and its own mean: no bin needs costing
     opts = run_options(cfg)
     served = TokenBudgetSampler(plan, seed=cfg.seed, num_replicas=cfg.dp).epoch_steps()  # [sampler steps, dp]
     served = np.resize(served, (-(-len(served) // cfg.grad_accum) * cfg.grad_accum, cfg.dp)).reshape(-1, cfg.grad_accum, cfg.dp)
