@@ -13,7 +13,7 @@ from .all_to_all import a2a_elements
 from .grid import ParallelGrid, RingStats, check_layout
 from .loss import sp_loss
 from .shard import SHARD_KEYS
-from .ulysses import to_head_shards, to_token_shards
+from .ulysses import register_key, to_head_shards, to_token_shards
 
 # %% auto #0
 __all__ = ['KEY', 'block_mask', 'block_attention', 'merge', 'ring_attend', 'documents', 'ring_attention', 'register_ring',
@@ -100,7 +100,7 @@ class _RingAttention(torch.autograd.Function):
         groups, acc = q.shape[1] // k.shape[1], out.dtype
         qa, dout, up = q.to(acc), dout.to(acc), lambda x: _expand(x, groups).to(acc)
         dq, delta = torch.zeros_like(qa), (dout * out).sum(-1, keepdim=True)  # [B, H, m, 1]
-        kv, dworks = torch.stack([k, v]), None  # dkv: the gradients of the block held now, gathered in fp32 or finer
+        kv, incoming = torch.stack([k, v]), None  # incoming: (works, buffer) of the block gradients on their way here
         for step in range(n):
             if step < n - 1: works, nxt = _pass_on(kv, group, ctx.stats)
             allowed = block_mask(ring_index[r], ring_index[(r - step) % n], doc, ctx.window, ctx.causal)
@@ -112,12 +112,13 @@ class _RingAttention(torch.autograd.Function):
                 dq = dq + ds @ ke * scale
                 for i, g in enumerate((ds.transpose(-1, -2) @ qa * scale, p.transpose(-1, -2) @ dout)):  # dK, dV of the block
                     mine[i] = g if groups == 1 else g.unflatten(1, (-1, groups)).sum(2)
-            if dworks is not None: _wait(dworks, ctx.stats)  # the earlier holders' gradients arrived during that compute
-            dkv = mine if dworks is None else dnxt + mine
+            dkv = mine  # the block's gradients so far, in fp32 or finer
+            if incoming is not None:  # the earlier holders' share travelled during that compute
+                _wait(incoming[0], ctx.stats); dkv = incoming[1] + mine
             if n > 1:  # the gradients follow their block (their own tag: never matched with a block); the last hop reaches its owner
-                dworks, dnxt = _pass_on(dkv, group, ctx.stats, tag=1)
+                incoming = _pass_on(dkv, group, ctx.stats, tag=1)
             if step < n - 1: _wait(works, ctx.stats); kv = nxt
-        if dworks is not None: _wait(dworks, ctx.stats); dkv = dnxt
+        if incoming is not None: _wait(incoming[0], ctx.stats); dkv = incoming[1]
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None, None
 
 def ring_attend(q: torch.Tensor,            # [B, H, m, D] this process's queries (all of its ring block's tokens)
@@ -177,24 +178,9 @@ def ring_attention(module,                 # the attention module calling us
 # %% ../../nbs/22_sp_ring.ipynb #5c861a66
 KEY = "workbench_ring"  # the attention implementation name models are built with
 
-def _no_mask(*args, attention_mask=None, **kwargs):
-    "Mask function of the ring key: a shard cannot know the global mask, so none is built before attention."
-    if attention_mask is not None:
-        raise ValueError("a ring batch carries no attention_mask: packed rows mark examples with position_ids and "
-                         "cu_seq_lens; build shards with ring_shard and pass no mask")
-    return None
-
 def register_ring() -> str:
     "Register `workbench_ring` with transformers' attention and mask interfaces (idempotent); return the key."
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-    for registry, fn in ((AttentionInterface, ring_attention), (AttentionMaskInterface, _no_mask)):
-        owner = registry._global_mapping.get(KEY)  # the registries offer no public lookup of the global entries
-        # ours by name, not identity: re-running this notebook's cells (or reloading the module) makes new function objects
-        if owner is not None and getattr(owner, "__qualname__", None) != fn.__qualname__:
-            raise ValueError(f"{registry.__name__} already maps {KEY!r} to {owner!r}: refusing to overwrite it")
-        registry.register(KEY, fn)
-    return KEY
+    return register_key(KEY, ring_attention)
 
 def ring_forward(model,              # a transformers model built with attn_implementation=register_ring()
                  shard: dict,        # this process's shard from `ring_shard`

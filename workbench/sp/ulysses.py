@@ -16,7 +16,8 @@ from .shard import SHARD_KEYS
 from ..tiling import causal_lm_loss_sum
 
 # %% auto #0
-__all__ = ['sp_mask_function', 'to_head_shards', 'to_token_shards', 'ulysses_attention', 'register_ulysses', 'sp_forward']
+__all__ = ['sp_mask_function', 'to_head_shards', 'to_token_shards', 'ulysses_attention', 'no_mask', 'register_key',
+           'register_ulysses', 'sp_forward']
 
 # %% ../../nbs/21_sp_ulysses.ipynb #6402150a
 def sp_mask_function(cu_seq_lens: torch.Tensor,          # global example boundaries [n + 1]
@@ -103,17 +104,30 @@ def ulysses_attention(module,                 # the attention module calling us
     return to_token_shards(out, sp_grid), None  # [B, N/P, H, D]
 
 # %% ../../nbs/21_sp_ulysses.ipynb #04108474
-def _no_local_mask(*args, attention_mask=None, **kwargs):
-    "Mask function of the Ulysses keys: a shard cannot know the global mask, so none is built before attention."
+def no_mask(*args, attention_mask=None, **kwargs):
+    "Mask function of the sequence-parallel keys: a shard cannot know the global mask, so none is built before attention."
     if attention_mask is not None:
-        raise ValueError("a Ulysses batch carries no attention_mask: packed rows mark examples with position_ids and "
-                         "cu_seq_lens; build shards with shard_batch and pass no mask")
+        raise ValueError("a sequence-parallel batch carries no attention_mask: packed rows mark examples with position_ids "
+                         "and cu_seq_lens; build shards with shard_batch (Ulysses) or ring_shard (ring) and pass no mask")
     return None
 
-def _is_ours(fn, inner: str | None) -> bool:
-    name = getattr(getattr(fn, "func", fn), "__qualname__", None)
-    if inner is None: return name == _no_local_mask.__qualname__
-    return name == ulysses_attention.__qualname__ and getattr(fn, "keywords", {}).get("inner") == inner
+def _same(fn, ref) -> bool:
+    "Ours by name and bound keywords, not identity: re-running a notebook's cells (or reloading a module) makes new functions."
+    name = lambda f: getattr(getattr(f, "func", f), "__qualname__", None)
+    return name(fn) == name(ref) and getattr(fn, "keywords", {}) == getattr(ref, "keywords", {})
+
+def register_key(key: str,  # the attn_implementation name models are built with
+                 attention, # the attention function to register under it
+                ) -> str:
+    "Register `attention` and `no_mask` under `key` in transformers' attention and mask interfaces (idempotent); return the key."
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+    for registry, fn in ((AttentionInterface, attention), (AttentionMaskInterface, no_mask)):
+        owner = registry._global_mapping.get(key)  # the registries offer no public lookup of the global entries
+        if owner is not None and not _same(owner, fn):
+            raise ValueError(f"{registry.__name__} already maps {key!r} to {owner!r}: refusing to overwrite it")
+        registry.register(key, fn)
+    return key
 
 def register_ulysses(inner: str = "sdpa") -> str:
     "Register `ulysses_<inner>` with transformers' attention and mask interfaces (idempotent); return the key."
@@ -127,14 +141,7 @@ def register_ulysses(inner: str = "sdpa") -> str:
     if inner not in AttentionMaskInterface():
         raise ValueError(f"{inner!r} has no mask function in transformers' AttentionMaskInterface, so the wrapper cannot "
                          f"tell it where examples start: register one for it (returning None if it reads cu_seq_lens)")
-    key = f"ulysses_{inner}"
-    for registry, fn, tag in ((AttentionInterface, partial(ulysses_attention, inner=inner), inner),
-                              (AttentionMaskInterface, _no_local_mask, None)):
-        owner = registry._global_mapping.get(key)
-        if owner is not None and not _is_ours(owner, tag):
-            raise ValueError(f"{registry.__name__} already maps {key!r} to {owner!r}: refusing to overwrite it")
-        registry.register(key, fn)
-    return key
+    return register_key(f"ulysses_{inner}", partial(ulysses_attention, inner=inner))
 
 # %% ../../nbs/21_sp_ulysses.ipynb #91de2649
 def sp_forward(model,               # a transformers model using a `ulysses_*` attention implementation
