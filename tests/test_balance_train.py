@@ -127,17 +127,18 @@ def test_a_cost_balanced_dp_run_trains_the_planned_groups_and_refuses_the_other_
     rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert sorted((r["step"], r["rank"]) for r in rows) == [(s, r) for s in range(4) for r in range(2)]
     logged = {(r["step"], r["rank"]): r["tokens"] for r in rows}
-    expect = {}
+    expect, imbalance = {}, {}
     for balance in ("cost", "tokens"):
         for rank in (0, 1):
-            plan, sampler, bal = plan_run(TrainConfig(**{**cfg.__dict__, "balance": balance}), model_config(cfg), lengths, rank)
+            plan, sampler, imbalance[balance] = plan_run(TrainConfig(**{**cfg.__dict__, "balance": balance}), model_config(cfg), lengths, rank)
             served = sampler.epoch_steps()[:, rank][:8].reshape(4, 2)  # 4 optimizer steps of 2 micro-steps
             for step, bins in enumerate(served):
                 expect[balance, step, rank] = int(sum(plan.length[plan.bins[b]].sum() for b in bins))
     assert all(logged[s, r] == expect["cost", s, r] for s in range(4) for r in range(2)), (logged, expect)
     assert any(expect["tokens", s, r] != expect["cost", s, r] for s in range(4) for r in range(2))  # it could fail
     config = json.loads((tmp_path / "run" / "config.json").read_text())
-    assert config["balance"] == "cost" and config["imbalance"] == {"tokens": bal.token_imbalance, "cost": bal.cost_imbalance}
+    assert config["balance"] == "cost" and config["imbalance"] == imbalance["cost"] and set(imbalance["cost"]) == {"tokens", "cost"}
+    assert imbalance["tokens"] == {"tokens": imbalance["cost"]["tokens"]}  # a tokens run: its own grouping's, no cost grouping dealt
     with pytest.raises(ValueError, match=r"balance='cost' \(--balance; this run has 'tokens'\)"):
         run(TrainConfig(**{**cfg.__dict__, "balance": "tokens", "steps": 6, "resume": True}))
 

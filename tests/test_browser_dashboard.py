@@ -10,6 +10,7 @@ import shutil
 import time
 
 from browser_utils import ARTIFACTS, ROOT, browser_page, jupyter_env, jupyterlab, open_notebook, run_all_cells
+from workbench.dashboard import COMM_TITLE
 
 NOTEBOOK = ROOT / "nbs" / "tutorials" / "launch_sp.ipynb"
 
@@ -50,11 +51,12 @@ def test_dashboard_in_jupyterlab(tmp_path):
         assert state["done"] is True, "a cell of the tutorial failed in JupyterLab"
 
         plots = state["plots"]
-        assert set(plots) >= {"loss", "throughput", "peak memory per rank", "time in all-to-all"}, plots.keys()
+        assert set(plots) >= {"loss", "throughput", "peak memory per rank", COMM_TITLE}, plots.keys()
         runs = [t["name"] for t in plots["loss"]]
         assert runs == ["SP=1", "SP=2", "DP=2"], runs
-        for title in ("loss", "throughput", "time in all-to-all"):  # every step of every run reached the page
-            assert [t["x"] for t in plots[title]] == [list(range(steps))] * len(runs), (title, plots[title])
+        assert [t["name"] for t in plots[COMM_TITLE]] == [f"{r} {kind}" for r in runs for kind in ("all-to-all", "ring")]
+        for title in ("loss", "throughput", COMM_TITLE):  # every step of every run reached the page
+            assert [t["x"] for t in plots[title]] == [list(range(steps))] * len(plots[title]), (title, plots[title])
         loss = {t["name"]: t["y"] for t in plots["loss"]}
         assert max(abs(a - b) for a, b in zip(loss["SP=2"], loss["SP=1"])) < 1e-5, loss
         measured = sorted(t["name"] for t in plots["peak memory per rank"] if " rank " in t["name"])

@@ -14,8 +14,7 @@ from workbench.cost import (CPU_FLOP_FORMULAS, DEVICES, LAYOUT_LEVERS, Dims, Eff
 from workbench.memory import Levers, estimate, preset_config
 from workbench.packing import plan_bins, synthetic_lengths
 from workbench.tiling import checkpoint_layers, tile_mlp
-from workbench.sp.ring import check_layout, sp_layouts
-from workbench.ulysses import check_sp
+from workbench.sp.grid import check_layout, check_sp, sp_layouts
 
 FAMILIES = {"llama": "sdpa", "qwen2": "sdpa", "gemma": "sdpa", "phi": "sdpa", "qwen3": "sdpa", "olmo2": "sdpa",
             "gemma2": "eager"}  # dense MHA, GQA + biases, MQA, two-matrix MLP, qk-norm, post-norms, sliding + eager

@@ -190,7 +190,7 @@ def test_a_third_engine_plugs_in_and_is_judged():
     import torch
     import torch.nn.functional as F
     from workbench.engines import ENGINES, Recorder, register_engine
-    from workbench.ulysses import case_model
+    from workbench.sp.proofs import case_model
 
     @register_engine("test_cache_trap", processes=False)
     def train(run, rows):

@@ -14,7 +14,7 @@ from workbench.attention import KEY as VARLEN
 from workbench.core import tiny_model
 from workbench.doctor import check_packing, contamination_probe, matrix_examples, padded_twin, prompt_learning, unwrap
 from workbench.packing import FlatteningCollator
-from workbench.ulysses import Case, prove_equivalence
+from workbench.sp.proofs import Case, prove_equivalence
 
 NO_CACHE = {"use_cache": False}
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")

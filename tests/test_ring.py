@@ -21,11 +21,12 @@ import torch
 
 from workbench.core import shift_labels, tiny_config, tiny_model
 from workbench.launch import free_port, launch
-from workbench.sp.balance import (PLANS, balanced_plan, imbalance, plan_row, token_work, unshard, zigzag_plan)
-from workbench.sp.proofs import balance_markdown, balance_table, check_ring, ring_losses
-from workbench.sp.ring import (HybridGrid, block_pairs, check_layout, choose_layout, contiguous_plan, documents,
-                               register_ring, ring_forward, ring_shard, sp_layouts)
-from workbench.ulysses import Case, case_rows, check_sp, one_process
+from workbench.sp.balance import balanced_plan, imbalance, plan_row, PLANS, token_work, unshard, zigzag_plan
+from workbench.sp.grid import check_layout, check_sp, choose_layout, ParallelGrid, sp_layouts
+from workbench.sp.measure import balance_markdown, balance_table
+from workbench.sp.proofs import Case, case_rows, check_ring, one_process, ring_losses
+from workbench.sp.ring import block_pairs, documents, register_ring, ring_forward
+from workbench.sp.shard import contiguous_plan, ring_shard
 
 F64 = [Case("llama", "sdpa", dtype="float64"),                  # MHA, 203 FLAN-like tokens (not a multiple of P)
        Case("qwen2", "sdpa", dtype="float64"),                  # GQA, 2 kv heads
@@ -101,12 +102,12 @@ def test_layouts_listed_and_bad_pairs_refused():
     model = two_heads(register_ring())
     shard = ring_shard(rows(1)[0], contiguous_plan(203, 1), 0)
     with pytest.raises(ValueError, match="ulysses=4 does not suit"):
-        ring_forward(model, shard, HybridGrid(ulysses=4, ring=1))  # refused before any exchange
-    from workbench.ulysses import shard_batch
+        ring_forward(model, shard, ParallelGrid(ulysses=4, ring=1))  # refused before any exchange
+    from workbench.sp.shard import shard_batch
     with pytest.raises(ValueError, match="build it with ring_shard"):
-        ring_forward(model, shard_batch(rows(1)[0], 0, 1), HybridGrid())
+        ring_forward(model, shard_batch(rows(1)[0], 0, 1), ParallelGrid())
     with pytest.raises(ValueError, match="cu_seq_lens_q ends at 204 but the ring blocks hold 203"):
-        ring_forward(model, {**shard, "cu_seq_lens_q": torch.tensor([0, 102, 204], dtype=torch.int32)}, HybridGrid())
+        ring_forward(model, {**shard, "cu_seq_lens_q": torch.tensor([0, 102, 204], dtype=torch.int32)}, ParallelGrid())
 
 
 def test_one_block_equals_sdpa_across_families_or_refuses_by_name():
@@ -116,12 +117,12 @@ def test_one_block_equals_sdpa_across_families_or_refuses_by_name():
     for family in ("gemma3", "phi3", "olmo2", "qwen3", "starcoder2"):
         ref = tiny_model(family, attn_implementation="sdpa", dtype=torch.float64)(**{k: row[k] for k in keys}, use_cache=False).logits
         model = tiny_model(family, attn_implementation=register_ring(), dtype=torch.float64)
-        logits, _ = ring_forward(model, ring_shard(row, contiguous_plan(203, 1), 0), HybridGrid())
+        logits, _ = ring_forward(model, ring_shard(row, contiguous_plan(203, 1), 0), ParallelGrid())
         assert ((logits - ref).abs().max() / ref.abs().max()).item() <= 1e-10, family
     for family, words in (("gemma2", "does not implement softcap"), ("stablelm", "does not pass forward keywords")):
         model = tiny_model(family, attn_implementation=register_ring())
         with pytest.raises(ValueError, match=words):
-            ring_forward(model, ring_shard(row, contiguous_plan(203, 1), 0), HybridGrid())
+            ring_forward(model, ring_shard(row, contiguous_plan(203, 1), 0), ParallelGrid())
 
 
 @pytest.mark.parametrize("parts", [1, 2, 3, 4, 8])
@@ -228,8 +229,8 @@ def _torchrun_nodes(port: int, args: list, timeout: float = 240) -> list[str]:
     return logs
 
 
-def test_train_ring_from_the_notebook_launcher_and_two_torchrun_nodes_equals_one_process(tmp_path, capsys):
-    "workbench.train --ring: run() (forked ranks) and two torchrun 'nodes' (Ulysses pairs {0,1}, {2,3}; rings {0,2}, {1,3})."
+def test_train_ring_from_the_notebook_launcher_torchrun_nodes_and_accelerate_equals_one_process(tmp_path, capsys):
+    "workbench.train --ring: run() (forked ranks), two torchrun 'nodes' (Ulysses pairs {0,1}, {2,3}; rings {0,2}, {1,3}) and accelerate launch."
     from workbench.train import TrainConfig, _config, _parser, run
     common = dict(model="qwen2", data="orca_like", steps=2, max_tokens=512)
     one = run(TrainConfig(**common, out=str(tmp_path / "one")))
@@ -237,8 +238,14 @@ def test_train_ring_from_the_notebook_launcher_and_two_torchrun_nodes_equals_one
     logs = _torchrun_nodes(free_port(), ["-m", "workbench.train", "--sp", "2", "--ring", "2", "--dp", "1", "--model", "qwen2",
                                          "--data", "orca_like", "--steps", "2", "--max-tokens", "512", "--out", str(tmp_path / "nodes")])
     nodes = json.loads(logs[0].strip().splitlines()[-1])["losses"]  # global rank 0 (node 0) prints the losses
-    assert len(one) == len(hybrid) == len(nodes) == 2 and min(one) > 1  # two steps that train something
-    for got in (hybrid, nodes):
+    accel = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "4", "-m",
+                            "workbench.train", "--sp", "2", "--ring", "2", "--nproc", "4", "--model", "qwen2", "--data", "orca_like",
+                            "--steps", "2", "--max-tokens", "512", "--out", str(tmp_path / "accelerate")],
+                           capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert accel.returncode == 0, accel.stderr[-3000:]
+    accelerated = json.loads(accel.stdout.strip().splitlines()[-1])["losses"]
+    assert len(one) == len(hybrid) == len(nodes) == len(accelerated) == 2 and min(one) > 1  # two steps that train something
+    for got in (hybrid, nodes, accelerated):
         assert max(abs(a - b) for a, b in zip(got, one)) <= 1e-6, (got, one)
     metrics = [json.loads(l) for l in (tmp_path / "hybrid" / "metrics.jsonl").read_text().splitlines()]
     assert {m["rank"] for m in metrics} == {0, 1, 2, 3}

@@ -4,7 +4,7 @@ Two launches (2 and 4 gloo processes on CPU) measure, on every rank:
 - the live bytes of one `ring_attend` call (bf16, forward + backward), counted by `workbench.memory.LiveBytes` as the
   planner's fake-tensor measurements are: they equal `ring_attention_bytes` exactly on a rank that computes every
   block pair (the planner's terms are the tensors `_RingAttention` makes, read off its code), and no rank holds more;
-- the bytes sent at the dispatcher (`workbench.sp.ring.CountComm`: Ulysses all-to-alls, ring sends) during one training
+- the bytes sent at the dispatcher (`workbench.sp.proofs.CountComm`: Ulysses all-to-alls, ring sends) during one training
   step of a tiny model: equal to `step_cost`'s "all-to-all" and "ring" bytes;
 - the FLOPs that ran (torch's `FlopCounterMode`): the busiest ring rank's equal `step_cost`'s total.
 Then `workbench.train.run` with --ring prints a memory readout and a step prediction and records "predicted".
@@ -24,8 +24,10 @@ from workbench.launch import launch
 from workbench.memory import LiveBytes, Levers, Shape, estimate, max_context, preset_config, ring_attention_bytes
 from workbench.packing import FlatteningCollator, synthetic_lengths
 from workbench.sp.balance import PLANS, plan_row, ring_batch, zigzag_plan
-from workbench.sp.ring import (CountComm, HybridGrid, block_pairs, check_layout, contiguous_plan, documents,
-                               register_ring, ring_attend, ring_forward)
+from workbench.sp.grid import ParallelGrid, check_layout
+from workbench.sp.proofs import CountComm
+from workbench.sp.ring import block_pairs, documents, register_ring, ring_attend, ring_forward
+from workbench.sp.shard import contiguous_plan
 from workbench.tiling import checkpoint_layers
 
 HEAD_DIM = 16
@@ -44,7 +46,7 @@ def _shape(heads, kv_heads) -> Shape:
 
 def _attention_bytes(u, r, heads, kv_heads, plan):
     "One ring_attend call on this rank as the hybrid layout hands it (heads already exchanged), bf16: its peak live bytes."
-    grid = HybridGrid.build(u, r)
+    grid = ParallelGrid.build(u, r)
     g = torch.Generator().manual_seed(dist.get_rank())
     m = N_TOKENS // r
     q = torch.randn(1, heads // u, m, HEAD_DIM, generator=g).bfloat16().requires_grad_()
@@ -53,13 +55,13 @@ def _attention_bytes(u, r, heads, kv_heads, plan):
     index = (zigzag_plan(N_TOKENS, u * r) if plan == "zigzag" else contiguous_plan(N_TOKENS, u * r)).reshape(r, -1)
     doc = documents(torch.tensor([0, N_TOKENS]))  # one document; made outside, as the layer makes it before attention
     with LiveBytes() as lb:
-        (ring_attend(q, k, v, index, doc, grid.ring_group) * w).sum().backward()
+        (ring_attend(q, k, v, index, doc, grid.group("ring")) * w).sum().backward()
     return lb.peak - 4  # less the test's own bf16 scalar loss and its seed gradient (2 bytes each)
 
 
 def _step(u, r, family, checkpointing):
     "One training step of a tiny model on this rank's shard: bytes sent per group and FLOPs that ran."
-    grid = HybridGrid.build(u, r)
+    grid = ParallelGrid.build(u, r)
     model = tiny_model(family, attn_implementation=register_ring()).train()
     if checkpointing: checkpoint_layers(model)
     row = FlatteningCollator()([{"input_ids": list(range(3, 3 + n))} for n in LENGTHS])
@@ -67,7 +69,7 @@ def _step(u, r, family, checkpointing):
     with CountComm() as comm, FlopCounterMode(display=False, custom_mapping=CPU_FLOP_FORMULAS) as flops:
         _, loss = ring_forward(model, shard, grid)
         loss.backward()
-    return dict(a2a=comm.a2a, p2p_bytes=comm.p2p_bytes, flops=flops.get_total_flops(), ring_rank=grid.ring_rank)
+    return dict(a2a=comm.a2a, p2p_bytes=comm.p2p_bytes, flops=flops.get_total_flops(), ring_rank=grid.rank("ring"))
 
 
 def _rank(world):

@@ -15,7 +15,10 @@ from workbench.core import tiny_model
 from workbench.launch import launch
 from workbench.shard import (full_parameters, full_state, is_sharded, load_full_state, prove_sharding, reduce_gradients,
                              shard_mesh, shard_model, shard_units, training_rows)
-from workbench.ulysses import ParallelGrid, register_ulysses, shard_batch, sp_forward, sync_gradients
+from workbench.sp.grid import ParallelGrid
+from workbench.sp.ulysses import register_ulysses, sp_forward
+from workbench.sp.shard import shard_batch
+from workbench.sp.loss import sync_gradients
 
 FP32, FP64 = 1e-5, 1e-10
 
@@ -49,7 +52,7 @@ def wiring_worker(sp_size: int) -> dict:
     try: shard_model(model, grid); twice = None
     except ValueError as e: twice = str(e)
     params = list(model.parameters())
-    shard = shard_batch(training_rows(grid.dp_size, 1)[0][grid.dp_rank], grid.sp_rank, sp_size)
+    shard = shard_batch(training_rows(grid.dp_size, 1)[0][grid.rank("dp")], grid.sp_rank, sp_size)
     sp_forward(model, shard, grid)[1].backward()
     exact = {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
     reduce_gradients(model, grid)  # a no-op on a sharded model
@@ -75,7 +78,7 @@ def test_refuses_without_processes():
     model = tiny_model("llama")
     assert shard_units(model) == ["model.layers.0", "model.layers.1", ""]
     with pytest.raises(ValueError, match="one process has nothing to shard"):
-        shard_model(model, ParallelGrid(1, 1))
+        shard_model(model, ParallelGrid())
     with pytest.raises(ValueError, match="declares no decoder layer classes"):
         shard_units(torch.nn.Linear(2, 2))
     assert not is_sharded(model)
@@ -103,7 +106,7 @@ def test_sync_gradients_after_sharding_fails_loudly():
 def checkpointing_worker(dtype: str) -> dict:
     "Gradients of a sharded model with activation checkpointing against one without (same data)."
     grid = ParallelGrid.build(2)
-    shard = shard_batch(training_rows(grid.dp_size, 1)[0][grid.dp_rank], grid.sp_rank, 2)
+    shard = shard_batch(training_rows(grid.dp_size, 1)[0][grid.rank("dp")], grid.sp_rank, 2)
     grads = []
     for checkpointing in (False, True):
         model = tiny_model("llama", attn_implementation=register_ulysses("sdpa"), dtype=getattr(torch, dtype)).train()
@@ -123,7 +126,7 @@ def roundtrip_worker() -> dict:
     grid = ParallelGrid.build(2)
     steps = training_rows(grid.dp_size, 3)
     def step(model, opt, rows):
-        _, loss = sp_forward(model, shard_batch(rows[grid.dp_rank], grid.sp_rank, 2), grid)
+        _, loss = sp_forward(model, shard_batch(rows[grid.rank("dp")], grid.sp_rank, 2), grid)
         loss.backward(); reduce_gradients(model, grid); opt.step(); opt.zero_grad(set_to_none=True)
         return loss.detach()
     def fresh(seed):
@@ -154,7 +157,7 @@ def test_full_state_round_trip():
 def reshard_worker() -> float:
     "First-step gradients with parameters kept gathered between forward and backward against ZeRO-3's reshard."
     grid = ParallelGrid.build(2)
-    shard = shard_batch(training_rows(grid.dp_size, 1)[0][grid.dp_rank], grid.sp_rank, 2)
+    shard = shard_batch(training_rows(grid.dp_size, 1)[0][grid.rank("dp")], grid.sp_rank, 2)
     grads = []
     for reshard in (True, False):
         model = tiny_model("llama", attn_implementation=register_ulysses("sdpa"), dtype=torch.float64).train()

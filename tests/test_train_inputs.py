@@ -55,7 +55,7 @@ def test_workbench_varlen_needs_no_import_first():
     "A fresh interpreter that never imported workbench.attention can still name the key (and import workbench has no side effect)."
     import subprocess, sys
     code = ("import sys, workbench; assert 'workbench.attention' not in sys.modules and 'transformers' not in sys.modules\n"
-            "from workbench.ulysses import register_ulysses; assert 'workbench.attention' not in sys.modules\n"
+            "from workbench.sp.ulysses import register_ulysses; assert 'workbench.attention' not in sys.modules\n"
             "print(register_ulysses('workbench_varlen'))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ulysses_workbench_varlen", r.stderr[-2000:]

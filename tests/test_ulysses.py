@@ -1,4 +1,4 @@
-"""Distributed proofs of `workbench.ulysses`: P CPU processes joined by gloo compute what one process computes.
+"""Distributed proofs of `workbench.sp.ulysses`: P CPU processes joined by gloo compute what one process computes.
 
 Every launch forks its processes from this (warm) interpreter and checks many cases at once, so each test stays well
 under a minute on two cores. Equality is asserted on real tiny transformers models: logits, the loss and every
@@ -11,9 +11,13 @@ import torch.distributed as dist
 from workbench.core import shift_labels, tiny_config, tiny_model
 from workbench.launch import launch
 from workbench.packing import FlatteningCollator
-from workbench.ulysses import (Case, ParallelGrid, all_to_all, case_rows, check_sp, global_loss, grid_degrees,
-                               memory_table, prove_equivalence, register_ulysses, shard_batch,
-                               simulate_all_to_all, sp_forward, sp_sizes, sync_gradients)
+from workbench.sp.proofs import Case, case_rows, prove_equivalence
+from workbench.sp.grid import check_sp, grid_degrees, ParallelGrid, sp_sizes
+from workbench.sp.all_to_all import all_to_all, simulate_all_to_all
+from workbench.sp.loss import global_loss, sync_gradients
+from workbench.sp.measure import memory_table
+from workbench.sp.ulysses import register_ulysses, sp_forward
+from workbench.sp.shard import shard_batch
 
 FAMILIES = ("llama", "qwen2", "mistral")  # MHA; GQA with 2 kv heads (replicated at P=4); GQA + sliding window 16
 VARLEN = "workbench.attention"  # registers the "workbench_varlen" attention (and its mask function) on import
@@ -87,7 +91,7 @@ def test_single_process_wrapper_refuses_what_it_cannot_compute():
     with pytest.raises(ValueError, match="carries no attention_mask"):
         model(input_ids=shard["input_ids"], attention_mask=torch.ones_like(shard["input_ids"]), use_cache=False,
               sp_grid=ParallelGrid(), cu_seq_lens_q=shard["cu_seq_lens_q"])
-    too_many = ParallelGrid(sp_size=8)  # 4 heads cannot split over 8 processes, whatever the mesh
+    too_many = ParallelGrid(ulysses=8)  # 4 heads cannot split over 8 processes, whatever the mesh
     with pytest.raises(ValueError, match="heads >= sp_size"):
         sp_forward(model, shard, too_many)
 
@@ -135,7 +139,7 @@ def _exchange_worker():
     torch.manual_seed(0)
     full = [torch.randn(1, 8, 12, 3, dtype=torch.float64) for _ in range(p)]  # every rank's [B, H, N/P, D]
     x = full[r].transpose(2, 3).detach().requires_grad_()                      # non-contiguous [B, H, D, N/P]
-    out = all_to_all(x.transpose(2, 3), grid.sp_group, scatter_dim=1, gather_dim=2)
+    out = all_to_all(x.transpose(2, 3), grid.group("ulysses"), scatter_dim=1, gather_dim=2)
     expected = simulate_all_to_all(full, scatter_dim=1, gather_dim=2)[r]
     weights = [torch.randn_like(e) for e in simulate_all_to_all(full, 1, 2)]   # d loss / d out, per rank
     (out * weights[r]).sum().backward()

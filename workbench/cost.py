@@ -22,9 +22,11 @@ from .core import cu_seq_lens, lengths_from_positions
 from .memory import LEVER_LADDER, Levers, Shape, estimate, max_context, preset_config
 from .packing import Plan, TokenBudgetSampler, lengths_of, plan_bins
 from .tiling import causal_lm_loss_sum, decoder_layers
-from .ulysses import a2a_elements, check_sp, sp_sizes
-from .sp.ring import check_layout, contiguous_plan, ring_p2p_elements, sp_layouts
+from .sp.all_to_all import a2a_elements
 from .sp.balance import PLANS, balanced_plan, zigzag_plan
+from .sp.grid import check_layout, check_sp, sp_layouts, sp_sizes
+from .sp.ring import ring_p2p_elements
+from .sp.shard import contiguous_plan
 
 # %% auto #0
 __all__ = ['ATTENTION_WORK', 'ADAMW_BYTES', 'CPU_FLOP_FORMULAS', 'DEVICES', 'FACTORS', 'device_of', 'FIT_GROUPS',
@@ -144,7 +146,7 @@ def _pairs(s: np.ndarray, window: int, work: str, width: int) -> int:
     "Query-key pairs one layer computes on a row of documents `s` (`width` tokens) under `work`."
     return width * width if work == "row" else int(document_pairs(s, window, work).sum())
 
-# %% ../nbs/17_cost.ipynb #8d36eb33
+# %% ../nbs/17_cost.ipynb #a1c36c62
 _PLAN_MULTIPLE = {"contiguous": 1, "zigzag": 2, "balanced": 8}  # `plan_row`'s padding, in SP sizes (balanced: its 8 chunks per shard)
 
 def ring_blocks(lengths,                  # one row's document lengths
@@ -612,7 +614,7 @@ SPLITS = ("ulysses", "ring", "hybrid")  # how `plan_layout` splits a row: Ulysse
 LAYOUT_LEVERS = {"no checkpointing": Levers(checkpointing=False), **LEVER_LADDER}  # each rung adds one lever
 
 def _split_degrees(split: str, config, gpus: int) -> list[tuple[int, int]]:
-    "The (ulysses, ring) degrees `split` allows for `config` on `gpus` GPUs (`workbench.sp.ring.sp_layouts`)."
+    "The (ulysses, ring) degrees `split` allows for `config` on `gpus` GPUs (`workbench.sp.grid.sp_layouts`)."
     if split not in SPLITS: raise ValueError(f"unknown split {split!r}: choose one of {SPLITS}")
     return [(u, r) for u, r in sp_layouts(config, gpus) if split == "hybrid" or (r if split == "ulysses" else u) == 1]
 

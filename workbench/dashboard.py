@@ -17,11 +17,11 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 
 # %% auto #0
-__all__ = ['METRIC_KEYS', 'CPU_CAVEAT', 'MetricsReader', 'RunProgress', 'run_progress', 'Dashboard']
+__all__ = ['METRIC_KEYS', 'CPU_CAVEAT', 'COMM_TITLE', 'MetricsReader', 'RunProgress', 'run_progress', 'Dashboard']
 
 # %% ../nbs/09_dashboard.ipynb #9c5d2370
-METRIC_KEYS = ("step", "rank", "loss", "tokens", "trained", "tokens_per_s", "peak_mem_bytes", "a2a_share", "time",
-               "step_s", "mfu")  # mfu only where the cost model predicts the run (not LoRA, not mixture of experts)
+METRIC_KEYS = ("step", "rank", "loss", "tokens", "trained", "tokens_per_s", "peak_mem_bytes", "a2a_share", "ring_share",
+               "a2a_bytes", "ring_bytes", "time", "step_s", "mfu")  # mfu only where the cost model predicts the run (not LoRA, not mixture of experts)
 _HEAD = 256  # bytes of the file's start remembered to notice a rewrite in place
 
 class MetricsReader:
@@ -106,6 +106,8 @@ CPU_CAVEAT = ("CPU run: measured = the process's peak RSS (libraries, pages<br>"
               "inherited at fork); planned (dashed) = GPU bf16 tensors: not comparable")
 _SYMBOLS = ("circle", "x", "diamond", "square", "triangle-up", "cross")
 _RUN_DASH = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
+COMM_TITLE = "time in communication (solid: all-to-all, dashed: ring)"
+_COMM = (("a2a_share", "all-to-all", "solid"), ("ring_share", "ring", "dash"))  # key, trace name, line dash
 
 def _dtick(steps: int) -> int:
     "Whole-step tick spacing giving at most about 10 ticks."
@@ -128,7 +130,7 @@ def _measured_on(config: dict) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 class Dashboard:
-    "Live or replayed figures of one or more runs: loss, tokens/s, per-rank memory, all-to-all share, progress per run."
+    "Live or replayed figures of one or more runs: loss, tokens/s, per-rank memory, all-to-all and ring shares, progress per run."
     def __init__(self, *runs,                       # run directories, or the `TrainConfig`s of the runs
                  names: list[str] | None = None,    # a label per run (default: the config's name, else SP/DP, else the folder)
                  total_steps: int | None = None):   # steps of every run (default: each run's own `steps`)
@@ -142,7 +144,7 @@ class Dashboard:
         self.loss = _figure("loss", "token-mean loss", steps)
         self.speed = _figure("throughput", "real tokens / s", steps)
         self.memory = _figure("peak memory per rank", "GiB", steps)
-        self.a2a = _figure("time in all-to-all", "share of step", steps)
+        self.comm = _figure(COMM_TITLE, "share of rank 0's step", steps)
         self.step_time = _figure("step time (dashed: predicted)", "seconds", steps)
         self.mfu = _figure("MFU (dashed: predicted)", "model FLOPs utilisation", steps)
         self.bars = [widgets.IntProgress(min=0, max=1, style={"description_width": "initial"}) for _ in self.readers]
@@ -150,7 +152,7 @@ class Dashboard:
         self.status = widgets.HTML()
         self._cost = widgets.HBox([self.step_time, self.mfu], layout=widgets.Layout(display="none"))
         self.widget = widgets.VBox([*(widgets.HBox([b, t]) for b, t in zip(self.bars, self.texts)), self.status,
-                                    widgets.HBox([self.loss, self.speed]), widgets.HBox([self.memory, self.a2a]), self._cost])
+                                    widgets.HBox([self.loss, self.speed]), widgets.HBox([self.memory, self.comm]), self._cost])
         self._traces, self._drawn = {}, [None] * len(self.readers)
         self._stop, self._thread, self.error, self.runs = threading.Event(), None, None, []
         self.refresh()
@@ -174,7 +176,7 @@ class Dashboard:
 
     def figures(self) -> list[go.FigureWidget]:
         "The figures that hold data (step time and MFU only when the runs record them)."
-        figs = [self.loss, self.speed, self.memory, self.a2a, self.step_time, self.mfu]
+        figs = [self.loss, self.speed, self.memory, self.comm, self.step_time, self.mfu]
         return [f for f in figs if any(len(t.x or ()) for t in f.data)]
 
     def _series(self, i: int, label: str) -> dict:
@@ -183,10 +185,12 @@ class Dashboard:
         rows, config = reader.rows, reader.config
         rank0 = [r for r in rows if r["rank"] == 0]
         last = max((r["step"] for r in rows), default=0)
-        for fig, key in ((self.loss, "loss"), (self.speed, "tokens_per_s"), (self.a2a, "a2a_share"),
-                         (self.step_time, "step_s"), (self.mfu, "mfu")):
-            have = [r for r in rank0 if key in r]
-            if have: out[key] = (fig, label, [r["step"] for r in have], [r[key] for r in have], _RUN_DASH[i % len(_RUN_DASH)])
+        dash = _RUN_DASH[i % len(_RUN_DASH)]
+        for fig, key, name, line in ((self.loss, "loss", label, dash), (self.speed, "tokens_per_s", label, dash),
+                                     *((self.comm, k, f"{label} {kind}", d) for k, kind, d in _COMM),
+                                     (self.step_time, "step_s", label, dash), (self.mfu, "mfu", label, dash)):
+            have = [r for r in rank0 if key in r]  # a key older rows lack (ring_share before the ring) draws no trace
+            if have: out[key] = (fig, name, [r["step"] for r in have], [r[key] for r in have], line)
         predicted = config.get("predicted") or {}
         for fig, key in ((self.step_time, "step_s"), (self.mfu, "mfu")):  # the cost model's figure, beside the measured one
             if rows and predicted.get(key) is not None:
@@ -215,7 +219,7 @@ class Dashboard:
     def _annotate(self):
         "Integer step ticks for the longest run; the CPU caveat on the memory figure when a CPU run's memory is drawn."
         steps = max([t or 0 for t in self.totals] + [r["step"] + 1 for rd in self.readers for r in rd.rows] + [1])
-        for fig in (self.loss, self.speed, self.memory, self.a2a, self.step_time, self.mfu):
+        for fig in (self.loss, self.speed, self.memory, self.comm, self.step_time, self.mfu):
             if fig.layout.xaxis.dtick != _dtick(steps): fig.layout.xaxis.dtick = _dtick(steps)
         cpu = any(rd.rows and _measured_on(rd.config) == "cpu" for rd in self.readers)
         note = [dict(text=CPU_CAVEAT, xref="paper", yref="paper", x=0, y=1.02, xanchor="left", yanchor="bottom",
@@ -226,7 +230,7 @@ class Dashboard:
     def refresh(self) -> int:
         "Read new metrics lines and redraw; returns how many lines arrived."
         arrived, labels = 0, self.labels()
-        figs = (self.loss, self.speed, self.memory, self.a2a, self.step_time, self.mfu)
+        figs = (self.loss, self.speed, self.memory, self.comm, self.step_time, self.mfu)
         with figs[0].batch_update(), figs[1].batch_update(), figs[2].batch_update(), figs[3].batch_update(), \
              figs[4].batch_update(), figs[5].batch_update():
             for i, reader in enumerate(self.readers):

@@ -15,8 +15,11 @@ import torch.nn.functional as F
 from . import attention  # registers 'workbench_varlen' with transformers (the ALST fix)
 from .core import IGNORE_INDEX, load_records, tiny_config
 from .launch import launch
-from .ulysses import (Case, ParallelGrid, case_model, case_rows, check_sp, global_loss, pad_for_sp, register_ulysses,
-                               shard_batch, sp_forward, sync_gradients)
+from .sp.proofs import Case, case_model, case_rows
+from .sp.grid import check_sp, ParallelGrid
+from .sp.loss import global_loss, sync_gradients
+from .sp.shard import pad_for_sp, shard_batch
+from .sp.ulysses import register_ulysses, sp_forward
 
 # %% auto #0
 __all__ = ['ENGINES', 'HF_SP_GLOO', 'ALST_KEYS', 'ALST_FIX', 'ACCELERATE_ENV', 'TOLERANCE', 'Run', 'run_rows', 'fingerprint',
@@ -228,15 +231,15 @@ def hf_sp_loss(logits: torch.Tensor, shift_labels: torch.Tensor, group) -> torch
     means, goods = torch.stack(all_gather(mean, group=group)), torch.stack(all_gather(good, group=group))
     return (means * goods).sum() / goods.sum().clamp(min=1)
 
-@register_engine("workbench", summary="the workbench's Ulysses (workbench.ulysses), gradients summed over the grid")
+@register_engine("workbench", summary="the workbench's Ulysses (workbench.sp.ulysses), gradients summed over the grid")
 def train_workbench(run: Run, rows: list) -> dict:
     grid = ParallelGrid.build(run.sp)
     model = case_model(run.case, register_ulysses(run.attention)).train()
     opt, rec = torch.optim.SGD(model.parameters(), lr=run.lr), Recorder(run, model)
     for step_rows in rows:
-        shard = shard_batch(step_rows[grid.dp_rank], grid.sp_rank, grid.sp_size)
+        shard = shard_batch(step_rows[grid.rank("dp")], grid.sp_rank, grid.sp_size)
         logits, loss = sp_forward(model, shard, grid)
-        if run.loss == "hf_sp": loss = hf_sp_loss(logits, shard["shift_labels"], grid.sp_group) / grid.dp_size
+        if run.loss == "hf_sp": loss = hf_sp_loss(logits, shard["shift_labels"], grid.group("ulysses")) / grid.dp_size
         loss.backward()
         sync_gradients(model, grid)
         norm = _clip(model, run)
@@ -506,7 +509,7 @@ def judge(run: Run, result: dict, golden: dict, leaky: dict | None = None) -> Ve
                        f"model's own mask by {d['loss']:.2g}; gradients {d['grads_rescaled']:.2g} off after dividing by their scale "
                        f"{round(d['grad_scale'])}", ENGINES[run.engine].leak_fix or "use attn_implementation='workbench_varlen'", leak)
     return Verdict(run, d, "differs", f"step-1 loss {d['loss']:.2g}, gradients {d['grads']:.2g} from one process (tolerances "
-                   f"{tol_loss:g}, {tol_grad:g})", "compare the engine's data path and loss with workbench.ulysses", leak)
+                   f"{tol_loss:g}, {tol_grad:g})", "compare the engine's data path and loss with workbench.sp.ulysses", leak)
 
 # %% ../nbs/16_engines.ipynb #49480058
 def _row(v: Verdict) -> dict:

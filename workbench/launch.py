@@ -24,6 +24,8 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from .sp.grid import check_layout, check_sp
+
 # %% auto #0
 __all__ = ['MIXED_PRECISION', 'GRACE_S', 'RankError', 'Layout', 'free_port', 'preflight', 'launch']
 
@@ -84,10 +86,8 @@ def preflight(layout: Layout, port: int, mixed_precision: str = "no", model_conf
         try: s.bind(("127.0.0.1", port))
         except OSError: raise ValueError(f"port {port} is in use: pass another port, or port=None to pick a free one") from None
     if model_config is not None and layout.ring > 1:  # the hybrid: Ulysses degree vs heads, the ring takes the rest
-        from workbench.sp.ring import check_layout
         check_layout(model_config, layout.sp_size, layout.ring, world_size=layout.num_processes)
     elif model_config is not None and layout.sp_size > 1:
-        from workbench.ulysses import check_sp
         check_sp(model_config, layout.sp_size, world_size=layout.num_processes, seq_len=seq_len)
 
 # %% ../nbs/07_launch.ipynb #669a8cfd

@@ -10,8 +10,11 @@ import torch.distributed as dist
 
 from .core import tiny_model
 from .launch import launch
-from .ulysses import (Case, ParallelGrid, _rel, case_rows, global_loss, register_ulysses, shard_batch,
-                               sp_forward, sync_gradients)
+from .sp.proofs import Case, case_rows, _rel
+from .sp.grid import ParallelGrid
+from .sp.loss import global_loss, sync_gradients
+from .sp.ulysses import register_ulysses, sp_forward
+from .sp.shard import shard_batch
 
 # %% auto #0
 __all__ = ['shard_units', 'shard_mesh', 'shard_model', 'is_sharded', 'reduce_gradients', 'full_parameters', 'state_bytes',
@@ -104,7 +107,7 @@ def load_full_state(model, opt, state: dict | None):
 
 # %% ../nbs/14_shard.ipynb #5d9a202b
 def train_steps(model,               # a (sharded or plain) model using a `ulysses_*` attention, or plain attention on one process
-                grid: ParallelGrid,  # the process grid (`ParallelGrid(1, 1)` for one process)
+                grid: ParallelGrid,  # the process grid (`ParallelGrid()` for one process)
                 steps: list,         # per optimizer step, the packed rows of the whole step (one per DP replica)
                 lr: float = 1e-2,    # AdamW learning rate (large, so a wrong gradient shows within a few steps)
                ) -> dict:
@@ -112,7 +115,7 @@ def train_steps(model,               # a (sharded or plain) model using a `ulyss
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     losses, first_grads, held = [], None, None
     for rows in steps:
-        mine = [rows[grid.dp_rank]] if grid.mesh is not None else rows  # one process trains every row itself
+        mine = [rows[grid.rank("dp")]] if grid.mesh is not None else rows  # one process trains every row itself
         shards = [shard_batch(r, grid.sp_rank, grid.sp_size) for r in mine]
         count = sum(s["num_items_in_batch"] for s in shards)
         step_loss = 0.0
@@ -139,7 +142,7 @@ def training_rows(dp_size: int, n_steps: int = 3, case: Case = Case(tokens=203))
 def reference_run(dp_size: int, n_steps: int = 3, dtype: str = "float32", lr: float = 1e-2) -> dict:
     "One process, plain sdpa attention, every row of every step: what the distributed runs must reproduce."
     model = tiny_model("llama", attn_implementation="sdpa", dtype=getattr(torch, dtype)).train()
-    return train_steps(model, ParallelGrid(1, 1), training_rows(dp_size, n_steps), lr)
+    return train_steps(model, ParallelGrid(), training_rows(dp_size, n_steps), lr)
 
 def shard_worker(sp_size: int, sharded: bool, cpu_offload: bool = False, n_steps: int = 3, dtype: str = "float32",
                  lr: float = 1e-2) -> dict:
@@ -179,7 +182,7 @@ def prove_sharding(world_size: int,           # processes to start
 def default_mean_ratio(sp_size: int = 2) -> float:
     "One process's ratio of FSDP's gradient with its default mean to the exact gradient (call in a distributed run)."
     grid = ParallelGrid.build(sp_size)
-    shard = shard_batch(training_rows(grid.dp_size, 1)[0][grid.dp_rank], grid.sp_rank, sp_size)
+    shard = shard_batch(training_rows(grid.dp_size, 1)[0][grid.rank("dp")], grid.sp_rank, sp_size)
     grads = []
     for factor in (1.0, float(dist.get_world_size())):  # ours, then FSDP's default (divide by the world)
         model = shard_model(tiny_model("llama", attn_implementation=register_ulysses("sdpa")).train(), grid)

@@ -30,16 +30,19 @@ from fastcore.docments import docments
 from tqdm import tqdm  # the text bar: forked ranks cannot draw notebook widgets
 
 from .attention import KEY as VARLEN_KEY, register as register_varlen
-from .cost import Dims, measured_mfu, plan_balanced, ring_blocks, run_device, run_options, run_prediction
+from .cost import BalancedPlan, Dims, bin_costs, measured_mfu, plan_balanced, ring_blocks, run_device, run_options, run_prediction
 from .core import SAMPLES, data_dir, load_sample, load_tokenizer, model_families, tiny_config, tokenize_records
 from .launch import launch
 from .memory import Levers, estimate
 from .packing import FlatteningCollator, TokenBudgetSampler, plan_bins
 from .tiling import checkpoint_layers, lean_kernels, tile_mlp
 from .shard import full_state, is_sharded, load_full_state, reduce_gradients, shard_model
-from .ulysses import ParallelGrid, check_sp, global_loss, register_ulysses, shard_batch, sp_forward
-from .sp.ring import HybridGrid, check_layout, register_ring, ring_forward
 from .sp.balance import ring_batch
+from .sp.grid import check_layout, check_sp, ParallelGrid
+from .sp.loss import global_loss
+from .sp.ring import comm_elements, register_ring, ring_forward
+from .sp.shard import shard_batch
+from .sp.ulysses import register_ulysses, sp_forward
 
 # %% auto #0
 __all__ = ['DTYPES', 'BALANCES', 'PRESETS', 'PROJECT', 'CHECKPOINTS', 'MODEL_DIR', 'ADAPTER_DIR', 'SAVE_WAIT', 'flag',
@@ -47,8 +50,8 @@ __all__ = ['DTYPES', 'BALANCES', 'PRESETS', 'PROJECT', 'CHECKPOINTS', 'MODEL_DIR
            'add_lora', 'build_model', 'peak_memory_bytes', 'expected_memory', 'memory_readout', 'write_metrics',
            'read_metrics', 'truncate_metrics', 'hparams', 'open_trackers', 'TrackerSink', 'reporting', 'plan_id',
            'save_model_dir', 'checkpoints', 'latest_checkpoint', 'commit_checkpoint', 'check_resume', 'check_out',
-           'save_checkpoint', 'load_checkpoint', 'attention_key', 'plan_readout', 'cost_modelled', 'plan_run',
-           'balance_readout', 'train_rank', 'preflight_run', 'run', 'main']
+           'save_checkpoint', 'load_checkpoint', 'attention_key', 'plan_readout', 'cost_modelled', 'token_imbalance',
+           'plan_run', 'balance_readout', 'comm_bytes', 'train_rank', 'preflight_run', 'run', 'main']
 
 # %% ../nbs/08_train.ipynb #aa8d263e
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}  # besides "auto"
@@ -599,22 +602,47 @@ def cost_modelled(cfg: TrainConfig, config) -> bool:
         if cfg.balance != "cost": return False
         raise ValueError(f"balance (--balance) 'cost' needs the cost of this model's steps: {e}; use --balance tokens") from None
 
-def plan_run(cfg: TrainConfig, config, lengths, rank: int = 0):
-    "The run's plan, `rank`'s sampler grouped as `cfg.balance` says, and both groupings' predicted balance (None: an architecture `workbench.cost` does not model)."
-    if not cost_modelled(cfg, config):
-        plan = plan_bins(lengths, cfg.max_tokens, overlong="split", seed=cfg.seed)
-        return plan, TokenBudgetSampler(plan, seed=cfg.seed, num_replicas=cfg.dp, rank=rank), None
-    opts = run_options(cfg)  # the attention work and levers of this run: what a bin costs
-    bal = plan_balanced(lengths, cfg.max_tokens, cfg.dp, config, cfg.grad_accum, opts["attention"], opts["levers"],
-                        overlong="split", seed=cfg.seed)
-    if cfg.balance == "cost": return bal.plan, bal.sampler(rank, seed=cfg.seed), bal
-    return bal.plan, TokenBudgetSampler(bal.plan, seed=cfg.seed, num_replicas=cfg.dp, rank=rank), bal
+def token_imbalance(cfg: TrainConfig, config, plan) -> float:
+    "Predicted max/mean rank cost per optimizer step as the token-budget sampler serves `plan` (what `BalancedPlan.token_imbalance` says, without dealing the cost grouping)."
+    if cfg.dp == 1: return 1.0  # one rank is its own slowest and its own mean: no bin needs costing
+    opts = run_options(cfg)
+    served = TokenBudgetSampler(plan, seed=cfg.seed, num_replicas=cfg.dp).epoch_steps()  # [sampler steps, dp]
+    served = np.resize(served, (-(-len(served) // cfg.grad_accum) * cfg.grad_accum, cfg.dp)).reshape(-1, cfg.grad_accum, cfg.dp)
+    return BalancedPlan.imbalance(bin_costs(config, plan, opts["attention"], opts["levers"])[served].sum(1))
 
-def balance_readout(cfg: TrainConfig, bal) -> str:
-    "One line on how evenly the ranks' predicted work is spread, for both groupings."
-    if bal is None: return f"balance: {cfg.balance}; no cost prediction for this architecture"
-    return (f"balance: {cfg.balance}; predicted max/mean rank cost per optimizer step: token-balanced "
-            f"{bal.token_imbalance:.3f}, cost-balanced {bal.cost_imbalance:.3f}")
+def plan_run(cfg: TrainConfig, config, lengths, rank: int = 0):
+    "The run's plan, `rank`'s sampler grouped as `cfg.balance` says, and the predicted max/mean rank cost of the groupings computed: `tokens` (both with `balance='cost'`; None: an architecture `workbench.cost` does not model)."
+    if cfg.balance == "cost" and cost_modelled(cfg, config):  # only this balance deals the bins by cost (a loop per bin)
+        opts = run_options(cfg)  # the attention work and levers of this run: what a bin costs
+        bal = plan_balanced(lengths, cfg.max_tokens, cfg.dp, config, cfg.grad_accum, opts["attention"], opts["levers"],
+                            overlong="split", seed=cfg.seed)
+        return bal.plan, bal.sampler(rank, seed=cfg.seed), {"tokens": bal.token_imbalance, "cost": bal.cost_imbalance}
+    plan = plan_bins(lengths, cfg.max_tokens, overlong="split", seed=cfg.seed)
+    imbalance = {"tokens": token_imbalance(cfg, config, plan)} if cost_modelled(cfg, config) else None
+    return plan, TokenBudgetSampler(plan, seed=cfg.seed, num_replicas=cfg.dp, rank=rank), imbalance
+
+def balance_readout(cfg: TrainConfig, imbalance: dict | None) -> str:
+    "One line on how evenly the ranks' predicted work is spread: the tokens grouping's, and the cost grouping's where it was computed."
+    if imbalance is None: return f"balance: {cfg.balance}; no cost prediction for this architecture"
+    line = f"balance: {cfg.balance}; predicted max/mean rank cost per optimizer step: token-balanced {imbalance['tokens']:.3f}"
+    if "cost" in imbalance: return f"{line}, cost-balanced {imbalance['cost']:.3f}"
+    return line + (" (--balance cost groups each step's bins by predicted cost)" if cfg.dp > 1 else " (one data-parallel rank)")
+
+def comm_bytes(config,                # the model config
+               rows: list[int],       # tokens of every micro-step's (padded) row
+               cfg: TrainConfig,      # the run: its Ulysses and ring degrees and whether layers are recomputed
+               dtype: torch.dtype,    # the model's dtype: what activations and key/value blocks travel in
+              ) -> dict:
+    "Bytes this process sends in one optimizer step: `a2a_bytes` over the Ulysses group, `ring_bytes` around the ring (`comm_elements` of every row, every layer)."
+    size, acc = dtype.itemsize, torch.promote_types(dtype, torch.float32).itemsize  # the ring's gradients travel in fp32 or finer
+    a2a = ring = 0
+    for n in rows:
+        per_layer = comm_elements(config, n, cfg.sp, cfg.ring)  # elements (forward, backward) of one layer
+        (af, ab), (rf, rb) = per_layer["all_to_all"], per_layer["ring"]
+        a2a += (af * (1 + cfg.checkpointing) + ab) * size  # a recomputed layer sends its forward volume again
+        ring += rf * (2 + cfg.checkpointing) * size + (rb - rf) * acc  # blocks: forward, backward (+ recompute); their gradients
+    return dict(a2a_bytes=config.num_hidden_layers * a2a, ring_bytes=config.num_hidden_layers * ring)
+
 
 def train_rank(cfg: TrainConfig) -> list[float]:
     "Train on this process as one rank of the `cfg.dp` x `cfg.sp` grid; return the loss of every step it trained."
@@ -624,7 +652,7 @@ def train_rank(cfg: TrainConfig) -> list[float]:
                          f"but {world} are running: launch {cfg.world} processes or change sp/ring/dp")
     check_out(cfg)
     device = _device()
-    grid = HybridGrid.build(cfg.sp, cfg.ring, device.type) if cfg.ring > 1 else ParallelGrid.build(cfg.sp, device.type)
+    grid = ParallelGrid.build(cfg.sp, cfg.ring, device.type)
     wait = dist.new_group(backend="gloo", timeout=SAVE_WAIT) if dist.is_initialized() else None  # for checkpoint saves
     model = build_model(cfg, attention_key(cfg), device)
     if cfg.ring > 1: check_layout(model.config, cfg.sp, cfg.ring, world_size=world)
@@ -633,10 +661,10 @@ def train_rank(cfg: TrainConfig) -> list[float]:
     tokenizer = load_tokenizer()  # what load_features tokenizes with; saved beside the model in every checkpoint
     features = load_features(cfg.data, tokenizer)
     check_token_ids(features, model.config.vocab_size, cfg.data)
-    plan, sampler, bal = plan_run(cfg, model.config, [len(f["input_ids"]) for f in features], grid.dp_rank)
+    plan, sampler, imbalance = plan_run(cfg, model.config, [len(f["input_ids"]) for f in features], grid.rank("dp"))
     predicted = run_prediction(cfg, model.config, plan, sampler=sampler)  # workbench.cost's roofline (None: a run it does not model)
     if _rank() == 0:
-        print(plan_readout(plan)); print(balance_readout(cfg, bal))
+        print(plan_readout(plan)); print(balance_readout(cfg, imbalance))
         print(predicted or "no step prediction: workbench.cost models neither LoRA nor this architecture's layers")
     pid = plan_id(plan)
     pieces, collate = plan.dataset(features), FlatteningCollator(pad_to_multiple_of=cfg.sp)
@@ -646,14 +674,14 @@ def train_rank(cfg: TrainConfig) -> list[float]:
     if _rank() == 0:
         _replace_file(out / "config.json", json.dumps({**asdict(cfg), "plan": repr(plan),
                                                        "expected_peak_bytes": memory_readout(cfg)[0],
-                                                       **({"imbalance": {"tokens": bal.token_imbalance, "cost": bal.cost_imbalance}} if bal else {}),
+                                                       **({"imbalance": imbalance} if imbalance else {}),
                                                        **({"predicted": predicted.as_dict()} if predicted else {})}, indent=1))
         truncate_metrics(out, start)  # a resumed run logs each step once: rows past the checkpoint go
     if dist.is_initialized(): dist.barrier()
     with reporting(cfg, start) as sink:
         bins, losses, t_run = _endless(sampler), [], time.perf_counter()
         for step in tqdm(range(start, cfg.steps), desc=f"train sp={cfg.sp} ring={cfg.ring} dp={cfg.dp}", disable=_rank() != 0, file=sys.stdout):  # stdout: not red in Jupyter
-            t0, comm0 = time.perf_counter(), grid.clock.seconds
+            t0, comm0, ring0 = time.perf_counter(), grid.clock.seconds, grid.stats.seconds
             rows = [next(bins) for _ in range(cfg.grad_accum)]
             shards = [ring_batch(collate([pieces[i] for i in b]), grid) if cfg.ring > 1 else
                       shard_batch(collate([pieces[i] for i in b]), grid.sp_rank, cfg.sp) for b in rows]
@@ -676,7 +704,10 @@ def train_rank(cfg: TrainConfig) -> list[float]:
             if dist.is_initialized(): dist.all_reduce(everyone)  # real tokens and trained targets of every replica
             row = dict(step=step, rank=_rank(), loss=losses[-1], tokens=mine, trained=int(everyone[1]),
                        tokens_per_s=everyone[0].item() / seconds, peak_mem_bytes=peak_memory_bytes(device),
-                       a2a_share=(grid.clock.seconds - comm0) / seconds, time=time.perf_counter() - t_run, step_s=seconds,
+                       a2a_share=(grid.clock.seconds - comm0) / seconds, ring_share=(grid.stats.seconds - ring0) / seconds,
+                       **comm_bytes(model.config, [s["ring_index"].numel() if cfg.ring > 1 else s["input_ids"].shape[1] * cfg.sp
+                                                   for s in shards], cfg, model.dtype),
+                       time=time.perf_counter() - t_run, step_s=seconds,
                        **measured_mfu(model.config, [plan.length[b] for b in rows], cfg, seconds, predicted))
             write_metrics(out, **row)
             sink.log(row)

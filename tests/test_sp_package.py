@@ -1,0 +1,42 @@
+"""The shape of `workbench.sp`: the mechanism never imports the harness or the launcher, and every module imports alone
+(no import circle: `workbench.launch` needs only `sp.grid`'s arithmetic)."""
+import subprocess
+import sys
+
+import pytest
+
+MECHANISM = ("grid", "all_to_all", "shard", "loss", "ulysses", "ring", "balance")
+HARNESS = ("workbench.sp.proofs", "workbench.sp.measure", "workbench.launch")
+
+
+def _modules_after(stmt: str) -> set:
+    "The workbench modules loaded by `stmt` in a fresh interpreter."
+    code = f"import sys; {stmt}; print(' '.join(m for m in sys.modules if m.startswith('workbench')))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return set(r.stdout.split())
+
+
+@pytest.mark.parametrize("name", MECHANISM)
+def test_the_mechanism_imports_alone_and_never_the_harness(name):
+    loaded = _modules_after(f"import workbench.sp.{name}")
+    assert f"workbench.sp.{name}" in loaded
+    assert not loaded & set(HARNESS), f"workbench.sp.{name} pulls in {sorted(loaded & set(HARNESS))}"
+
+
+def test_the_launcher_imports_first_and_needs_only_the_grid():
+    loaded = _modules_after("import workbench.launch")
+    assert {m for m in loaded if m.startswith("workbench.sp.")} == {"workbench.sp.grid"}, loaded
+    assert "workbench.sp.proofs" in _modules_after("import workbench.sp.proofs")  # the harness on top of the launcher
+
+
+def test_one_grid_for_every_layout():
+    from workbench.sp.grid import ParallelGrid
+    from workbench.sp.ulysses import ulysses_attention
+    g = ParallelGrid(ulysses=2, ring=2)
+    assert (g.sp_size, g.sp_rank, g.group("ring"), g.rank("ulysses")) == (4, 0, None, 0)
+    with pytest.raises(ValueError, match="dimensions"): g.group("sp")
+    import torch
+    q = torch.zeros(1, 4, 8, 16)
+    with pytest.raises(ValueError, match=r"a ring of 2.*register_ring\(\)"):  # Ulysses alone would attend within its block
+        ulysses_attention(None, q, q, q, None, inner="sdpa", sp_grid=g, cu_seq_lens_q=torch.tensor([0, 8]))
