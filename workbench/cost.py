@@ -180,6 +180,13 @@ def interacting_blocks(ring_index,         # [ring, m] global token indices of e
             out[i, j] = bool(((pos < len(queries)) & (first < limit)).any())
     return out
 
+@functools.lru_cache(maxsize=4096)
+def _ring_row(lengths: tuple, ulysses: int, ring: int, strategy: str, windows: tuple) -> tuple[int, np.ndarray]:
+    "A row's padded length and, per ring rank, the query-key pairs of the block pairs it computes over all layers (cached: a layout search asks for the same rows under every lever)."
+    cu, blocks = ring_blocks(lengths, ulysses, ring, strategy)
+    n = int(cu[-1])
+    return n, (n // ring) ** 2 * sum(interacting_blocks(blocks, cu, w).sum(1) for w in windows)
+
 # %% ../nbs/17_cost.ipynb #0cbb6d15
 ADAMW_BYTES = {2: 4 * 4 + 4 * 3 + 2,  # bf16 training: reads fp32 master, grad, m, v; writes master, m, v and the bf16 copy
                4: 4 * 4 + 4 * 3,      # fp32: reads parameter, grad, m, v; writes parameter, m, v
@@ -243,12 +250,9 @@ def step_cost(config,                    # a transformers config or a preset nam
         flops = _flops(d, tokens, sum(_pairs(r, w, attention, int(r.sum())) for r in rows for w in d.windows), lv, sp)
         a2a, p2p = sum(a2a_elements(config, int(r.sum()), sp) for r in rows), 0  # elements sent per layer forward
     else:
-        blocks = [ring_blocks(r, sp, ring, ring_plan) for r in rows]
-        lengths = [int(cu[-1]) for cu, _ in blocks]  # padded rows
+        lengths, work = zip(*(_ring_row(tuple(r.tolist()), sp, ring, ring_plan, d.windows) for r in rows))  # padded rows
         tokens = sum(lengths)
-        work = sum((n // ring) ** 2 * sum(interacting_blocks(ix, cu, w).sum(1) for w in d.windows)
-                   for n, (cu, ix) in zip(lengths, blocks))  # per ring rank: query-key pairs of the blocks it computes
-        fwd = 4 * d.heads // sp * d.head_dim * int(work.max())  # the busiest ring rank sets the step
+        fwd = 4 * d.heads // sp * d.head_dim * int(sum(work).max())  # the busiest ring rank sets the step
         flops = {**_flops(d, tokens, 0, lv, sp * ring), "forward attention": fwd, "backward attention": 10 * fwd // 4,
                  "recompute attention": fwd if lv.checkpointing else 0}
         a2a = sum(a2a_elements(config, n // ring, sp) for n in lengths)  # Ulysses over each ring block's tokens
