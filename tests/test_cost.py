@@ -14,7 +14,7 @@ from workbench.cost import (CPU_FLOP_FORMULAS, DEVICES, LAYOUT_LEVERS, Dims, Eff
 from workbench.memory import Levers, estimate, preset_config
 from workbench.packing import plan_bins, synthetic_lengths
 from workbench.tiling import checkpoint_layers, tile_mlp
-from workbench.sp.grid import check_sp
+from workbench.sp.grid import check_layout, check_sp, sp_layouts
 
 FAMILIES = {"llama": "sdpa", "qwen2": "sdpa", "gemma": "sdpa", "phi": "sdpa", "qwen3": "sdpa", "olmo2": "sdpa",
             "gemma2": "eager"}  # dense MHA, GQA + biases, MQA, two-matrix MLP, qk-norm, post-norms, sliding + eager
@@ -162,20 +162,23 @@ def test_plan_layout_never_refused(model):
     "Over GPU counts and memory sizes: every returned layout fits the memory planner and passes the SP preflight."
     config = tiny_config("qwen2") if model == "tiny-qwen2" else preset_config(model)
     lengths = np.r_[synthetic_lengths("flan", 500), [30_000]]
-    for gpus in (1, 2, 4, 8):
-        for memory in (16, 40, 80):
-            layouts = plan_layout(config, lengths, gpus, memory)
-            assert len(layouts.table) + len(layouts.refused) > 0
-            for r in layouts.table.itertuples():
-                check_sp(config, r.sp, world_size=gpus, seq_len=r.row_tokens)
-                assert r.sp * r.dp == gpus
-                assert estimate(config, r.row_tokens, r.sp, r.dp, levers=LAYOUT_LEVERS[r.levers],
-                                optimizer_offload=r.optimizer_offload).gib <= memory
-            if len(layouts.table): assert layouts.table.frontier.any()
+    splits = ("ulysses", "hybrid") if model == "tiny-qwen2" else ("ulysses",)  # the presets' hybrid: tests/test_ring_plan.py
+    for gpus, memory, split in ((g, m, s) for g in (1, 2, 4, 8) for m in (16, 40, 80) for s in splits):
+        layouts = plan_layout(config, lengths, gpus, memory, split=split)
+        assert len(layouts.table) + len(layouts.refused) > 0
+        for r in layouts.table.itertuples():
+            check_layout(config, r.ulysses, r.ring, world_size=gpus)
+            check_sp(config, r.ulysses, world_size=gpus // r.ring, seq_len=r.row_tokens)
+            assert r.sp == r.ulysses * r.ring and r.sp * r.dp == gpus
+            assert estimate(config, r.row_tokens, r.ulysses, r.dp, ring=r.ring, levers=LAYOUT_LEVERS[r.levers],
+                            optimizer_offload=r.optimizer_offload).gib <= memory
+        if len(layouts.table): assert layouts.table.frontier.any()
+        seen = {(r.ulysses, r.ring) for r in layouts.table.itertuples()} | {(l["ulysses"], l["ring"]) for l, _ in layouts.refused}
+        assert seen == {(u, r) for u, r in sp_layouts(config, gpus) if split == "hybrid" or r == 1}  # kept, or refused with why
 
 
 def test_plan_layout_bad_inputs():
-    for kw, err, msg in [(dict(split="ring"), NotImplementedError, "issue 19"), (dict(split="x"), ValueError, "unknown split"),
+    for kw, err, msg in [(dict(split="x"), ValueError, "unknown split"),
                          (dict(gpus=0), ValueError, "gpus"), (dict(gpu_memory=-1), ValueError, "gpu_memory"),
                          (dict(lengths=[]), ValueError, "no lengths"), (dict(device="H300"), ValueError, "H100 SXM")]:
         args = dict(model="qwen3-4b", lengths=[100], gpus=4) | kw

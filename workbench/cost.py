@@ -18,20 +18,23 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, shape_wrapper
 
-from .core import lengths_from_positions
+from .core import cu_seq_lens, lengths_from_positions
 from .memory import LEVER_LADDER, Levers, Shape, estimate, max_context, preset_config
 from .packing import Plan, TokenBudgetSampler, lengths_of, plan_bins
 from .tiling import causal_lm_loss_sum, decoder_layers
 from .sp.all_to_all import a2a_elements
-from .sp.grid import check_sp, sp_sizes
+from .sp.balance import PLANS, balanced_plan, zigzag_plan
+from .sp.grid import check_layout, check_sp, sp_layouts, sp_sizes
+from .sp.ring import ring_p2p_elements
+from .sp.shard import contiguous_plan
 
 # %% auto #0
 __all__ = ['ATTENTION_WORK', 'ADAMW_BYTES', 'CPU_FLOP_FORMULAS', 'DEVICES', 'FACTORS', 'device_of', 'FIT_GROUPS',
            'HF_BLOG_QWEN3_4B', 'HF_BLOG_FIT', 'HF_BLOG_RUN', 'SPLITS', 'LAYOUT_LEVERS', 'attention_work', 'Dims',
-           'rows_of', 'document_pairs', 'StepCost', 'step_cost', 'FlopCount', 'measured_flops', 'bin_costs',
-           'BalancedPlan', 'plan_balanced', 'Device', 'cpu_device', 'device', 'run_device', 'Efficiency', 'Prediction',
-           'predict_step', 'calibrate', 'calibrate_run', 'hf_blog_prediction', 'hf_blog_table', 'run_options',
-           'run_prediction', 'measured_mfu', 'Layouts', 'plan_layout']
+           'rows_of', 'document_pairs', 'ring_blocks', 'interacting_blocks', 'StepCost', 'step_cost', 'FlopCount',
+           'measured_flops', 'bin_costs', 'BalancedPlan', 'plan_balanced', 'Device', 'cpu_device', 'device',
+           'run_device', 'Efficiency', 'Prediction', 'predict_step', 'calibrate', 'calibrate_run', 'hf_blog_prediction',
+           'hf_blog_table', 'run_options', 'run_prediction', 'measured_mfu', 'Layouts', 'plan_layout']
 
 # %% ../nbs/17_cost.ipynb #64bb0f7a
 ATTENTION_WORK = {  # how much of each document's query x key square an attention implementation computes
@@ -143,6 +146,47 @@ def _pairs(s: np.ndarray, window: int, work: str, width: int) -> int:
     "Query-key pairs one layer computes on a row of documents `s` (`width` tokens) under `work`."
     return width * width if work == "row" else int(document_pairs(s, window, work).sum())
 
+# %% ../nbs/17_cost.ipynb #a1c36c62
+_PLAN_MULTIPLE = {"contiguous": 1, "zigzag": 2, "balanced": 8}  # `plan_row`'s padding, in SP sizes (balanced: its 8 chunks per shard)
+
+def ring_blocks(lengths,                  # one row's document lengths
+                ulysses: int,             # Ulysses degree
+                ring: int,                # ring degree
+                strategy: str = "balanced",  # a `workbench.sp.balance.PLANS` key (training uses "balanced")
+               ) -> tuple[np.ndarray, torch.Tensor]:
+    "The row as `ring_batch` shards it: the padded row's document boundaries and every ring block's token indices `[ring, m]`."
+    if strategy not in PLANS: raise ValueError(f"strategy={strategy!r}; choose one of {PLANS}")
+    p, s = ulysses * ring, np.asarray(lengths, dtype=np.int64)
+    pad = -int(s.sum()) % (p * _PLAN_MULTIPLE[strategy])
+    cu = cu_seq_lens(np.r_[s, pad] if pad else s)  # the padding is one more document, as pad_for_sp makes it
+    n = int(cu[-1])
+    plan = {"contiguous": lambda: contiguous_plan(n, p), "zigzag": lambda: zigzag_plan(n, p),
+            "balanced": lambda: balanced_plan(cu, p)}[strategy]()
+    return cu, plan.reshape(ring, -1)
+
+def interacting_blocks(ring_index,         # [ring, m] global token indices of every ring block
+                       cu,                 # the row's document boundaries
+                       window: int = 0,    # sliding window (0: none)
+                      ) -> np.ndarray:
+    "Which (query block, key block) pairs have a query that may see a key `[ring, ring]` (causal): `block_pairs`' answer, by sorting."
+    idx, cu = np.asarray(ring_index), np.asarray(cu, dtype=np.int64)
+    end = cu[1:][np.searchsorted(cu, np.arange(cu[-1]), side="right") - 1]  # where each token's document ends
+    out = np.zeros((len(idx), len(idx)), dtype=bool)
+    for i, queries in enumerate(np.sort(idx, axis=1)):
+        for j, keys in enumerate(idx):
+            pos = np.searchsorted(queries, keys)  # the first query at or after each key
+            first = queries[np.minimum(pos, len(queries) - 1)]
+            limit = np.minimum(end[keys], keys + window) if window else end[keys]  # same document, inside the window
+            out[i, j] = bool(((pos < len(queries)) & (first < limit)).any())
+    return out
+
+@functools.lru_cache(maxsize=4096)
+def _ring_row(lengths: tuple, ulysses: int, ring: int, strategy: str, windows: tuple) -> tuple[int, np.ndarray]:
+    "A row's padded length and, per ring rank, the query-key pairs of the block pairs it computes over all layers (cached: a layout search asks for the same rows under every lever)."
+    cu, blocks = ring_blocks(lengths, ulysses, ring, strategy)
+    n = int(cu[-1])
+    return n, (n // ring) ** 2 * sum(interacting_blocks(blocks, cu, w).sum(1) for w in windows)
+
 # %% ../nbs/17_cost.ipynb #0cbb6d15
 ADAMW_BYTES = {2: 4 * 4 + 4 * 3 + 2,  # bf16 training: reads fp32 master, grad, m, v; writes master, m, v and the bf16 copy
                4: 4 * 4 + 4 * 3,      # fp32: reads parameter, grad, m, v; writes parameter, m, v
@@ -166,7 +210,7 @@ def _flops(d: Dims, tokens, pairs, lv: Levers, sp: int) -> dict:
 class StepCost:
     "FLOPs and bytes of one training step on one rank, by named part."
     flops: dict          # part -> FLOPs: forward / backward / recompute of layers, attention and head
-    bytes: dict          # part -> bytes moved: all-to-all, gradient reduction, optimizer, host offload
+    bytes: dict          # part -> bytes moved: all-to-all (Ulysses group), ring (ring group), gradient reduction, optimizer, host offload
     tokens: int          # tokens this rank computes (its share of every row, padding included)
     @property
     def total(self) -> int: return sum(self.flops.values())
@@ -182,9 +226,11 @@ class StepCost:
 def step_cost(config,                    # a transformers config or a preset name (`workbench.memory.PRESETS`)
               batch,                     # rows of this replica's step: a batch dict, document lengths, or a list of rows
               *,
-              sp: int = 1,               # sequence-parallel degree: each rank computes 1/sp of every row
+              sp: int = 1,               # sequence-parallel (Ulysses) degree: each rank computes 1/(sp * ring) of every row
+              ring: int = 1,             # ring attention degree (workbench.sp.ring)
               dp: int = 1,               # data-parallel degree (gradient reduction and sharding)
-              attention: str = "causal", # an `ATTENTION_WORK` key: what the attention implementation computes
+              attention: str = "causal", # an `ATTENTION_WORK` key: what the attention implementation computes (ring > 1: its block pairs instead)
+              ring_plan: str = "balanced",  # with ring > 1: how a row is sharded (`workbench.sp.balance.PLANS`)
               levers: Levers = Levers(checkpointing=False),  # checkpointing and the memory levers that change work
               zero_stage: int = 0,       # 0 all-reduce; 1-2 shard states; 3 also gather parameters
               optimizer_offload: bool = False,  # the AdamW step runs in host memory (its traffic is host bytes)
@@ -193,28 +239,39 @@ def step_cost(config,                    # a transformers config or a preset nam
     "FLOPs and bytes of one forward + backward + AdamW step of `batch` on one rank."
     config = preset_config(config) if isinstance(config, str) else config
     d, rows = Dims.of(config), rows_of(batch)
-    if not isinstance(sp, int) or sp < 1 or not isinstance(dp, int) or dp < 1:
-        raise ValueError(f"sp and dp must be positive integers, got sp={sp!r}, dp={dp!r}")
+    if any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in (sp, ring, dp)):
+        raise ValueError(f"sp, ring and dp must be positive integers, got sp={sp!r}, ring={ring!r}, dp={dp!r}")
+    if ring > 1: check_layout(config, sp, ring)  # the Ulysses degree against the heads; the ring has no limit
     if zero_stage not in (0, 1, 2, 3): raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
     if dtype_bytes not in (2, 4, 8): raise ValueError(f"dtype_bytes must be 2 (bf16), 4 (fp32) or 8 (fp64), got {dtype_bytes!r}")
-    tokens = sum(int(r.sum()) for r in rows)
-    pairs = sum(_pairs(r, w, attention, int(r.sum())) for r in rows for w in d.windows)
-    flops = _flops(d, tokens, pairs, levers, sp)
-    lv = levers
-    world = sp * dp
+    lv, world = levers, sp * ring * dp
+    if ring == 1:
+        tokens = sum(int(r.sum()) for r in rows)
+        flops = _flops(d, tokens, sum(_pairs(r, w, attention, int(r.sum())) for r in rows for w in d.windows), lv, sp)
+        a2a, p2p = sum(a2a_elements(config, int(r.sum()), sp) for r in rows), 0  # elements sent per layer forward
+    else:
+        lengths, work = zip(*(_ring_row(tuple(r.tolist()), sp, ring, ring_plan, d.windows) for r in rows))  # padded rows
+        tokens = sum(lengths)
+        fwd = 4 * d.heads // sp * d.head_dim * int(sum(work).max())  # the busiest ring rank sets the step
+        flops = {**_flops(d, tokens, 0, lv, sp * ring), "forward attention": fwd, "backward attention": 10 * fwd // 4,
+                 "recompute attention": fwd if lv.checkpointing else 0}
+        a2a = sum(a2a_elements(config, n // ring, sp) for n in lengths)  # Ulysses over each ring block's tokens
+        kv = sum(ring_p2p_elements(config, n, sp, ring) for n in lengths)  # key/value blocks, per layer forward
+        grads = sum(ring_p2p_elements(config, n, sp, ring, backward=True) for n in lengths) - kv  # their gradients
+        p2p = kv * dtype_bytes * (2 + lv.checkpointing) + grads * max(dtype_bytes, 4)  # bytes per layer; gradients in fp32 or finer
     shard = world if zero_stage >= 1 else 1
-    ring = (world - 1) / world
-    a2a = sum(a2a_elements(config, int(r.sum()), sp) for r in rows)  # elements sent per layer forward
+    share = (world - 1) / world  # of the parameters each rank sends in a ring all-reduce / reduce-scatter
     gathers = (3 if lv.checkpointing else 2) if zero_stage == 3 else 0
-    grad = (ring if zero_stage >= 2 else 2 * ring) * d.params * dtype_bytes + gathers * ring * d.params * dtype_bytes
+    grad = (share if zero_stage >= 2 else 2 * share) * d.params * dtype_bytes + gathers * share * d.params * dtype_bytes
     opt = ADAMW_BYTES[dtype_bytes] * d.params // shard
     bytes_ = {"all-to-all": int(a2a * d.layers * dtype_bytes * (3 if lv.checkpointing else 2)),
+              "ring": int(p2p * d.layers),
               "gradient reduction": int(grad) if world > 1 else 0,
               "optimizer (device)": 0 if optimizer_offload else opt,
               "optimizer (host)": opt if optimizer_offload else 0,
               "host transfers": (2 * dtype_bytes * d.params // shard if optimizer_offload else 0)
-                                + (2 * d.layers * tokens // sp * d.hidden * dtype_bytes if lv.offload_checkpoints else 0)}
-    return StepCost(flops, bytes_, tokens // sp)
+                                + (2 * d.layers * tokens // (sp * ring) * d.hidden * dtype_bytes if lv.offload_checkpoints else 0)}
+    return StepCost(flops, bytes_, tokens // (sp * ring))
 
 # %% ../nbs/17_cost.ipynb #1aae9700
 _aten = torch.ops.aten
@@ -417,13 +474,14 @@ class Prediction:
         return (f"predicted on {self.device}: {self.step_s:.4g} s/step, {self.tokens_per_s:,.0f} tokens/s, MFU {self.mfu:.1%} "
                 f"({self.flops_per_step:.3g} model FLOPs per rank per step)")
 
-def _terms(cost: StepCost, dev: Device, world: int) -> dict:
-    "Seconds of each `FACTORS` term at 100% of `dev`'s peaks."
+def _terms(cost: StepCost, dev: Device, ulysses: int, ring: int, dp: int) -> dict:
+    "Seconds of each `FACTORS` term at 100% of `dev`'s peaks; each group's bytes over its own link."
     attn = sum(v for k, v in cost.flops.items() if "attention" in k)
-    link = dev.nvlink if world <= dev.per_node else dev.internode
-    host_ranks = min(world, dev.per_node)  # the ranks of a node share its host memory for a CPU optimizer step
+    link = lambda procs: dev.nvlink if procs <= dev.per_node else dev.internode  # a group of adjacent ranks inside a node, or not
+    host_ranks = min(ulysses * ring * dp, dev.per_node)  # the ranks of a node share its host memory for a CPU optimizer step
     return {"matmul": (cost.total - attn) / dev.flops, "attention": attn / dev.flops,
-            "comm": (cost.bytes["all-to-all"] + cost.bytes["gradient reduction"]) / link,
+            "comm": cost.bytes["all-to-all"] / link(ulysses) + cost.bytes["ring"] / link(ulysses * ring)
+                    + cost.bytes["gradient reduction"] / link(ulysses * ring * dp),
             "memory": cost.bytes["optimizer (device)"] / dev.hbm + cost.bytes["optimizer (host)"] * host_ranks / dev.host
                       + cost.bytes["host transfers"] / dev.pcie,
             "overhead": 1.0}
@@ -436,14 +494,13 @@ def predict_step(config,                  # a transformers config or a preset na
                  batch,                   # this replica's rows of one optimizer step (as `step_cost` reads them)
                  device="H100 SXM",       # a `DEVICES` name, "cpu", or a `Device`
                  efficiency: Efficiency = Efficiency(),  # the factors (fit them with `calibrate`)
-                 **options,               # `step_cost`'s: sp, dp, attention, levers, zero_stage, optimizer_offload, dtype_bytes
+                 **options,               # `step_cost`'s: sp, ring, dp, attention, levers, zero_stage, optimizer_offload, dtype_bytes
                 ) -> Prediction:
     "Predicted seconds, throughput and MFU of one step: a roofline over `step_cost` with the named `efficiency` factors."
     dev, cost = device_of(device), step_cost(config, batch, **options)
-    sp, dp = options.get("sp", 1), options.get("dp", 1)
-    terms = _terms(cost, dev, sp * dp)
+    terms = _terms(cost, dev, options.get("sp", 1), options.get("ring", 1), options.get("dp", 1))
     step = _seconds(terms, efficiency)
-    tokens = sum(int(r.sum()) for r in rows_of(batch)) * dp
+    tokens = sum(int(r.sum()) for r in rows_of(batch)) * options.get("dp", 1)
     return Prediction(step, cost.model_flops / step / dev.flops, cost.model_flops, dev.flops, dev.name, tokens / step,
                       terms, cost)
 
@@ -527,7 +584,7 @@ def run_options(cfg) -> dict:
     "`step_cost` options of a `workbench.train.TrainConfig` run."
     cuda = torch.cuda.is_available()
     dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if cuda else "float32")
-    return dict(sp=cfg.sp, dp=cfg.dp, attention=attention_work(cfg.attn, "cuda" if cuda else "cpu"),  # Ulysses: the inner one's work
+    return dict(sp=cfg.sp, ring=getattr(cfg, "ring", 1), dp=cfg.dp, attention=attention_work(cfg.attn, "cuda" if cuda else "cpu"),  # Ulysses: the inner one's work
                 levers=Levers(checkpointing=cfg.checkpointing, offload_checkpoints=cfg.offload_checkpoints,
                               tiled_loss=bool(cfg.loss_chunk), loss_chunk=cfg.loss_chunk or 1024,
                               tiled_mlp=bool(cfg.mlp_chunk), mlp_chunk=cfg.mlp_chunk or None, lean_kernels=cfg.lean_kernels),
@@ -557,14 +614,13 @@ def measured_mfu(config, rows, cfg, seconds: float, predicted: Prediction | None
     return {"mfu": step_cost(config, rows, **run_options(cfg)).model_flops / seconds / predicted.peak_flops}
 
 # %% ../nbs/17_cost.ipynb #fdb6d3fd
-SPLITS = ("ulysses",)  # sequence splits `plan_layout` searches; ring attention (issue 19) joins here once it exists
+SPLITS = ("ulysses", "ring", "hybrid")  # how `plan_layout` splits a row: Ulysses alone, ring alone, every (ulysses, ring) pair
 LAYOUT_LEVERS = {"no checkpointing": Levers(checkpointing=False), **LEVER_LADDER}  # each rung adds one lever
 
-def _split_degrees(split: str, config, gpus: int) -> list[int]:
-    "The sequence-parallel degrees `split` allows for `config` on `gpus` GPUs (the extension point for new splits)."
-    if split == "ulysses": return sp_sizes(config, gpus)
-    if split == "ring": raise NotImplementedError("the ring split does not exist yet (issue 19); search split='ulysses'")
-    raise ValueError(f"unknown split {split!r}: choose one of {SPLITS}")
+def _split_degrees(split: str, config, gpus: int) -> list[tuple[int, int]]:
+    "The (ulysses, ring) degrees `split` allows for `config` on `gpus` GPUs (`workbench.sp.grid.sp_layouts`)."
+    if split not in SPLITS: raise ValueError(f"unknown split {split!r}: choose one of {SPLITS}")
+    return [(u, r) for u, r in sp_layouts(config, gpus) if split == "hybrid" or (r if split == "ulysses" else u) == 1]
 
 def _representative(plan: Plan, costs: np.ndarray, k: int) -> list[np.ndarray]:
     "`k` bins spread evenly over the plan's costs: one rank's rows of a typical step."
@@ -591,8 +647,9 @@ class Layouts:
         t = self.table
         fig = go.Figure(layout=dict(title=title, template="plotly_white", xaxis=dict(title="predicted step (s)", type="log"),
                                     yaxis=dict(title="peak memory per GPU (GiB)")))
-        for (sp, off), g in t.groupby(["sp", "optimizer_offload"], sort=False):
-            fig.add_scatter(x=g.step_s, y=g.peak_gib, mode="lines+markers", name=f"SP={sp}{', optimizer offload' if off else ''}",
+        for (u, r, off), g in t.groupby(["ulysses", "ring", "optimizer_offload"], sort=False):
+            name = f"SP={u}" if r == 1 else f"Ulysses {u} x ring {r}"
+            fig.add_scatter(x=g.step_s, y=g.peak_gib, mode="lines+markers", name=f"{name}{', optimizer offload' if off else ''}",
                             text=[f"{r.levers}<br>max context {r.max_context:,}<br>lever: +{r.time_cost_s:.3g} s for "
                                   f"-{r.memory_saved_gib:.3g} GiB" for r in g.itertuples()], hovertemplate="%{text}")
         f = self.frontier
@@ -608,7 +665,7 @@ def plan_layout(model,                     # a transformers config or a preset n
                 *,
                 capacity: int | None = None,   # tokens per row (None: the longest document)
                 rows_per_step: int | None = None,  # rows per optimizer step over all replicas (None: `gpus`)
-                split: str = "ulysses",    # how a row is split over its SP group (`SPLITS`)
+                split: str = "ulysses",    # how a row is split over its SP group (`SPLITS`: Ulysses, ring, or both)
                 levers: dict = LAYOUT_LEVERS,  # name -> `Levers`, searched in this order (a ladder: each adds one)
                 offloads=(False, True),    # optimizer offload settings searched
                 zero_stage: int = 3,       # states sharded over all GPUs
@@ -616,7 +673,7 @@ def plan_layout(model,                     # a transformers config or a preset n
                 efficiency: Efficiency = Efficiency(),  # the predictor's factors
                 attention: str = "causal", # an `ATTENTION_WORK` key
                ) -> Layouts:
-    "Search SP degree, DP, checkpointing, offload and memory levers; keep what the memory planner and the preflight accept."
+    "Search the (Ulysses, ring) split, DP, checkpointing, offload and memory levers; keep what the memory planner and the preflight accept."
     config = preset_config(model) if isinstance(model, str) else model
     dev = device_of(device)
     if not isinstance(gpus, int) or gpus < 1: raise ValueError(f"gpus must be a positive integer, got {gpus!r}")
@@ -626,13 +683,16 @@ def plan_layout(model,                     # a transformers config or a preset n
     if not len(lengths): raise ValueError("no lengths: pass the document lengths of the data to train on")
     capacity = int(capacity or lengths.max())
     rows, refused = [], []
-    for sp in _split_degrees(split, config, gpus):
-        dp, seq = gpus // sp, -(-capacity // sp) * sp
+    for u, r in _split_degrees(split, config, gpus):
+        sp = u * r
+        multiple = sp * (_PLAN_MULTIPLE["balanced"] if r > 1 else 1)  # a ring row is padded as training's plan pads it
+        dp, seq = gpus // sp, -(-capacity // multiple) * multiple
         step_rows = rows_per_step or gpus
         try:
-            check_sp(config, sp, world_size=gpus, seq_len=seq)
+            check_layout(config, u, r, world_size=gpus)
+            check_sp(config, u, world_size=gpus // r, seq_len=seq)
             if step_rows % dp: raise ValueError(f"rows_per_step={step_rows} is not a multiple of dp={dp}")
-        except ValueError as e: refused.append((dict(sp=sp, dp=dp), str(e))); continue
+        except ValueError as e: refused.append((dict(ulysses=u, ring=r, dp=dp), str(e))); continue
         plan = plan_bins(lengths, seq, overlong="split")
         costs = bin_costs(config, plan, attention)
         mine = _representative(plan, costs, step_rows // dp)
@@ -640,16 +700,19 @@ def plan_layout(model,                     # a transformers config or a preset n
         for off in offloads:
             previous = None
             for name, lv in levers.items():
-                layout = dict(split=split, sp=sp, dp=dp, grad_accum=step_rows // dp, levers=name, optimizer_offload=off)
-                est = estimate(shape, seq, sp, dp, levers=lv, zero_stage=zero_stage, optimizer_offload=off)
+                layout = dict(split=split, sp=sp, ulysses=u, ring=r, dp=dp, grad_accum=step_rows // dp, levers=name,
+                              optimizer_offload=off)
+                est = estimate(shape, seq, u, dp, ring=r, levers=lv, zero_stage=zero_stage, optimizer_offload=off)
                 if est.gib > memory:
                     refused.append((layout, f"memory: {est.gib:.1f} GiB > {memory:.1f} GiB")); continue
                 if host_gib is not None and est.host_gib > host_gib:
                     refused.append((layout, f"host memory: {est.host_gib:.1f} GiB > {host_gib:.1f} GiB")); continue
-                p = predict_step(config, mine, dev, efficiency, sp=sp, dp=dp, attention=attention, levers=lv,
+                p = predict_step(config, mine, dev, efficiency, sp=u, ring=r, dp=dp, attention=attention, levers=lv,
                                  zero_stage=zero_stage, optimizer_offload=off)
-                limit = max_context(shape, memory, sp, dp, host_gib, levers=lv, zero_stage=zero_stage, optimizer_offload=off)
+                limit = max_context(shape, memory, u, dp, host_gib, ring=r, levers=lv, zero_stage=zero_stage,
+                                    optimizer_offload=off)
                 row = dict(**layout, row_tokens=seq, step_s=p.step_s, tokens_per_s=p.tokens_per_s, mfu=p.mfu,
+                           a2a_bytes=p.cost.bytes["all-to-all"], ring_bytes=p.cost.bytes["ring"],
                            peak_gib=est.gib, max_context=limit.tokens,
                            time_cost_s=p.step_s - previous["step_s"] if previous else 0.0,
                            memory_saved_gib=previous["peak_gib"] - est.gib if previous else 0.0)

@@ -21,9 +21,9 @@ from .tiling import causal_lm_loss_sum, checkpoint_layers, lean_kernels, shift_l
 # %% auto #0
 __all__ = ['PRESETS', 'HF_BLOG_QWEN3_4B_SP4', 'HF_BLOG_SETUP', 'H100_80GB_GIB', 'LEVER_LADDER', 'ALST_LLAMA_8B',
            'ALST_NODE_HOST_BYTES', 'preset_config', 'Shape', 'LiveBytes', 'shapes_attention', 'Levers', 'Measurement',
-           'measure_activations', 'replace_layers', 'local_tokens', 'activation_phases', 'planned_activations',
-           'Estimate', 'estimate', 'default_runtime_gib', 'ContextLimit', 'max_context', 'lever_table', 'lever_figure',
-           'alst_table']
+           'measure_activations', 'replace_layers', 'local_tokens', 'ring_attention_bytes', 'activation_phases',
+           'planned_activations', 'Estimate', 'estimate', 'default_runtime_gib', 'ContextLimit', 'max_context',
+           'lever_table', 'lever_figure', 'alst_table']
 
 # %% ../nbs/12_memory.ipynb #433e0b77
 PRESETS = {  # published config.json shapes: (transformers config class, fields)
@@ -253,26 +253,47 @@ def replace_layers(config, layers: int):
     return config
 
 # %% ../nbs/12_memory.ipynb #425a2ab7
-def local_tokens(config, seq_len: int, sp: int = 1) -> int:
-    "Tokens per rank, `seq_len / sp`, after checking that `sp` and `seq_len` are valid for the model."
+def local_tokens(config, seq_len: int, sp: int = 1, ring: int = 1) -> int:
+    "Tokens per rank, `seq_len / (sp * ring)`, after checking that the Ulysses degree `sp` suits the heads (the ring has no head limit) and `seq_len` splits evenly."
     shape = Shape.of(config)
-    if not isinstance(sp, int) or sp < 1: raise ValueError(f"sp must be a positive integer, got {sp!r}")
-    if not isinstance(seq_len, int) or seq_len < 1:
+    for name, v in (("sp", sp), ("ring", ring)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1: raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
         raise ValueError(f"seq_len must be a positive number of tokens, got {seq_len!r}")
     if shape.heads % sp:
         raise ValueError(f"sp={sp} does not divide the {shape.heads} attention heads: Ulysses gives each rank "
-                         f"heads/sp heads; choose sp among {[p for p in range(1, shape.heads + 1) if shape.heads % p == 0]}")
+                         f"heads/sp heads; choose sp among {[p for p in range(1, shape.heads + 1) if shape.heads % p == 0]}"
+                         f"{'' if ring > 1 else ' (or split the rest over a ring: ring=...)'}")
     if shape.kv_heads % sp and sp % shape.kv_heads:
         raise ValueError(f"sp={sp} neither divides nor is a multiple of the {shape.kv_heads} key/value heads, so they "
                          f"can be neither split nor replicated evenly")
-    if seq_len % sp:
-        raise ValueError(f"seq_len={seq_len} is not a multiple of sp={sp}: pad the row to a multiple of sp "
-                         f"(FlatteningCollator(pad_to_multiple_of={sp}))")
-    return seq_len // sp
+    if seq_len % (sp * ring):
+        what = f"sp={sp}" if ring == 1 else f"sp x ring = {sp} x {ring} = {sp * ring}"
+        raise ValueError(f"seq_len={seq_len} is not a multiple of {what}: pad the row to a multiple of {sp * ring} "
+                         f"({'FlatteningCollator(pad_to_multiple_of=...)' if ring == 1 else 'workbench.sp.balance.plan_row pads it'})")
+    return seq_len // (sp * ring)
+
+# %% ../nbs/12_memory.ipynb #e4ca9bad
+def ring_attention_bytes(config,              # a transformers config or a `Shape`
+                         n: int,              # tokens on this rank (`local_tokens`)
+                         sp: int = 1,         # Ulysses degree (heads exchanged before the ring)
+                         ring: int = 2,       # ring degree (at least 2)
+                         dtype_bytes: int = 2,  # activation bytes (bf16)
+                        ) -> dict:
+    "Bytes one `ring_attend` call holds on a rank at its peak (the backward of its second computed block pair), by part."
+    if dtype_bytes != 2: raise ValueError("the ring terms are read off bf16 training (fp32 accumulators): dtype_bytes must be 2")
+    if not isinstance(ring, int) or isinstance(ring, bool) or ring < 2:
+        raise ValueError(f"ring attention needs ring >= 2 processes, got ring={ring!r} (ring=1 is Ulysses alone)")
+    s, b, a = Shape.of(config), dtype_bytes, 4
+    m, heads = n * sp, s.heads // sp                 # the ring block's tokens and the query heads after the all-to-all
+    Q, K, L = heads * m * s.head_dim, max(s.kv_heads, sp) // sp * m * s.head_dim, heads * m
+    S, M = heads * m * m, m * m
+    return {"saved for backward": a * (Q + L), "output gradient": b * Q, "blocks in flight": 4 * b * K,
+            "gradients in flight": 6 * a * K, "fp32 working copies": 6 * a * Q + a * L, "block scores": 4 * a * S + 2 * M}
 
 # %% ../nbs/12_memory.ipynb #78d1a469
-def activation_phases(config, n: int, sp: int = 1, levers: Levers = Levers(), dtype_bytes: int = 2) -> dict:
-    "Per-rank activation bytes of each phase for `n` local tokens: kept state, layer, loss, embedding, all-to-all."
+def activation_phases(config, n: int, sp: int = 1, levers: Levers = Levers(), dtype_bytes: int = 2, ring: int = 1) -> dict:
+    "Per-rank activation bytes of each phase for `n` local tokens: kept state, layer, loss, embedding, all-to-all, ring attention (`ring` > 1)."
     if dtype_bytes != 2: raise ValueError("the activation terms are measured for 2-byte (bf16/fp16) training only")
     s, b, lv = Shape.of(config), dtype_bytes, levers
     h, q, kv, I, V = s.hidden, s.q, s.kv, s.intermediate, s.vocab
@@ -282,6 +303,7 @@ def activation_phases(config, n: int, sp: int = 1, levers: Levers = Levers(), dt
     norm = 2 * b * h + 4 if lean else 4 * h + 4 + 2 * b * h
     attn = 2 * b * q + 2 * b * kv + 4 * s.heads + a2a
     if s.qk_norm: attn += 4 * (s.heads + s.kv_heads) + (3 if lean else 6) * (q + kv)
+    if ring > 1: attn += (4 - b) * q + 8 * sp * ring  # the ring saves an fp32 output (flash: bf16) and every token's document (int64, whole row)
     mlp = 0 if lv.tiled_mlp else (3 if lean else 4) * b * I
     saved = 2 * norm + attn + mlp
     keep = (0 if lv.offload_checkpoints else b * h) if lv.checkpointing else saved
@@ -292,10 +314,15 @@ def activation_phases(config, n: int, sp: int = 1, levers: Levers = Levers(), dt
     elif lean: mlp_bwd = n * (base + b * I) + b * h * I  # gate and up take their gradients in place
     else: mlp_bwd = max(n * (base + 2 * b * I), n * (base + b * I) + b * h * I)
     norm_bwd = n * (base - mlp + (0 if lean else 16 * h))
-    gqa = s.heads // sp != max(s.kv_heads, sp) // sp                  # a rank has more query than key/value heads
-    flash = 4 * s.heads * (-(-s.head_dim // 32) * 32 + 1) + (2 * b * q if gqa else 0)  # FlashAttention-2's workspace
-    attn_bwd = n * (base - mlp - norm - (b * q if sp > 1 else 0) + b * (q + 2 * kv_a) + flash
-                    + (0 if lean else b * h + (q + kv if s.qk_norm else 0)))
+    rest = base - mlp - norm - (b * q if sp > 1 else 0) + (0 if lean else b * h + (q + kv if s.qk_norm else 0))
+    if ring > 1:  # the ring's block pairs replace FlashAttention-2's backward; its saved output is in `base` already
+        rp = ring_attention_bytes(s, n, sp, ring, dtype_bytes)
+        ring_work = sum(rp.values()) - rp["saved for backward"]
+        attn_bwd = n * rest + ring_work
+    else:
+        gqa = s.heads // sp != max(s.kv_heads, sp) // sp              # a rank has more query than key/value heads
+        flash = 4 * s.heads * (-(-s.head_dim // 32) * 32 + 1) + (2 * b * q if gqa else 0)  # FlashAttention-2's workspace
+        attn_bwd = n * (rest + b * (q + 2 * kv_a) + flash)
     layer = max(mlp_bwd, norm_bwd, attn_bwd) + (b * V * h if s.tied else 0)
     a2a_live = a2a - (b * q if sp > 1 and attn_bwd > max(mlp_bwd, norm_bwd) else 0)  # the output copy is freed by then
     if lv.tiled_loss:
@@ -304,12 +331,13 @@ def activation_phases(config, n: int, sp: int = 1, levers: Levers = Levers(), dt
     else: loss = n * (12 * V + norm)
     return dict(kept=n * (2 * b * s.head_dim + s.layers * keep), layer=layer, loss=loss,
                 embedding=(3 if s.tied else 1) * b * V * h + n * b * h,
-                all_to_all=n * (a2a_live if lv.checkpointing else a2a * s.layers))
+                all_to_all=n * (a2a_live if lv.checkpointing else a2a * s.layers),
+                ring=ring_work if ring > 1 and attn_bwd > max(mlp_bwd, norm_bwd) else 0)
 
 # %% ../nbs/12_memory.ipynb #bd5e9eb5
-def planned_activations(config, seq_len: int, sp: int = 1, levers: Levers = Levers()) -> int:
-    "The planner's per-rank activation peak in bytes (what `measure_activations` measures)."
-    ph = activation_phases(config, local_tokens(config, seq_len, sp), sp, levers)
+def planned_activations(config, seq_len: int, sp: int = 1, levers: Levers = Levers(), ring: int = 1) -> int:
+    "The planner's per-rank activation peak in bytes (what `measure_activations` measures; `ring` > 1: with ring attention)."
+    ph = activation_phases(config, local_tokens(config, seq_len, sp, ring), sp, levers, ring=ring)
     return max(ph["kept"] + max(ph["layer"], ph["loss"]), ph["embedding"])
 
 # %% ../nbs/12_memory.ipynb #b69787bd
@@ -320,6 +348,7 @@ class Estimate:
     phases: dict         # every activation phase in bytes (the binding one is in `parts`)
     host: dict           # name -> bytes the offloads keep in host memory (per rank)
     seq_len: int; sp: int; dp: int; local_tokens: int
+    ring: int = 1        # ring degree (1: Ulysses alone)
 
     @property
     def total(self) -> int: return sum(self.parts.values())
@@ -335,7 +364,8 @@ class Estimate:
         host = [(f"host: {k}", v / 2**30) for k, v in self.host.items() if v] + [("host total", self.host_gib)]
         return [(k, v / 2**30) for k, v in self.parts.items()] + [("total", self.gib)] + (host if self.host_gib else [])
     def __str__(self):
-        head = f"seq_len {self.seq_len:,} (sp={self.sp}, dp={self.dp}: {self.local_tokens:,} tokens per rank)"
+        ring = f", ring={self.ring}" if self.ring > 1 else ""
+        head = f"seq_len {self.seq_len:,} (sp={self.sp}{ring}, dp={self.dp}: {self.local_tokens:,} tokens per rank)"
         return "\n".join([head] + [f"  {k:<28}{v:9.2f} GiB" for k, v in self.rows()])
     __repr__ = __str__
     def _repr_markdown_(self):
@@ -367,9 +397,10 @@ def _host(shape: Shape, n: int, world: int, levers: Levers, zero_stage: int, opt
 
 def estimate(config,                       # a transformers config, a preset name or a `Shape`
              seq_len: int,                 # global tokens per row
-             sp: int = 1,                  # sequence-parallel degree
-             dp: int = 1,                  # data-parallel degree (states are sharded over dp * sp)
+             sp: int = 1,                  # sequence-parallel (Ulysses) degree: heads exchanged by all-to-all
+             dp: int = 1,                  # data-parallel degree (states are sharded over dp * sp * ring)
              *,
+             ring: int = 1,                # ring attention degree: a rank holds seq_len / (sp * ring) tokens
              levers: Levers = Levers(),    # checkpointing / offload / tiled loss / tiled MLP
              zero_stage: int = 3,          # 0 none, 1 optimizer, 2 + gradients, 3 + parameters sharded
              optimizer_offload: bool = False,  # Adam states (and master weights) in host memory
@@ -379,25 +410,28 @@ def estimate(config,                       # a transformers config, a preset nam
             ) -> Estimate:
     "Expected per-rank peak memory of one training step, as a named breakdown."
     config = preset_config(config) if isinstance(config, str) else config
-    shape, n = Shape.of(config), local_tokens(config, seq_len, sp)
-    if not isinstance(dp, int) or dp < 1: raise ValueError(f"dp must be a positive integer, got {dp!r}")
-    ph = activation_phases(shape, n, sp, levers, dtype_bytes)
+    shape, n = Shape.of(config), local_tokens(config, seq_len, sp, ring)
+    if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1: raise ValueError(f"dp must be a positive integer, got {dp!r}")
+    ph = activation_phases(shape, n, sp, levers, dtype_bytes, ring)
     layer_binds = ph["layer"] >= ph["loss"]
     work = ph["layer"] if layer_binds else ph["loss"]
     a2a_in_work = ph["all_to_all"] if levers.checkpointing and layer_binds else 0
     a2a_in_kept = 0 if levers.checkpointing else ph["all_to_all"]
     end_binds = ph["embedding"] > ph["kept"] + work
+    ring_in_work = 0 if end_binds or not layer_binds else ph["ring"]
     acts = {"checkpoints" if levers.checkpointing else "saved activations":
                 0 if end_binds else ph["kept"] - a2a_in_kept,
-            "layer working set": 0 if end_binds or not layer_binds else work - a2a_in_work,
+            "layer working set": 0 if end_binds or not layer_binds else work - a2a_in_work - ring_in_work,
+            **({"ring attention": ring_in_work} if ring > 1 else {}),
             "loss working set": 0 if end_binds or layer_binds else work,
             "all-to-all buffers": 0 if end_binds else a2a_in_work + a2a_in_kept,
             "embedding gradients": ph["embedding"] if end_binds else 0}
     runtime = default_runtime_gib() if runtime_gib is None else runtime_gib
-    parts = {**_states(shape, dp * sp, zero_stage, optimizer_offload, param_offload, dtype_bytes), **acts,
+    world = dp * sp * ring
+    parts = {**_states(shape, world, zero_stage, optimizer_offload, param_offload, dtype_bytes), **acts,
              "runtime constant": int(runtime * 2**30)}
-    host = _host(shape, n, dp * sp, levers, zero_stage, optimizer_offload, param_offload, dtype_bytes)
-    return Estimate(parts, ph, host, seq_len, sp, dp, n)
+    host = _host(shape, n, world, levers, zero_stage, optimizer_offload, param_offload, dtype_bytes)
+    return Estimate(parts, ph, host, seq_len, sp, dp, n, ring)
 
 # %% ../nbs/12_memory.ipynb #a6e72a9c
 HF_BLOG_QWEN3_4B_SP4 = {8192: 23.4, 32768: 35.0, 65536: 50.5, 98304: 66.0}  # published peak GiB per GPU by seq_len
@@ -417,7 +451,7 @@ class ContextLimit:
     "The longest trainable row under the device (and optionally host) memory limit, and what limits it."
     tokens: int          # longest global sequence length that fits every limit
     memory_tokens: int   # longest that fits in device memory
-    index_tokens: int    # the 32-bit indexing ceiling (2^31 / hidden local tokens, times sp)
+    index_tokens: int    # the 32-bit indexing ceiling (2^31 / hidden local tokens, times sp * ring)
     host_tokens: int | None  # longest whose offloads fit in host memory (None: no host limit given)
     binds: str           # "memory", "32-bit indexing", "host memory", or "model states" when not even `sp` tokens fit
     estimate: Estimate | None  # the breakdown at `tokens`
@@ -437,24 +471,27 @@ def _longest(fits) -> int:
 
 def max_context(config,                 # a transformers config, preset name or `Shape`
                 memory_gib: float,      # device memory per rank (e.g. `H100_80GB_GIB`)
-                sp: int = 1,            # sequence-parallel degree
+                sp: int = 1,            # sequence-parallel (Ulysses) degree
                 dp: int = 1,            # data-parallel degree
                 host_gib: float | None = None,  # host memory per rank for the offloads (a node's RAM / its ranks)
+                *,
+                ring: int = 1,          # ring attention degree
                 **options,              # anything `estimate` takes (levers, zero_stage, optimizer_offload, ...)
                ) -> ContextLimit:
-    "Longest sequence (a multiple of `sp`) that fits in `memory_gib` per rank (and `host_gib`), and the binding limit."
+    "Longest sequence (a multiple of `sp * ring`) that fits in `memory_gib` per rank (and `host_gib`), and the binding limit."
     if memory_gib <= 0: raise ValueError(f"memory_gib must be positive, got {memory_gib}")
     if host_gib is not None and host_gib <= 0: raise ValueError(f"host_gib must be positive, got {host_gib}")
     config = preset_config(config) if isinstance(config, str) else config
-    local_tokens(config, sp, sp)  # validates sp against the heads
-    at = lambda k: estimate(config, k * sp, sp, dp, **options)
-    limits = {"memory": _longest(lambda k: at(k).gib <= memory_gib) * sp,
-              "32-bit indexing": (2**31 // Shape.of(config).hidden) * sp}
-    if host_gib is not None: limits["host memory"] = _longest(lambda k: at(k).host_gib <= host_gib) * sp
+    p = sp * ring if isinstance(sp, int) and isinstance(ring, int) else 1  # local_tokens names a bad sp or ring
+    local_tokens(config, p, sp, ring)  # validates sp against the heads, and ring
+    at = lambda k: estimate(config, k * p, sp, dp, ring=ring, **options)
+    limits = {"memory": _longest(lambda k: at(k).gib <= memory_gib) * p,
+              "32-bit indexing": (2**31 // Shape.of(config).hidden) * p}
+    if host_gib is not None: limits["host memory"] = _longest(lambda k: at(k).host_gib <= host_gib) * p
     binds = min(limits, key=limits.get)
     tokens = limits[binds]
     return ContextLimit(tokens, limits["memory"], limits["32-bit indexing"], limits.get("host memory"),
-                        "model states" if tokens == 0 else binds, at(tokens // sp) if tokens else None)
+                        "model states" if tokens == 0 else binds, at(tokens // p) if tokens else None)
 
 # %% ../nbs/12_memory.ipynb #6daa1726
 LEVER_LADDER = {  # cumulative levers, from the HF blog's setup to all of them

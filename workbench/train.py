@@ -30,7 +30,7 @@ from fastcore.docments import docments
 from tqdm import tqdm  # the text bar: forked ranks cannot draw notebook widgets
 
 from .attention import KEY as VARLEN_KEY, register as register_varlen
-from .cost import BalancedPlan, Dims, bin_costs, measured_mfu, plan_balanced, run_device, run_options, run_prediction
+from .cost import BalancedPlan, Dims, bin_costs, measured_mfu, plan_balanced, ring_blocks, run_device, run_options, run_prediction
 from .core import SAMPLES, data_dir, load_sample, load_tokenizer, model_families, tiny_config, tokenize_records
 from .launch import launch
 from .memory import Levers, estimate
@@ -313,13 +313,13 @@ def expected_memory(cfg: TrainConfig):
     levers = Levers(checkpointing=cfg.checkpointing, offload_checkpoints=cfg.offload_checkpoints,
                     tiled_loss=bool(cfg.loss_chunk), loss_chunk=cfg.loss_chunk or 1024,
                     tiled_mlp=bool(cfg.mlp_chunk), mlp_chunk=cfg.mlp_chunk or None, lean_kernels=cfg.lean_kernels)
-    seq = -(-cfg.max_tokens // cfg.sp) * cfg.sp  # the row is padded to a multiple of sp
-    return estimate(model_config(cfg), seq, cfg.sp, cfg.dp, levers=levers, zero_stage=3 if cfg.shard else 0,
+    seq = (-(-cfg.max_tokens // cfg.sp) * cfg.sp if cfg.ring == 1 else  # the row is padded to a multiple of sp,
+           int(ring_blocks([cfg.max_tokens], cfg.sp, cfg.ring)[0][-1]))   # or as the ring's plan pads it
+    return estimate(model_config(cfg), seq, cfg.sp, cfg.dp, ring=cfg.ring, levers=levers, zero_stage=3 if cfg.shard else 0,
                     optimizer_offload=cfg.cpu_offload, param_offload=cfg.cpu_offload, runtime_gib=0)
 
 def memory_readout(cfg: TrainConfig) -> tuple[int | None, str]:
     "The planned per-rank peak in bytes and the line saying it, or None and the line saying why the planner cannot."
-    if cfg.ring > 1: return None, "memory readout: none (the planner does not model ring attention yet); training anyway"
     try: plan = expected_memory(cfg)
     except ValueError as e: return None, f"memory readout: none for this model ({e}); training anyway"
     host = f"; host memory for the offloads {plan.host_gib:.3f} GiB" if plan.host_gib else ""
@@ -662,11 +662,10 @@ def train_rank(cfg: TrainConfig) -> list[float]:
     features = load_features(cfg.data, tokenizer)
     check_token_ids(features, model.config.vocab_size, cfg.data)
     plan, sampler, imbalance = plan_run(cfg, model.config, [len(f["input_ids"]) for f in features], grid.rank("dp"))
-    predicted = run_prediction(cfg, model.config, plan, sampler=sampler) if cfg.ring == 1 else None  # workbench.cost's roofline (None: a run it does not model)
+    predicted = run_prediction(cfg, model.config, plan, sampler=sampler)  # workbench.cost's roofline (None: a run it does not model)
     if _rank() == 0:
         print(plan_readout(plan)); print(balance_readout(cfg, imbalance))
-        print(predicted or ("no step prediction: workbench.cost does not model ring attention yet" if cfg.ring > 1
-                            else "no step prediction: workbench.cost models neither LoRA nor this architecture's layers"))
+        print(predicted or "no step prediction: workbench.cost models neither LoRA nor this architecture's layers")
     pid = plan_id(plan)
     pieces, collate = plan.dataset(features), FlatteningCollator(pad_to_multiple_of=cfg.sp)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)  # LoRA: the adapters

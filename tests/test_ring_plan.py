@@ -1,0 +1,197 @@
+"""The memory planner and the cost model on ring attention and the hybrid Ulysses x ring layout, against real ring ranks.
+
+Two launches (2 and 4 gloo processes on CPU) measure, on every rank:
+- the live bytes of one `ring_attend` call (bf16, forward + backward), counted by `workbench.memory.LiveBytes` as the
+  planner's fake-tensor measurements are: they equal `ring_attention_bytes` exactly on a rank that computes every
+  block pair (the planner's terms are the tensors `_RingAttention` makes, read off its code), and no rank holds more;
+- the bytes sent at the dispatcher (`workbench.sp.proofs.CountComm`: Ulysses all-to-alls, ring sends) during one training
+  step of a tiny model: equal to `step_cost`'s "all-to-all" and "ring" bytes;
+- the FLOPs that ran (torch's `FlopCounterMode`): the busiest ring rank's equal `step_cost`'s total.
+Then `workbench.train.run` with --ring prints a memory readout and a step prediction and records "predicted".
+"""
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.flop_counter import FlopCounterMode
+
+from workbench.core import tiny_config, tiny_model
+from workbench.cost import (CPU_FLOP_FORMULAS, DEVICES, LAYOUT_LEVERS, interacting_blocks, plan_layout, predict_step,
+                            ring_blocks, step_cost)
+from workbench.launch import launch
+from workbench.memory import LiveBytes, Levers, Shape, estimate, max_context, preset_config, ring_attention_bytes
+from workbench.packing import FlatteningCollator, synthetic_lengths
+from workbench.sp.balance import PLANS, plan_row, ring_batch, zigzag_plan
+from workbench.sp.grid import ParallelGrid, check_layout
+from workbench.sp.proofs import CountComm
+from workbench.sp.ring import block_pairs, documents, register_ring, ring_attend, ring_forward
+from workbench.sp.shard import contiguous_plan
+from workbench.tiling import checkpoint_layers
+
+HEAD_DIM = 16
+MEMORY_CASES = {2: [(1, 2, 4, 4), (1, 2, 4, 2)],   # world size -> (ulysses, ring, heads, kv heads): MHA, GQA
+                4: [(1, 4, 4, 1), (2, 2, 4, 1)]}   # ring of 4 (MQA); hybrid 2 x 2 (the kv head replicated over Ulysses)
+N_TOKENS = 256  # tokens of the row (ring blocks of 128 or 64)
+LENGTHS = [150, 33, 1, 90, 64]  # a packed row: some block pairs are skipped, so ranks differ in work
+COMM_CASES = {2: [(1, 2, "qwen2", False)],
+              4: [(1, 4, "qwen2", False), (2, 2, "qwen2", True), (2, 2, "llama", False)]}  # (ulysses, ring, family, checkpointing)
+
+
+def _shape(heads, kv_heads) -> Shape:
+    return Shape(hidden=heads * HEAD_DIM, layers=1, heads=heads, kv_heads=kv_heads, head_dim=HEAD_DIM, intermediate=64,
+                 vocab=64, tied=False, qk_norm=False)
+
+
+def _attention_bytes(u, r, heads, kv_heads, plan):
+    "One ring_attend call on this rank as the hybrid layout hands it (heads already exchanged), bf16: its peak live bytes."
+    grid = ParallelGrid.build(u, r)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    m = N_TOKENS // r
+    q = torch.randn(1, heads // u, m, HEAD_DIM, generator=g).bfloat16().requires_grad_()
+    k, v = (torch.randn(1, max(kv_heads, u) // u, m, HEAD_DIM, generator=g).bfloat16().requires_grad_() for _ in "kv")
+    w = torch.randn(q.shape, generator=g).bfloat16()  # made outside: (out * w).sum() hands the ring a fresh bf16 gradient
+    index = (zigzag_plan(N_TOKENS, u * r) if plan == "zigzag" else contiguous_plan(N_TOKENS, u * r)).reshape(r, -1)
+    doc = documents(torch.tensor([0, N_TOKENS]))  # one document; made outside, as the layer makes it before attention
+    with LiveBytes() as lb:
+        (ring_attend(q, k, v, index, doc, grid.group("ring")) * w).sum().backward()
+    return lb.peak - 4  # less the test's own bf16 scalar loss and its seed gradient (2 bytes each)
+
+
+def _step(u, r, family, checkpointing):
+    "One training step of a tiny model on this rank's shard: bytes sent per group and FLOPs that ran."
+    grid = ParallelGrid.build(u, r)
+    model = tiny_model(family, attn_implementation=register_ring()).train()
+    if checkpointing: checkpoint_layers(model)
+    row = FlatteningCollator()([{"input_ids": list(range(3, 3 + n))} for n in LENGTHS])
+    shard = ring_batch(row, grid)
+    with CountComm() as comm, FlopCounterMode(display=False, custom_mapping=CPU_FLOP_FORMULAS) as flops:
+        _, loss = ring_forward(model, shard, grid)
+        loss.backward()
+    return dict(a2a=comm.a2a, p2p_bytes=comm.p2p_bytes, flops=flops.get_total_flops(), ring_rank=grid.rank("ring"))
+
+
+def _rank(world):
+    torch.set_num_threads(1)
+    memory = {(case, plan): _attention_bytes(*case, plan) for case in MEMORY_CASES[world] for plan in ("zigzag", "contiguous")}
+    return memory, {case: _step(*case) for case in COMM_CASES[world]}
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return {world: launch(_rank, world, num_processes=world, cpu=True, quiet=True, timeout_s=60, deadline_s=120)
+            for world in MEMORY_CASES}
+
+
+def test_ring_attention_bytes_equal_live_bytes(measured):
+    "Zigzag on one document: every rank computes every pair and holds exactly the planned bytes; contiguous: at most."
+    for world, ranks in measured.items():
+        for u, r, heads, kv in MEMORY_CASES[world]:
+            planned = sum(ring_attention_bytes(_shape(heads, kv), N_TOKENS // (u * r), u, r).values())
+            zigzag = [memory[(u, r, heads, kv), "zigzag"] for memory, _ in ranks]
+            contiguous = [memory[(u, r, heads, kv), "contiguous"] for memory, _ in ranks]
+            assert zigzag == [planned] * world, (u, r, heads, kv, zigzag, planned)
+            assert max(contiguous) == planned and min(contiguous) < planned  # the first ring rank skips pairs: holds less
+
+
+def test_comm_bytes_and_flops_equal_the_dispatcher(measured):
+    for world, ranks in measured.items():
+        for u, r, family, ck in COMM_CASES[world]:
+            cost = step_cost(tiny_config(family), [LENGTHS], sp=u, ring=r, levers=Levers(checkpointing=ck), dtype_bytes=4)
+            steps = [s[u, r, family, ck] for _, s in ranks]
+            for s in steps:  # every rank sends the same: its blocks, its gradients, its all-to-alls
+                assert s["p2p_bytes"] == cost.bytes["ring"] and s["a2a"] * 4 == cost.bytes["all-to-all"], (u, r, family, s, cost.bytes)
+            assert max(s["flops"] for s in steps) == cost.total, (u, r, family, [s["flops"] for s in steps], cost.total)
+            assert cost.bytes["all-to-all"] > 0 if u > 1 else cost.bytes["all-to-all"] == 0
+
+
+def test_interacting_blocks_is_block_pairs():
+    "The sorting answer equals the mask answer on FLAN-like rows, every plan, with and without a window."
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        lens = synthetic_lengths("flan", int(rng.integers(2, 6)), seed=int(rng.integers(1000))).tolist()
+        for (u, r), strategy, window in zip([(1, 2), (2, 2), (1, 4), (2, 3)] * 3, PLANS * 4, [0, 7, 64, 0] * 3):
+            cu, blocks = ring_blocks(lens, u, r, strategy)
+            assert (interacting_blocks(blocks, cu, window) == block_pairs(blocks, documents(torch.tensor(cu)), window or None).numpy()).all()
+            padded, plan = plan_row(FlatteningCollator()([{"input_ids": [1] * n} for n in lens]), u * r, strategy)
+            assert cu.tolist() == padded["cu_seq_lens_q"].tolist() and torch.equal(blocks, plan.reshape(r, -1))
+
+
+def test_planner_past_the_head_limit():
+    "Heads that refuse Ulysses 4 get an estimate under Ulysses 2 x ring 2 and ring 4, with the ring's part named."
+    odd = preset_config("qwen3-4b", num_attention_heads=6, num_key_value_heads=2)
+    with pytest.raises(ValueError, match="does not divide the 6 attention heads"): estimate(odd, 8192, 4)
+    tiled = Levers(tiled_loss=True)  # so that a layer, not transformers' loss, sets the peak
+    for u, r in ((2, 2), (1, 4)):
+        e = estimate(odd, 32768, u, ring=r, levers=tiled, optimizer_offload=True)
+        ring = ring_attention_bytes(odd, 8192, u, r)
+        assert e.parts["ring attention"] == sum(ring.values()) - ring["saved for backward"] > 0
+        assert e.total == sum(e.parts.values()) and e.ring == r and e.local_tokens == 8192 and "ring=" in str(e)
+    assert estimate(odd, 8192, 2, ring=2, optimizer_offload=True).parts["ring attention"] == 0  # the loss binds a short row
+    assert "ring attention" not in estimate(odd, 8192, 2).parts  # Ulysses alone: unchanged
+    lim = max_context(odd, 80, 2, ring=2, optimizer_offload=True)
+    assert lim.tokens % 4 == 0 and estimate(odd, lim.tokens + 4, 2, ring=2, optimizer_offload=True).gib > 80
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: estimate("qwen3-4b", 8192, ring=0), "ring must be a positive integer"),
+    (lambda: estimate("qwen3-4b", 8192, ring=-2), "ring must be a positive integer"),
+    (lambda: estimate("qwen3-4b", 8192, ring=True), "ring must be a positive integer"),
+    (lambda: estimate("qwen3-4b", 8192, ring=2.0), "ring must be a positive integer"),
+    (lambda: estimate("qwen3-4b", 8190, 2, ring=2), "multiple of sp x ring"),
+    (lambda: estimate("qwen3-4b", 8192, 3, ring=2), "does not divide the 32 attention heads"),
+    (lambda: ring_attention_bytes("qwen3-4b", 1024, ring=1), "ring >= 2"),
+    (lambda: step_cost(tiny_config("llama"), [[64]], ring=0), "positive integers"),
+    (lambda: step_cost(tiny_config("llama"), [[64]], sp=3, ring=2), "does not suit"),
+    (lambda: step_cost(tiny_config("llama"), [[64]], ring=2, ring_plan="stripes"), "choose one of"),
+    (lambda: plan_layout("qwen3-4b", [100], 4, split="rings"), "unknown split"),
+])
+def test_bad_ring_inputs(call, match):
+    with pytest.raises(ValueError, match=match): call()
+
+
+def test_prediction_puts_each_group_on_its_link():
+    "Ulysses inside a node over NVLink; a ring across nodes over the network; the ring's FLOPs are its computed pairs."
+    dev = DEVICES["H100 SXM"]
+    for u, r, ring_link in ((4, 2, dev.nvlink), (8, 2, dev.internode), (1, 16, dev.internode)):
+        p = predict_step("qwen3-4b", [[131072]], dev, sp=u, ring=r, levers=Levers())
+        b = p.cost.bytes
+        assert p.terms["comm"] == pytest.approx(b["all-to-all"] / dev.nvlink + (b["ring"] + b["gradient reduction"]) / ring_link)
+        assert b["ring"] > 0 and (b["all-to-all"] > 0) == (u > 1)
+    one = step_cost("qwen3-4b", [[131072]], sp=1, ring=4, ring_plan="contiguous")
+    d = 4 * 32 * 128 * 32768**2 * 36  # 4 * heads * head_dim * m^2 per pair, every layer
+    assert one.flops["forward attention"] == 4 * d  # the last rank of a contiguous causal row computes all 4 pairs
+
+
+@pytest.mark.parametrize("split,gpus,memory", [("ring", 2, 40), ("hybrid", 4, 80), ("hybrid", 8, 40)])
+def test_plan_layout_ring_never_refused(split, gpus, memory):
+    "Every returned ring / hybrid layout passes check_layout and fits the memory planner (ring part included)."
+    config = preset_config("qwen3-4b", num_attention_heads=6, num_key_value_heads=2)  # Ulysses stops at 2 on 4 or 8 GPUs
+    layouts = plan_layout(config, np.r_[synthetic_lengths("flan", 100), [12_000]], gpus, memory, split=split)
+    for r in layouts.table.itertuples():
+        check_layout(config, r.ulysses, r.ring, world_size=gpus)
+        assert r.sp == r.ulysses * r.ring and r.sp * r.dp == gpus and r.row_tokens % r.sp == 0
+        assert estimate(config, r.row_tokens, r.ulysses, r.dp, ring=r.ring, levers=LAYOUT_LEVERS[r.levers],
+                        optimizer_offload=r.optimizer_offload).gib <= memory
+        assert (r.ring_bytes > 0) == (r.ring > 1) and (r.a2a_bytes > 0) == (r.ulysses > 1)
+    if split == "ring": assert set(layouts.table.ulysses) == {1}
+    assert (layouts.table.ring > 1).any() and layouts.table.frontier.any()  # a ring layout fits a 12K row here
+    assert all("ulysses" in layout for layout, _ in layouts.refused)
+
+
+def test_ring_run_has_readout_and_prediction(tmp_path, capfd):
+    "Ulysses 2 x ring 2 on 4 processes: the planner's readout line, a step prediction, config.json's 'predicted', MFU rows."
+    sp, ring = 2, 2
+    from workbench.train import TrainConfig, memory_readout, read_metrics, run
+    cfg = TrainConfig(model="qwen2", sp=sp, ring=ring, steps=2, max_tokens=256, out=str(tmp_path / "run"))
+    run(cfg)
+    out = capfd.readouterr().out
+    assert "expected per-rank peak (planner, bf16)" in out and "predicted on" in out and "does not model ring" not in out
+    record = json.loads((tmp_path / "run" / "config.json").read_text())
+    planned, line = memory_readout(cfg)
+    assert record["expected_peak_bytes"] == planned > 0 and f"{planned / 2**30:.3f} GiB" in line
+    assert set(record["predicted"]) == {"step_s", "mfu", "flops_per_step", "peak_flops", "device"}
+    assert record["predicted"]["step_s"] > 0 and 0 < record["predicted"]["mfu"] < 1
+    rows = read_metrics(tmp_path / "run")
+    assert len(rows) == 2 * sp * ring and all(r["mfu"] > 0 for r in rows)
