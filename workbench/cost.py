@@ -22,19 +22,19 @@ from .core import cu_seq_lens, lengths_from_positions
 from .memory import LEVER_LADDER, Levers, Shape, estimate, max_context, preset_config
 from .packing import Plan, TokenBudgetSampler, lengths_of, plan_bins
 from .tiling import causal_lm_loss_sum, decoder_layers
-from .sp.all_to_all import a2a_elements
 from .sp.balance import PLANS, balanced_plan, zigzag_plan
-from .sp.grid import check_layout, check_sp, sp_layouts, sp_sizes
-from .sp.ring import ring_p2p_elements
+from .sp.grid import check_layout, check_sp, sp_layouts
+from .sp.ring import comm_bytes
 from .sp.shard import contiguous_plan
 
 # %% auto #0
 __all__ = ['ATTENTION_WORK', 'ADAMW_BYTES', 'CPU_FLOP_FORMULAS', 'DEVICES', 'FACTORS', 'device_of', 'FIT_GROUPS',
            'HF_BLOG_QWEN3_4B', 'HF_BLOG_FIT', 'HF_BLOG_RUN', 'SPLITS', 'LAYOUT_LEVERS', 'attention_work', 'Dims',
            'rows_of', 'document_pairs', 'ring_blocks', 'interacting_blocks', 'StepCost', 'step_cost', 'FlopCount',
-           'measured_flops', 'bin_costs', 'BalancedPlan', 'plan_balanced', 'Device', 'cpu_device', 'device',
-           'run_device', 'Efficiency', 'Prediction', 'predict_step', 'calibrate', 'calibrate_run', 'hf_blog_prediction',
-           'hf_blog_table', 'run_options', 'run_prediction', 'measured_mfu', 'Layouts', 'plan_layout']
+           'measured_flops', 'bin_costs', 'BalancedPlan', 'served_steps', 'plan_balanced', 'Device', 'cpu_device',
+           'device', 'run_device', 'Efficiency', 'Prediction', 'predict_step', 'calibrate', 'calibrate_run',
+           'hf_blog_prediction', 'hf_blog_table', 'run_options', 'run_prediction', 'measured_mfu', 'Layouts',
+           'plan_layout']
 
 # %% ../nbs/17_cost.ipynb #64bb0f7a
 ATTENTION_WORK = {  # how much of each document's query x key square an attention implementation computes
@@ -248,24 +248,20 @@ def step_cost(config,                    # a transformers config or a preset nam
     if ring == 1:
         tokens = sum(int(r.sum()) for r in rows)
         flops = _flops(d, tokens, sum(_pairs(r, w, attention, int(r.sum())) for r in rows for w in d.windows), lv, sp)
-        a2a, p2p = sum(a2a_elements(config, int(r.sum()), sp) for r in rows), 0  # elements sent per layer forward
+        sent = [comm_bytes(config, int(r.sum()), sp, 1, lv.checkpointing, dtype_bytes) for r in rows]
     else:
         lengths, work = zip(*(_ring_row(tuple(r.tolist()), sp, ring, ring_plan, d.windows) for r in rows))  # padded rows
         tokens = sum(lengths)
         fwd = 4 * d.heads // sp * d.head_dim * int(sum(work).max())  # the busiest ring rank sets the step
         flops = {**_flops(d, tokens, 0, lv, sp * ring), "forward attention": fwd, "backward attention": 10 * fwd // 4,
                  "recompute attention": fwd if lv.checkpointing else 0}
-        a2a = sum(a2a_elements(config, n // ring, sp) for n in lengths)  # Ulysses over each ring block's tokens
-        kv = sum(ring_p2p_elements(config, n, sp, ring) for n in lengths)  # key/value blocks, per layer forward
-        grads = sum(ring_p2p_elements(config, n, sp, ring, backward=True) for n in lengths) - kv  # their gradients
-        p2p = kv * dtype_bytes * (2 + lv.checkpointing) + grads * max(dtype_bytes, 4)  # bytes per layer; gradients in fp32 or finer
+        sent = [comm_bytes(config, n, sp, ring, lv.checkpointing, dtype_bytes) for n in lengths]  # the padded rows
     shard = world if zero_stage >= 1 else 1
     share = (world - 1) / world  # of the parameters each rank sends in a ring all-reduce / reduce-scatter
     gathers = (3 if lv.checkpointing else 2) if zero_stage == 3 else 0
     grad = (share if zero_stage >= 2 else 2 * share) * d.params * dtype_bytes + gathers * share * d.params * dtype_bytes
     opt = ADAMW_BYTES[dtype_bytes] * d.params // shard
-    bytes_ = {"all-to-all": int(a2a * d.layers * dtype_bytes * (3 if lv.checkpointing else 2)),
-              "ring": int(p2p * d.layers),
+    bytes_ = {"all-to-all": sum(b["all_to_all"] for b in sent), "ring": sum(b["ring"] for b in sent),
               "gradient reduction": int(grad) if world > 1 else 0,
               "optimizer (device)": 0 if optimizer_offload else opt,
               "optimizer (host)": opt if optimizer_offload else 0,
@@ -373,6 +369,15 @@ def _deal(order: np.ndarray, costs: np.ndarray, dp: int, grad_accum: int) -> np.
             steps[k, filled[r], r] = b; load[r] += costs[b]; filled[r] += 1
     return steps
 
+def served_steps(plan: Plan,      # the bins (`plan_bins`)
+                dp: int,          # data-parallel ranks
+                grad_accum: int,  # micro-steps per optimizer step
+                seed: int = 0,    # the sampler's seed
+               ) -> np.ndarray:
+    "The bins the token-budget sampler serves, `[optimizer steps, grad_accum, dp]`, as training reads them (the last step filled by wrapping)."
+    served = TokenBudgetSampler(plan, seed=seed, num_replicas=dp).epoch_steps()  # [sampler steps, dp]
+    return np.resize(served, (-(-len(served) // grad_accum) * grad_accum, dp)).reshape(-1, grad_accum, dp)
+
 def plan_balanced(lengths,                 # per-example token counts (or anything `plan_bins` reads)
                   capacity: int,           # token budget of one bin (a row of one micro-step)
                   dp: int,                 # data-parallel ranks
@@ -389,12 +394,9 @@ def plan_balanced(lengths,                 # per-example token counts (or anythi
     plan = plan_bins(lengths, capacity, overlong=overlong, seed=seed)
     if not plan.bins: raise ValueError("no bins to balance: the lengths are empty (or every example was dropped)")
     costs = bin_costs(config, plan, attention, levers)
-    served = TokenBudgetSampler(plan, seed=seed, num_replicas=dp).epoch_steps()  # [sampler steps, dp], as training reads it
-    served = np.resize(served, (-(-len(served) // grad_accum) * grad_accum, dp))
-    token_steps = served.reshape(-1, grad_accum, dp)
     cost_steps = _deal(np.argsort(-costs, kind="stable"), costs, dp, grad_accum)
     cost_steps = cost_steps[np.random.default_rng(seed).permutation(len(cost_steps))]  # order of steps: no effect on balance
-    return BalancedPlan(plan, costs, token_steps, cost_steps)
+    return BalancedPlan(plan, costs, served_steps(plan, dp, grad_accum, seed), cost_steps)
 
 # %% ../nbs/17_cost.ipynb #be797c86
 @dataclass(frozen=True)

@@ -289,7 +289,7 @@ def ring_attention_bytes(config,              # a transformers config or a `Shap
     Q, K, L = heads * m * s.head_dim, max(s.kv_heads, sp) // sp * m * s.head_dim, heads * m
     S, M = heads * m * m, m * m
     return {"saved for backward": a * (Q + L), "output gradient": b * Q, "blocks in flight": 4 * b * K,
-            "gradients in flight": 6 * a * K, "fp32 working copies": 6 * a * Q + a * L, "block scores": 4 * a * S + 2 * M}
+            "gradients in flight": 6 * a * K, "fp32 working copies": 5 * a * Q + a * L, "block scores": 3 * a * S + M}
 
 # %% ../nbs/12_memory.ipynb #78d1a469
 def activation_phases(config, n: int, sp: int = 1, levers: Levers = Levers(), dtype_bytes: int = 2, ring: int = 1) -> dict:

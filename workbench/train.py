@@ -30,7 +30,7 @@ from fastcore.docments import docments
 from tqdm import tqdm  # the text bar: forked ranks cannot draw notebook widgets
 
 from .attention import KEY as VARLEN_KEY, register as register_varlen
-from .cost import BalancedPlan, Dims, bin_costs, measured_mfu, plan_balanced, ring_blocks, run_device, run_options, run_prediction
+from .cost import BalancedPlan, Dims, bin_costs, measured_mfu, plan_balanced, ring_blocks, run_device, run_options, run_prediction, served_steps
 from .core import SAMPLES, data_dir, load_sample, load_tokenizer, model_families, tiny_config, tokenize_records
 from .launch import launch
 from .memory import Levers, estimate
@@ -40,7 +40,7 @@ from .shard import full_state, is_sharded, load_full_state, reduce_gradients, sh
 from .sp.balance import ring_batch
 from .sp.grid import check_layout, check_sp, ParallelGrid
 from .sp.loss import global_loss
-from .sp.ring import comm_elements, register_ring, ring_forward
+from .sp.ring import comm_bytes, register_ring, ring_forward
 from .sp.shard import shard_batch
 from .sp.ulysses import register_ulysses, sp_forward
 
@@ -51,7 +51,7 @@ __all__ = ['DTYPES', 'BALANCES', 'PRESETS', 'PROJECT', 'CHECKPOINTS', 'MODEL_DIR
            'read_metrics', 'truncate_metrics', 'hparams', 'open_trackers', 'TrackerSink', 'reporting', 'plan_id',
            'save_model_dir', 'checkpoints', 'latest_checkpoint', 'commit_checkpoint', 'check_resume', 'check_out',
            'save_checkpoint', 'load_checkpoint', 'attention_key', 'plan_readout', 'cost_modelled', 'token_imbalance',
-           'plan_run', 'balance_readout', 'comm_bytes', 'train_rank', 'preflight_run', 'run', 'main']
+           'plan_run', 'balance_readout', 'step_bytes', 'train_rank', 'preflight_run', 'run', 'main']
 
 # %% ../nbs/08_train.ipynb #aa8d263e
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}  # besides "auto"
@@ -606,8 +606,7 @@ def token_imbalance(cfg: TrainConfig, config, plan) -> float:
     "Predicted max/mean rank cost per optimizer step as the token-budget sampler serves `plan` (what `BalancedPlan.token_imbalance` says, without dealing the cost grouping)."
     if cfg.dp == 1: return 1.0  # one rank is its own slowest and its own mean: no bin needs costing
     opts = run_options(cfg)
-    served = TokenBudgetSampler(plan, seed=cfg.seed, num_replicas=cfg.dp).epoch_steps()  # [sampler steps, dp]
-    served = np.resize(served, (-(-len(served) // cfg.grad_accum) * cfg.grad_accum, cfg.dp)).reshape(-1, cfg.grad_accum, cfg.dp)
+    served = served_steps(plan, cfg.dp, cfg.grad_accum, cfg.seed)
     return BalancedPlan.imbalance(bin_costs(config, plan, opts["attention"], opts["levers"])[served].sum(1))
 
 def plan_run(cfg: TrainConfig, config, lengths, rank: int = 0):
@@ -628,21 +627,14 @@ def balance_readout(cfg: TrainConfig, imbalance: dict | None) -> str:
     if "cost" in imbalance: return f"{line}, cost-balanced {imbalance['cost']:.3f}"
     return line + (" (--balance cost groups each step's bins by predicted cost)" if cfg.dp > 1 else " (one data-parallel rank)")
 
-def comm_bytes(config,                # the model config
-               rows: list[int],       # tokens of every micro-step's (padded) row
-               cfg: TrainConfig,      # the run: its Ulysses and ring degrees and whether layers are recomputed
-               dtype: torch.dtype,    # the model's dtype: what activations and key/value blocks travel in
+def step_bytes(config,            # the model config
+               rows: list[int],   # tokens of every micro-step's (padded) row
+               cfg: TrainConfig,  # the run: its Ulysses and ring degrees and whether layers are recomputed
+               dtype_bytes: int,  # bytes of the model's dtype
               ) -> dict:
-    "Bytes this process sends in one optimizer step: `a2a_bytes` over the Ulysses group, `ring_bytes` around the ring (`comm_elements` of every row, every layer)."
-    size, acc = dtype.itemsize, torch.promote_types(dtype, torch.float32).itemsize  # the ring's gradients travel in fp32 or finer
-    a2a = ring = 0
-    for n in rows:
-        per_layer = comm_elements(config, n, cfg.sp, cfg.ring)  # elements (forward, backward) of one layer
-        (af, ab), (rf, rb) = per_layer["all_to_all"], per_layer["ring"]
-        a2a += (af * (1 + cfg.checkpointing) + ab) * size  # a recomputed layer sends its forward volume again
-        ring += rf * (2 + cfg.checkpointing) * size + (rb - rf) * acc  # blocks: forward, backward (+ recompute); their gradients
-    return dict(a2a_bytes=config.num_hidden_layers * a2a, ring_bytes=config.num_hidden_layers * ring)
-
+    "Bytes this process sent in one optimizer step: `comm_bytes` of every micro-step's (padded) row, over each group."
+    sent = [comm_bytes(config, n, cfg.sp, cfg.ring, cfg.checkpointing, dtype_bytes) for n in rows]
+    return dict(a2a_bytes=sum(b["all_to_all"] for b in sent), ring_bytes=sum(b["ring"] for b in sent))
 
 def train_rank(cfg: TrainConfig) -> list[float]:
     "Train on this process as one rank of the `cfg.dp` x `cfg.sp` grid; return the loss of every step it trained."
@@ -705,8 +697,8 @@ def train_rank(cfg: TrainConfig) -> list[float]:
             row = dict(step=step, rank=_rank(), loss=losses[-1], tokens=mine, trained=int(everyone[1]),
                        tokens_per_s=everyone[0].item() / seconds, peak_mem_bytes=peak_memory_bytes(device),
                        a2a_share=(grid.clock.seconds - comm0) / seconds, ring_share=(grid.stats.seconds - ring0) / seconds,
-                       **comm_bytes(model.config, [s["ring_index"].numel() if cfg.ring > 1 else s["input_ids"].shape[1] * cfg.sp
-                                                   for s in shards], cfg, model.dtype),
+                       **step_bytes(model.config, [s["ring_index"].numel() if cfg.ring > 1 else s["input_ids"].shape[1] * cfg.sp
+                                                   for s in shards], cfg, model.dtype.itemsize),
                        time=time.perf_counter() - t_run, step_s=seconds,
                        **measured_mfu(model.config, [plan.length[b] for b in rows], cfg, seconds, predicted))
             write_metrics(out, **row)

@@ -17,7 +17,7 @@ from .ulysses import register_key, to_head_shards, to_token_shards
 
 # %% auto #0
 __all__ = ['KEY', 'block_mask', 'block_attention', 'merge', 'ring_attend', 'documents', 'ring_attention', 'register_ring',
-           'ring_forward', 'block_pairs', 'ring_p2p_elements', 'comm_elements']
+           'ring_forward', 'block_pairs', 'ring_p2p_elements', 'comm_elements', 'comm_bytes']
 
 # %% ../../nbs/22_sp_ring.ipynb #fc561692
 def block_mask(q_index: torch.Tensor,   # [m] global indices of the query tokens
@@ -112,6 +112,7 @@ class _RingAttention(torch.autograd.Function):
                 dq = dq + ds @ ke * scale
                 for i, g in enumerate((ds.transpose(-1, -2) @ qa * scale, p.transpose(-1, -2) @ dout)):  # dK, dV of the block
                     mine[i] = g if groups == 1 else g.unflatten(1, (-1, groups)).sum(2)
+                del ke, ve, p, ds, g  # free this pair's scores before the next pair makes its own
             dkv = mine  # the block's gradients so far, in fp32 or finer
             if incoming is not None:  # the earlier holders' share travelled during that compute
                 _wait(incoming[0], ctx.stats); dkv = incoming[1] + mine
@@ -227,3 +228,16 @@ def comm_elements(config,          # the model config
     a2a = a2a_elements(config, n_tokens // ring, ulysses)  # Ulysses over the ring block's N/R tokens; backward mirrors it
     return {"all_to_all": (a2a, a2a),
             "ring": (ring_p2p_elements(config, n_tokens, ulysses, ring), ring_p2p_elements(config, n_tokens, ulysses, ring, True))}
+
+def comm_bytes(config,                 # the model config
+               n_tokens: int,          # tokens of the (padded) row
+               ulysses: int,           # Ulysses degree
+               ring: int,              # ring degree
+               recompute: bool = False,  # activation checkpointing: every layer's forward runs (and sends) again
+               dtype_bytes: int = 2,   # bytes of the model's dtype: what activations and key/value blocks travel in
+              ) -> dict:
+    "Bytes one process sends for one row, forward + backward over every layer: `all_to_all` over the Ulysses group, `ring` around the ring."
+    (af, ab), (rf, rb) = comm_elements(config, n_tokens, ulysses, ring).values()
+    grad_bytes = max(dtype_bytes, 4)  # the ring's key/value gradients travel in fp32 or finer
+    return {"all_to_all": config.num_hidden_layers * (af * (1 + recompute) + ab) * dtype_bytes,
+            "ring": config.num_hidden_layers * (rf * (2 + recompute) * dtype_bytes + (rb - rf) * grad_bytes)}
