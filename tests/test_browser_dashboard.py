@@ -22,7 +22,7 @@ DASHBOARD_STATE = """() => {
         notes[title] = ((gd._fullLayout && gd._fullLayout.annotations) || []).map(a => a.text);
         ticks[title] = gd._fullLayout && gd._fullLayout.xaxis ? (gd._fullLayout.xaxis._vals || []).map(v => v.x) : [];
     }
-    const bars = Array.from(document.querySelectorAll('.widget-hprogress'), w => ({
+    const bars = Array.from(document.querySelectorAll('.workbench-dashboard .widget-hprogress'), w => ({
         name: (w.querySelector('.widget-label') || {}).textContent, width: w.querySelector('.progress-bar').style.width}));
     return {plots, notes, ticks, bars, done: window.__runAll};
 }"""

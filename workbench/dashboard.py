@@ -153,6 +153,7 @@ class Dashboard:
         self._cost = widgets.HBox([self.step_time, self.mfu], layout=widgets.Layout(display="none"))
         self.widget = widgets.VBox([*(widgets.HBox([b, t]) for b, t in zip(self.bars, self.texts)), self.status,
                                     widgets.HBox([self.loss, self.speed]), widgets.HBox([self.memory, self.comm]), self._cost])
+        self.widget.add_class("workbench-dashboard")  # a page (or a test) finds the dashboard's own bars among other widgets
         self._traces, self._drawn = {}, [None] * len(self.readers)
         self._stop, self._thread, self.error, self.runs = threading.Event(), None, None, []
         self.refresh()
