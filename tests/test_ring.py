@@ -281,3 +281,14 @@ def test_launch_preflight_accepts_the_hybrid_split_and_names_bad_ones():
         preflight(Layout(8, sp_size=4, cpu=True, ring=2), free_port(), model_config=cfg)
     for n, sp, ring in ((6, 2, 2), (4, 2, 0)):
         with pytest.raises(ValueError, match="must divide num_processes"): Layout(n, sp_size=sp, cpu=True, ring=ring)
+
+
+def test_cost_balanced_steps_with_a_ring_train_as_without_it(tmp_path):
+    "--balance cost --ring 2 --dp 2: the same cost-balanced grouping as --dp 2 alone, so the same per-step losses."
+    from workbench.train import TrainConfig, run
+    common = dict(model="qwen2", data="orca_like", dp=2, balance="cost", steps=3, max_tokens=256)
+    ring = run(TrainConfig(**common, ring=2, out=str(tmp_path / "ring")))
+    plain = run(TrainConfig(**common, out=str(tmp_path / "plain")))
+    assert len(ring) == 3 and max(abs(a - b) for a, b in zip(ring, plain)) <= 1e-6, (ring, plain)
+    saved = json.loads((tmp_path / "ring" / "config.json").read_text())
+    assert set(saved["imbalance"]) == {"tokens", "cost"} and saved["predicted"]["step_s"] > 0
