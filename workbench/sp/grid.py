@@ -158,6 +158,12 @@ class ParallelGrid:
     clock: CommClock = field(default_factory=CommClock)  # seconds in the Ulysses all-to-alls
     stats: RingStats = field(default_factory=RingStats)  # the ring's block pairs met and skipped, and its waiting
 
+    def __post_init__(self):
+        for name in ("ulysses", "ring", "dp_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"ParallelGrid's {name} must be a positive integer, got {v!r}")
+
     @classmethod
     def build(cls,
               ulysses: int = 1,          # Ulysses degree
@@ -165,6 +171,7 @@ class ParallelGrid:
               device_type: str = "cpu",  # "cpu" (gloo) or "cuda" (nccl): the default group's device
              ) -> "ParallelGrid":
         "The grid over all processes of the default group (call on every rank), or the one-process grid without one."
+        cls(ulysses, ring)  # the degrees are checked by name before the world is split by them
         world = dist.get_world_size() if dist.is_initialized() else 1
         dp = grid_degrees(world, ulysses * ring)
         if not dist.is_initialized(): return cls(ulysses, ring, dp)
