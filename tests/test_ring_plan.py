@@ -26,7 +26,7 @@ from workbench.packing import FlatteningCollator, synthetic_lengths
 from workbench.sp.balance import PLANS, plan_row, ring_batch, zigzag_plan
 from workbench.sp.grid import ParallelGrid, check_layout
 from workbench.sp.proofs import CountComm
-from workbench.sp.ring import block_pairs, documents, register_ring, ring_attend, ring_forward
+from workbench.sp.ring import QUERY_TILE, block_pairs, documents, register_ring, ring_attend, ring_forward
 from workbench.sp.shard import contiguous_plan
 from workbench.tiling import checkpoint_layers
 
@@ -34,6 +34,8 @@ HEAD_DIM = 16
 MEMORY_CASES = {2: [(1, 2, 4, 4), (1, 2, 4, 2)],   # world size -> (ulysses, ring, heads, kv heads): MHA, GQA
                 4: [(1, 4, 4, 1), (2, 2, 4, 1)]}   # ring of 4 (MQA); hybrid 2 x 2 (the kv head replicated over Ulysses)
 N_TOKENS = 256  # tokens of the row (ring blocks of 128 or 64)
+TILE = 40  # query rows per tile in the tiled case (at least 2 x head_dim): blocks of 128 or 64 rows in 4 or 2 tiles, the last one short
+SHORT = 48  # tokens of a short row: blocks of 24 or 12 rows, shorter than 2 x head_dim (a product, not the scores, sets the peak)
 LENGTHS = [150, 33, 1, 90, 64]  # a packed row: some block pairs are skipped, so ranks differ in work
 COMM_CASES = {2: [(1, 2, "qwen2", False)],
               4: [(1, 4, "qwen2", False), (2, 2, "qwen2", True), (2, 2, "llama", False)]}  # (ulysses, ring, family, checkpointing)
@@ -44,18 +46,18 @@ def _shape(heads, kv_heads) -> Shape:
                  vocab=64, tied=False, qk_norm=False)
 
 
-def _attention_bytes(u, r, heads, kv_heads, plan):
+def _attention_bytes(u, r, heads, kv_heads, plan, tile=QUERY_TILE, n_tokens=N_TOKENS):
     "One ring_attend call on this rank as the hybrid layout hands it (heads already exchanged), bf16: its peak live bytes."
     grid = ParallelGrid.build(u, r)
     g = torch.Generator().manual_seed(dist.get_rank())
-    m = N_TOKENS // r
+    m = n_tokens // r
     q = torch.randn(1, heads // u, m, HEAD_DIM, generator=g).bfloat16().requires_grad_()
     k, v = (torch.randn(1, max(kv_heads, u) // u, m, HEAD_DIM, generator=g).bfloat16().requires_grad_() for _ in "kv")
     w = torch.randn(q.shape, generator=g).bfloat16()  # made outside: (out * w).sum() hands the ring a fresh bf16 gradient
-    index = (zigzag_plan(N_TOKENS, u * r) if plan == "zigzag" else contiguous_plan(N_TOKENS, u * r)).reshape(r, -1)
-    doc = documents(torch.tensor([0, N_TOKENS]))  # one document; made outside, as the layer makes it before attention
+    index = (zigzag_plan(n_tokens, u * r) if plan == "zigzag" else contiguous_plan(n_tokens, u * r)).reshape(r, -1)
+    doc = documents(torch.tensor([0, n_tokens]))  # one document; made outside, as the layer makes it before attention
     with LiveBytes() as lb:
-        (ring_attend(q, k, v, index, doc, grid.group("ring")) * w).sum().backward()
+        (ring_attend(q, k, v, index, doc, grid.group("ring"), tile=tile) * w).sum().backward()
     return lb.peak - 4  # less the test's own bf16 scalar loss and its seed gradient (2 bytes each)
 
 
@@ -75,6 +77,8 @@ def _step(u, r, family, checkpointing):
 def _rank(world):
     torch.set_num_threads(1)
     memory = {(case, plan): _attention_bytes(*case, plan) for case in MEMORY_CASES[world] for plan in ("zigzag", "contiguous")}
+    memory.update({(case, "tiled"): _attention_bytes(*case, "zigzag", tile=TILE) for case in MEMORY_CASES[world]})
+    memory.update({(case, "short"): _attention_bytes(*case, "zigzag", n_tokens=SHORT) for case in MEMORY_CASES[world]})
     return memory, {case: _step(*case) for case in COMM_CASES[world]}
 
 
@@ -93,6 +97,10 @@ def test_ring_attention_bytes_equal_live_bytes(measured):
             contiguous = [memory[(u, r, heads, kv), "contiguous"] for memory, _ in ranks]
             assert zigzag == [planned] * world, (u, r, heads, kv, zigzag, planned)
             assert max(contiguous) == planned and min(contiguous) < planned  # the first ring rank skips pairs: holds less
+            tiled = sum(ring_attention_bytes(_shape(heads, kv), N_TOKENS // (u * r), u, r, tile=TILE).values())
+            assert [memory[(u, r, heads, kv), "tiled"] for memory, _ in ranks] == [tiled] * world and tiled < planned
+            short = sum(ring_attention_bytes(_shape(heads, kv), SHORT // (u * r), u, r).values())
+            assert [memory[(u, r, heads, kv), "short"] for memory, _ in ranks] == [short] * world, (u, r, heads, kv)
 
 
 def test_comm_bytes_and_flops_equal_the_dispatcher(measured):
@@ -122,12 +130,13 @@ def test_planner_past_the_head_limit():
     "Heads that refuse Ulysses 4 get an estimate under Ulysses 2 x ring 2 and ring 4, with the ring's part named."
     odd = preset_config("qwen3-4b", num_attention_heads=6, num_key_value_heads=2)
     with pytest.raises(ValueError, match="does not divide the 6 attention heads"): estimate(odd, 8192, 4)
-    tiled = Levers(tiled_loss=True)  # so that a layer, not transformers' loss, sets the peak
+    tiled = Levers(tiled_loss=True, tiled_mlp=True)  # so that attention, not the loss or the MLP, sets the peak
     for u, r in ((2, 2), (1, 4)):
-        e = estimate(odd, 32768, u, ring=r, levers=tiled, optimizer_offload=True)
-        ring = ring_attention_bytes(odd, 8192, u, r)
+        e = estimate(odd, 131072, u, ring=r, levers=tiled, optimizer_offload=True)
+        ring = ring_attention_bytes(odd, 32768, u, r)
         assert e.parts["ring attention"] == sum(ring.values()) - ring["saved for backward"] > 0
-        assert e.total == sum(e.parts.values()) and e.ring == r and e.local_tokens == 8192 and "ring=" in str(e)
+        assert e.total == sum(e.parts.values()) and e.ring == r and e.local_tokens == 32768 and "ring=" in str(e)
+        assert estimate(odd, 131072, u, ring=r, levers=Levers(tiled_loss=True), optimizer_offload=True).parts["ring attention"] == 0  # the MLP binds
     assert estimate(odd, 8192, 2, ring=2, optimizer_offload=True).parts["ring attention"] == 0  # the loss binds a short row
     assert "ring attention" not in estimate(odd, 8192, 2).parts  # Ulysses alone: unchanged
     lim = max_context(odd, 80, 2, ring=2, optimizer_offload=True)

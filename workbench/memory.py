@@ -16,6 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from .sp.ring import QUERY_TILE
 from .tiling import causal_lm_loss_sum, checkpoint_layers, lean_kernels, shift_labels, tile_mlp
 
 # %% auto #0
@@ -279,6 +280,7 @@ def ring_attention_bytes(config,              # a transformers config or a `Shap
                          sp: int = 1,         # Ulysses degree (heads exchanged before the ring)
                          ring: int = 2,       # ring degree (at least 2)
                          dtype_bytes: int = 2,  # activation bytes (bf16)
+                         tile: int = QUERY_TILE,  # query rows computed at once (`ring_attend`'s tile)
                         ) -> dict:
     "Bytes one `ring_attend` call holds on a rank at its peak (the backward of its second computed block pair), by part."
     if dtype_bytes != 2: raise ValueError("the ring terms are read off bf16 training (fp32 accumulators): dtype_bytes must be 2")
@@ -287,9 +289,14 @@ def ring_attention_bytes(config,              # a transformers config or a `Shap
     s, b, a = Shape.of(config), dtype_bytes, 4
     m, heads = n * sp, s.heads // sp                 # the ring block's tokens and the query heads after the all-to-all
     Q, K, L = heads * m * s.head_dim, max(s.kv_heads, sp) // sp * m * s.head_dim, heads * m
-    S, M = heads * m * m, m * m
+    if not isinstance(tile, int) or isinstance(tile, bool) or tile < 2 * s.head_dim:
+        raise ValueError(f"tile must be an integer of at least 2 x head_dim = {2 * s.head_dim} query rows, got {tile!r} (as ring_attend)")
+    c = min(tile, m)                                 # rows of one query tile (a short block is one short tile)
+    S, M = heads * c * m, c * m
     return {"saved for backward": a * (Q + L), "output gradient": b * Q, "blocks in flight": 4 * b * K,
-            "gradients in flight": 6 * a * K, "fp32 working copies": 5 * a * Q + a * L, "block scores": 3 * a * S + M}
+            "gradients in flight": 6 * a * K, "fp32 working copies": 5 * a * Q + a * L,
+            # the tile's peak: forming the score gradient (3 score-sized tensors), or, for short tiles, a product beside two
+            "block scores": a * max(3 * S, 2 * S + heads * c * s.head_dim, 2 * S + Q + (K if Q > K else 0)) + M}
 
 # %% ../nbs/12_memory.ipynb #78d1a469
 def activation_phases(config, n: int, sp: int = 1, levers: Levers = Levers(), dtype_bytes: int = 2, ring: int = 1) -> dict:

@@ -16,8 +16,8 @@ from .shard import SHARD_KEYS
 from .ulysses import register_key, to_head_shards, to_token_shards
 
 # %% auto #0
-__all__ = ['KEY', 'block_mask', 'block_attention', 'merge', 'ring_attend', 'documents', 'ring_attention', 'register_ring',
-           'ring_forward', 'block_pairs', 'ring_p2p_elements', 'comm_elements', 'comm_bytes']
+__all__ = ['QUERY_TILE', 'KEY', 'block_mask', 'block_attention', 'merge', 'ring_attend', 'documents', 'ring_attention',
+           'register_ring', 'ring_forward', 'block_pairs', 'ring_p2p_elements', 'comm_elements', 'comm_bytes']
 
 # %% ../../nbs/22_sp_ring.ipynb #fc561692
 def block_mask(q_index: torch.Tensor,   # [m] global indices of the query tokens
@@ -33,8 +33,22 @@ def block_mask(q_index: torch.Tensor,   # [m] global indices of the query tokens
     if window: allowed = allowed & (q - k < window)
     return allowed
 
+QUERY_TILE = 1024  # query rows of a block pair computed at once: its scores are [heads, tile, m], never [heads, m, m]
+
+def _tiles(q_index, k_index, doc, window, causal, tile):
+    "Each query tile of a block pair: its rows and its mask `[tile, m]` (the pair's whole `[m, m]` mask never exists)."
+    for t in range(0, len(q_index), tile):
+        yield slice(t, t + tile), block_mask(q_index[t:t + tile], k_index, doc, window, causal)
+
+def _meets(*pair) -> bool:
+    "Whether any query of the pair may see any key (else the pair is skipped): tile by tile, stopping at the first."
+    return any(bool(allowed.any()) for _, allowed in _tiles(*pair))
+
 def _expand(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)  # [B, H_kv, m, D] -> [B, H, m, D]
+
+def _grouped(x: torch.Tensor, groups: int) -> torch.Tensor:
+    return x if groups == 1 else x.unflatten(1, (-1, groups)).sum(2)  # [B, H, m, D] -> [B, H_kv, m, D]: `_expand`'s gradient
 
 def block_attention(q, k, v, allowed, scale):
     "One block pair: unnormalised-free partial output `[B, H, m, D]` and log-sum-exp `[B, H, m]` (-inf where a query sees nothing)."
@@ -75,7 +89,7 @@ def _wait(works, stats: RingStats):
 class _RingAttention(torch.autograd.Function):
     "Forward: key/value blocks travel the ring; backward: they travel again with their gradients, which end at their owner."
     @staticmethod
-    def forward(ctx, q, k, v, ring_index, doc, group, scale, window, causal, stats):
+    def forward(ctx, q, k, v, ring_index, doc, group, scale, window, causal, stats, tile):
         n, r = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
         groups, acc = q.shape[1] // k.shape[1], torch.promote_types(q.dtype, torch.float32)  # statistics in at least fp32
         qa, up = q.to(acc), lambda x: _expand(x, groups).to(acc)
@@ -83,13 +97,18 @@ class _RingAttention(torch.autograd.Function):
         kv = torch.stack([k, v])  # [2, B, H_kv, m, D] in the inputs' dtype (bf16 travels as bf16): one message per step
         for step in range(n):
             if step < n - 1: works, nxt = _pass_on(kv, group, stats)  # the next block travels while this one computes
-            allowed = block_mask(ring_index[r], ring_index[(r - step) % n], doc, window, causal)
+            pair = ring_index[r], ring_index[(r - step) % n], doc, window, causal, tile
             stats.pairs += 1
-            if allowed.any(): out, lse = merge(out, lse, *block_attention(qa, up(kv[0]), up(kv[1]), allowed, scale))
+            if _meets(*pair):
+                ke, ve = up(kv[0]), up(kv[1])
+                for rows, allowed in _tiles(*pair):
+                    out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows],
+                                                             *block_attention(qa[:, :, rows], ke, ve, allowed, scale))
+                del ke, ve
             else: stats.skipped += 1
             if step < n - 1: _wait(works, stats); kv = nxt
         ctx.save_for_backward(q, k, v, out, lse, ring_index, doc)
-        ctx.group, ctx.scale, ctx.window, ctx.causal, ctx.stats = group, scale, window, causal, stats
+        ctx.group, ctx.scale, ctx.window, ctx.causal, ctx.stats, ctx.tile = group, scale, window, causal, stats, tile
         return out.to(q.dtype)
 
     @staticmethod
@@ -103,16 +122,20 @@ class _RingAttention(torch.autograd.Function):
         kv, incoming = torch.stack([k, v]), None  # incoming: (works, buffer) of the block gradients on their way here
         for step in range(n):
             if step < n - 1: works, nxt = _pass_on(kv, group, ctx.stats)
-            allowed = block_mask(ring_index[r], ring_index[(r - step) % n], doc, ctx.window, ctx.causal)
+            pair = ring_index[r], ring_index[(r - step) % n], doc, ctx.window, ctx.causal, ctx.tile
             mine = torch.zeros(2, *k.shape, dtype=acc, device=k.device)  # this process's share of the block's dK, dV
-            if allowed.any():
+            if _meets(*pair):
                 ke, ve = up(kv[0]), up(kv[1])
-                p = torch.exp((qa @ ke.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf")) - lse[..., None])
-                ds = p * (dout @ ve.transpose(-1, -2) - delta)          # [B, H, m, m]
-                dq = dq + ds @ ke * scale
-                for i, g in enumerate((ds.transpose(-1, -2) @ qa * scale, p.transpose(-1, -2) @ dout)):  # dK, dV of the block
-                    mine[i] = g if groups == 1 else g.unflatten(1, (-1, groups)).sum(2)
-                del ke, ve, p, ds, g  # free this pair's scores before the next pair makes its own
+                for rows, allowed in _tiles(*pair):
+                    qt, dt = qa[:, :, rows], dout[:, :, rows]
+                    p = torch.exp((qt @ ke.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf")) - lse[:, :, rows, None])
+                    ds = p * (dt @ ve.transpose(-1, -2) - delta[:, :, rows])   # [B, H, tile, m]
+                    dq[:, :, rows] += torch.matmul(ds, ke).mul_(scale)  # in place: one temporary per product, not two
+                    mine[0] += _grouped(torch.matmul(ds.transpose(-1, -2), qt).mul_(scale), groups)  # dK of the tile
+                    del ds  # free each score-sized tensor as soon as it is used
+                    mine[1] += _grouped(torch.matmul(p.transpose(-1, -2), dt), groups)                # dV of the tile
+                    del p
+                del ke, ve
             dkv = mine  # the block's gradients so far, in fp32 or finer
             if incoming is not None:  # the earlier holders' share travelled during that compute
                 _wait(incoming[0], ctx.stats); dkv = incoming[1] + mine
@@ -120,7 +143,7 @@ class _RingAttention(torch.autograd.Function):
                 incoming = _pass_on(dkv, group, ctx.stats, tag=1)
             if step < n - 1: _wait(works, ctx.stats); kv = nxt
         if incoming is not None: _wait(incoming[0], ctx.stats); dkv = incoming[1]
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None, None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), *(None,) * 8
 
 def ring_attend(q: torch.Tensor,            # [B, H, m, D] this process's queries (all of its ring block's tokens)
                 k: torch.Tensor,            # [B, H_kv, m, D]
@@ -132,15 +155,18 @@ def ring_attend(q: torch.Tensor,            # [B, H, m, D] this process's querie
                 window: int | None = None,  # sliding window
                 causal: bool = True,        # causal (else bidirectional) attention
                 stats: RingStats | None = None,  # counts block pairs met and skipped
+                tile: int = QUERY_TILE,     # query rows computed at once: a block pair's scores are [heads, tile, m]
                ) -> torch.Tensor:
     "Exact attention of this ring block's queries over every block's keys: `[B, H, m, D]`, differentiable."
+    if not isinstance(tile, int) or isinstance(tile, bool) or tile < 2 * q.shape[-1]:  # shorter: scores smaller than a gradient product
+        raise ValueError(f"tile must be an integer of at least 2 x head_dim = {2 * q.shape[-1]} query rows, got {tile!r}")
     if q.shape[1] % k.shape[1]: raise ValueError(f"{q.shape[1]} query heads do not group over {k.shape[1]} key/value heads")
     n = 1 if group is None else dist.get_world_size(group)
     if tuple(ring_index.shape) != (n, q.shape[2]):
         raise ValueError(f"ring_index is {tuple(ring_index.shape)} but the ring has {n} blocks of {q.shape[2]} tokens: "
                          f"build the shards with ring_shard for this grid")
     return _RingAttention.apply(q, k, v, ring_index.to(q.device), doc.to(q.device), group,
-                                q.shape[-1] ** -0.5 if scale is None else scale, window, causal, stats or RingStats())
+                                q.shape[-1] ** -0.5 if scale is None else scale, window, causal, stats or RingStats(), tile)
 
 # %% ../../nbs/22_sp_ring.ipynb #178fdaa3
 def documents(cu_seq_lens: torch.Tensor) -> torch.Tensor:
@@ -202,7 +228,7 @@ def block_pairs(ring_index: torch.Tensor,   # [ring, m] global token indices of 
                ) -> torch.Tensor:
     "Which (query block, key/value block) pairs of the ring interact `[ring, ring]`: False pairs are skipped, no compute."
     n = len(ring_index)
-    return torch.tensor([[bool(block_mask(ring_index[i], ring_index[j], doc, window, causal).any()) for j in range(n)]
+    return torch.tensor([[_meets(ring_index[i], ring_index[j], doc, window, causal, QUERY_TILE) for j in range(n)]
                          for i in range(n)])
 
 # %% ../../nbs/22_sp_ring.ipynb #fde94b04
