@@ -202,6 +202,16 @@ def install_flash_attn(timeout_s: float = 60) -> str:
     return "installed" if proc.returncode == 0 else f"not installed: {proc.stderr.strip()[-300:]}"
 
 
+def end_session(proc, within_s: float = 10.0):
+    "SIGKILL a part's whole session, reap the part, and wait (bounded) until every process it started is gone too."
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try: os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError: break  # the session is empty
+        proc.poll()  # reap the part itself once it is dead: an unreaped leader keeps its session alive
+        time.sleep(0.05)
+    proc.wait()
+
 def supervise(part: Part, args, cap_s: float) -> dict:
     "Run `part` in its own session under `cap_s`; its status, wall time, result or stderr tail."
     record = dict(part=part.number, name=part.name, cap_s=cap_s)
@@ -220,9 +230,7 @@ def supervise(part: Part, args, cap_s: float) -> dict:
         stdout, stderr = proc.communicate()
         status = f"timed out after {cap_s:g} s"
     finally:  # also on Ctrl-C or a kill of the suite, and after a part that left processes behind (train ranks)
-        try: os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError: pass  # the part's session is already empty
-        proc.wait()
+        end_session(proc)  # before the suite goes on, or exits: no part outlives it
     record.update(status=status, seconds=round(time.perf_counter() - t0, 1))
     result = args.out / f"part{part.number}.json"
     if status == "ok": record["result"] = json.loads(result.read_text())["result"]
