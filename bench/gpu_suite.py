@@ -202,6 +202,10 @@ def install_flash_attn(timeout_s: float = 60) -> str:
     return "installed" if proc.returncode == 0 else f"not installed: {proc.stderr.strip()[-300:]}"
 
 
+STOPS = {signal.SIGTERM, signal.SIGINT}  # what ends the suite: a kill exits 143, Ctrl-C 130
+
+def stop(signum, _frame): sys.exit(128 + signum)
+
 def end_session(proc, within_s: float = 10.0):
     "SIGKILL a part's whole session, reap the part, and wait (bounded) until every process it started is gone too."
     deadline = time.monotonic() + within_s
@@ -221,8 +225,13 @@ def supervise(part: Part, args, cap_s: float) -> dict:
     if part.number in args.fail_part: cmd.append("--fail")
     t0 = time.perf_counter()
     env = {**os.environ, "OMP_NUM_THREADS": "1"} if args.dry_run else None  # a dry run beside other jobs: no oversubscription
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)  # a kill while Popen runs waits until `proc` is known: never an orphan
+    try: proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
+    except BaseException:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)
+        raise
     try:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)  # a kill that came meanwhile is acted on here, inside the try
         stdout, stderr = proc.communicate(timeout=cap_s)
         status = "ok" if proc.returncode == 0 else f"failed (exit {proc.returncode})"
     except subprocess.TimeoutExpired:
@@ -273,8 +282,10 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.child is not None: return run_part(args.child, args.dry_run, args.out, args.fail)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill ends the running part's session too (supervise)
+    if args.child is not None:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)  # the mask supervise held while starting it was inherited
+        return run_part(args.child, args.dry_run, args.out, args.fail)
+    for s in STOPS: signal.signal(s, stop)  # a kill or Ctrl-C ends the running part's session too (supervise)
     import torch
     if not args.dry_run and not torch.cuda.is_available(): raise SystemExit("no CUDA GPU: use --dry-run on a CPU")
     for stale in args.out.glob("part*.json"): stale.unlink()  # a reused directory: never report an old part's result

@@ -1,6 +1,7 @@
 "The GPU suite's CPU dry run (bench/gpu_suite.py --dry-run): every part recorded, the loss checks honest, parts isolated."
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -74,6 +75,30 @@ def test_a_part_over_its_cap_is_killed_and_recorded(tmp_path):
     slow, skipped = report["parts"]
     assert slow["status"] == "timed out after 0.5 s" and slow["seconds"] < 10
     assert skipped["status"].startswith("skipped")
+
+
+def test_a_kill_while_a_part_starts_still_ends_it(tmp_path, monkeypatch):
+    "A SIGTERM that lands inside Popen (after the fork, before Popen returns) must not orphan the part it created."
+    monkeypatch.syspath_prepend(str(SUITE.parent))
+    import gpu_suite
+    started, real = [], subprocess.Popen
+    def popen_then_killed(*a, **k):
+        started.append(real(*a, **k))
+        os.kill(os.getpid(), signal.SIGTERM)  # the suite is killed before Popen has returned the part to supervise
+        return started[-1]
+    monkeypatch.setattr(gpu_suite.subprocess, "Popen", popen_then_killed)
+    before = {s: signal.getsignal(s) for s in gpu_suite.STOPS}
+    try:
+        for s in gpu_suite.STOPS: signal.signal(s, gpu_suite.stop)
+        args = gpu_suite.parse_args(["--dry-run", "--out", str(tmp_path), "--parts", "2"])
+        with pytest.raises(SystemExit) as stopped: gpu_suite.supervise(gpu_suite.PARTS[1], args, cap_s=60)
+    finally:
+        for s, handler in before.items(): signal.signal(s, handler)
+        for p in started:  # a failing run of this test leaves no part behind either
+            if p.poll() is None: os.killpg(p.pid, signal.SIGKILL); p.wait()
+    assert stopped.value.code == 143 and started[0].returncode == -signal.SIGKILL  # ended and reaped by supervise
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, set()) & gpu_suite.STOPS == set()  # nothing left blocked
+    assert running_with(str(tmp_path)) == []
 
 
 @pytest.mark.parametrize("flags, message", [(["--parts", "9"], "parts are numbered"),
