@@ -68,7 +68,7 @@ def test_explorer_in_voila(workdir):
     port = free_port()
     cmd = [str(BIN / "voila"), str(tmp / NOTEBOOK.name), "--no-browser", f"--port={port}", "--Voila.ip=127.0.0.1"]
     with server(cmd, f"http://127.0.0.1:{port}/", env, tmp / "voila.log", timeout=60), browser_page() as page:
-        page.goto(f"http://127.0.0.1:{port}/")
+        page.goto(f"http://127.0.0.1:{port}/", timeout=90000)  # Voila executes the notebook before "load": slow on a loaded box
         page.wait_for_selector(".wb-explorer", state="attached", timeout=45000)
         check_redraw(page, "voila")
 
@@ -83,3 +83,20 @@ def test_png_and_html_export(tmp_path):
     for p in pngs:
         head = p.read_bytes()[:8]
         assert head == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 10_000, p
+
+
+def test_a_png_the_kaleido_batch_dropped_is_rendered_alone(tmp_path, monkeypatch):
+    "plotly drops the errors kaleido's batch returns: a PNG missing after it is rendered alone, or its figure is named."
+    import plotly.graph_objects as go
+    from workbench import viz
+    figs = {"bars": go.Figure(go.Bar(y=[1, 3, 2])), "line": go.Figure(go.Scatter(y=[2, 1]))}
+    (tmp_path / "bars.png").write_bytes(b"an old run's file")  # a reused folder
+    monkeypatch.setattr(viz.pio, "write_images", lambda *a, **k: None)  # a batch whose every render failed: no file, no error
+    pngs = viz.save_figures(figs, tmp_path, formats=("png",))
+    assert [p.name for p in pngs] == ["bars.png", "line.png"]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)  # rendered, not the old file
+    def render_fails(self, *a, **k): raise TimeoutError("render timed out")
+    monkeypatch.setattr(go.Figure, "write_image", render_fails)
+    with pytest.raises(RuntimeError, match=r"figure 'bars' was not written .*render timed out"):
+        viz.save_figures(figs, tmp_path, formats=("png",))
+    assert not (tmp_path / "bars.png").exists()  # never an old file left to pass for the new one

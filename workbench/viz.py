@@ -365,18 +365,30 @@ def save_figures(figs: dict[str, go.Figure],  # name -> figure
                  formats=("html", "png"),     # "html" (self-contained but for plotly.js from a CDN) and/or "png"
                  scale: float = 1.0,          # PNG pixel scale
                  ) -> list[Path]:
-    "Write every figure as `<slug>.html` and/or `<slug>.png` into `out_dir`; PNGs in one kaleido batch."
+    "Write every figure as `<slug>.html` and/or `<slug>.png` into `out_dir`; PNGs in one kaleido batch, each one checked."
+    if unknown := set(formats) - {"html", "png"}: raise ValueError(f"formats {sorted(unknown)}: only 'html' and 'png' are written")
+    slugs = {n: "".join(c if c.isalnum() else "_" for c in n.lower()).strip("_") for n in figs}
+    if len(set(slugs.values())) < len(slugs):
+        clash = sorted(n for n in slugs if list(slugs.values()).count(slugs[n]) > 1)
+        raise ValueError(f"figures {clash} would share one file name: rename them so they differ in letters or digits")
     out = Path(out_dir); out.mkdir(parents=True, exist_ok=True)
-    slug = lambda n: "".join(c if c.isalnum() else "_" for c in n.lower()).strip("_")
     paths = []
     if "html" in formats:
         for name, fig in figs.items():
-            p = out / f"{slug(name)}.html"; fig.write_html(p, include_plotlyjs="cdn"); paths.append(p)
+            p = out / f"{slugs[name]}.html"; fig.write_html(p, include_plotlyjs="cdn"); paths.append(p)
     if "png" in formats:
-        pngs = [out / f"{slug(n)}.png" for n in figs]
-        sizes = [(f.layout.width or 700, f.layout.height or 500) for f in figs.values()]  # kaleido ignores the layout's
-        pio.write_images(list(figs.values()), pngs, scale=scale, width=[w for w, _ in sizes], height=[h for _, h in sizes])
-        paths += pngs
+        pngs = {n: out / f"{slugs[n]}.png" for n in figs}
+        sizes = {n: dict(width=f.layout.width or 700, height=f.layout.height or 500) for n, f in figs.items()}  # kaleido ignores the layout's
+        for p in pngs.values(): p.unlink(missing_ok=True)  # a reused folder: an old PNG must not pass for a new one
+        pio.write_images(list(figs.values()), list(pngs.values()), scale=scale, width=[d["width"] for d in sizes.values()],
+                         height=[d["height"] for d in sizes.values()])
+        for name, p in pngs.items():  # plotly drops the errors kaleido's batch returns (a render past its timeout writes nothing)
+            if p.exists(): continue
+            try: figs[name].write_image(p, scale=scale, **sizes[name])  # alone, kaleido raises what went wrong
+            except Exception as e:
+                raise RuntimeError(f"figure {name!r} was not written to {p}: kaleido failed in the batch and alone ({e}). "
+                                   "Check that chromium starts (plotly_get_chrome), or pass formats=('html',)") from e
+        paths += pngs.values()
     return paths
 
 @lru_cache(maxsize=None)
