@@ -39,8 +39,11 @@ def jupyter_env(tmp: Path) -> dict:
     (config / "labconfig").mkdir(parents=True, exist_ok=True)
     (config / "labconfig" / "page_config.json").write_text(json.dumps(
         {"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}}))  # no news toast
-    return {**os.environ, "JUPYTER_CONFIG_DIR": str(config), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-            "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    settings = tmp / "lab-settings" / "@jupyterlab" / "notebook-extension"
+    settings.mkdir(parents=True, exist_ok=True)  # every cell stays attached: a cell scrolled away keeps its rendered output
+    (settings / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
+    return {**os.environ, "JUPYTER_CONFIG_DIR": str(config), "JUPYTERLAB_SETTINGS_DIR": str(tmp / "lab-settings"),
+            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
 
 @contextmanager
