@@ -5,6 +5,7 @@
 # %% ../nbs/03_viz.ipynb #a7e5b2bf
 from __future__ import annotations
 import time
+from collections import Counter
 from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
@@ -368,8 +369,8 @@ def save_figures(figs: dict[str, go.Figure],  # name -> figure
     "Write every figure as `<slug>.html` and/or `<slug>.png` into `out_dir`; PNGs in one kaleido batch, each one checked."
     if unknown := set(formats) - {"html", "png"}: raise ValueError(f"formats {sorted(unknown)}: only 'html' and 'png' are written")
     slugs = {n: "".join(c if c.isalnum() else "_" for c in n.lower()).strip("_") for n in figs}
-    if len(set(slugs.values())) < len(slugs):
-        clash = sorted(n for n in slugs if list(slugs.values()).count(slugs[n]) > 1)
+    counts = Counter(slugs.values())
+    if clash := sorted(n for n, slug in slugs.items() if counts[slug] > 1):
         raise ValueError(f"figures {clash} would share one file name: rename them so they differ in letters or digits")
     out = Path(out_dir); out.mkdir(parents=True, exist_ok=True)
     paths = []
