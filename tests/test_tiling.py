@@ -80,8 +80,12 @@ def test_checkpointing_exact(batch, offload):
     assert not any(layer.gradient_checkpointing for layer in model.model.layers)
 
 
+BF16_TOL = {"loss": 5e-7, "hidden gradient": 1e-4, "weight gradient": 2e-3}  # 5, 4.5, 3.3 x the measured 9.4e-8, 2.2e-5, 6.1e-4
+
+
 def test_bf16_tiled_matches_untiled(batch):
     "In bf16 the tiled loss reproduces the untiled fp32-upcast loss (same arithmetic, different order)."
+    assert batch["input_ids"].shape[1] % 16 > 0  # a short last tile (1416 = 88 x 16 + 8 tokens): it must count too
     model = tiny_model("llama", dtype=torch.bfloat16).train()
     hidden = model.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False)
     hidden = hidden.last_hidden_state.detach()
@@ -92,8 +96,9 @@ def test_bf16_tiled_matches_untiled(batch):
         s, _ = tiled_cross_entropy(h, w, labels=batch["labels"], chunk_size=chunk)
         s.backward()
         out[chunk] = (s.detach().float(), h.grad.float(), w.grad.float())
-    for a, b in zip(out[16], out[None]):
+    for (name, tol), a, b in zip(BF16_TOL.items(), out[16], out[None]):
         assert rel(a, b) < 2e-2
+        assert rel(a, b) <= tol, f"{name}: relative error {rel(a, b):.1e} > {tol:.0e}"
 
 
 def test_bad_inputs(batch):
