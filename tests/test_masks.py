@@ -70,6 +70,22 @@ def test_leakage_mass(features):
         assert leaky.shape == (2, 4) and leaky.min() > 0.1
     # the leaked mass is read from the weights: zero exactly where the mask forbids, so it is bounded by the pairs
     assert model.config._attn_implementation == "sdpa"
+    lengths = [len(f["input_ids"]) for f in features]
+    example = np.repeat(np.arange(len(lengths)), lengths)
+    cross = example[:, None] != example[None, :]  # [T, T]: query and key in different examples
+    eager = tiny_model("llama", attn_implementation="eager")  # the same weights, its own eager forward
+    for b, cache in ((batch, False), (batch, True), (ones, False)):
+        inputs = {k: b[k] for k in ("input_ids", "position_ids", "attention_mask") if k in b}
+        with torch.no_grad(): attentions = eager(**inputs, use_cache=cache, output_attentions=True).attentions
+        weights = torch.stack([a[0] for a in attentions]).numpy()  # [layers, heads, T, T]
+        allowed = effective_mask(b, "eager", use_cache=cache)[0]
+        assert ((weights > 0) == allowed).all()  # zero exactly where the mask forbids
+        per_query = (weights * cross).sum(-1)  # [layers, heads, T]: each query's mass on other examples
+        leaks = (allowed & cross).any(-1)  # queries allowed to see another example
+        assert (per_query[..., ~leaks] == 0).all()
+        leakage = attention_leakage(model, b, use_cache=cache)
+        assert np.abs(leakage - per_query.mean(-1)).max() <= 1e-6  # measured 1.2e-7: one float32 ulp of ~0.55
+        assert (leakage <= leaks.mean()).all()  # bounded by the pairs: at most 1 per query that may leak
 
 
 
