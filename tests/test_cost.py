@@ -123,9 +123,15 @@ def test_planner_edges():
     assert few.cost_steps.shape == (1, 1, 8) and few.token_steps.shape == (1, 1, 8)
 
 
+HELD_OUT_ERRORS = {(4, 8192): 0.416, (4, 32768): 0.719}  # the predicted points' measured errors: how far to trust a prediction
+
+
 def test_blog_points():
     table, eff = hf_blog_table()
-    assert (table[table.fitted].error.abs() <= 0.10).all() and len(table) == 4
+    fitted, held_out = table[table.fitted], table[~table.fitted]
+    assert (fitted.error.abs() <= 0.10).all() and len(table) == 4
+    assert (fitted.error.abs() < 1e-12).all()  # exact by construction: the two factors are solved from these two points
+    assert {(r.sp, r.seq_len): round(r.error, 3) for r in held_out.itertuples()} == HELD_OUT_ERRORS, held_out
     assert 0.2 < table.query("sp == 4 and seq_len == 65536").mfu.item() < 0.4  # the published ~28%
     assert 0 < eff.matmul <= 1 and 0 < eff.memory <= 1
 
