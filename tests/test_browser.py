@@ -58,7 +58,7 @@ def test_explorer_in_jupyterlab(workdir):
     tmp, env = workdir
     with jupyterlab(tmp, env) as url, browser_page() as page:
         open_notebook(page, url, NOTEBOOK.name)
-        run_all_cells(page)
+        assert run_all_cells(page) is True, "a cell of the explorer notebook failed in JupyterLab"
         page.wait_for_selector(".wb-explorer", state="attached", timeout=45000)
         check_redraw(page, "jupyterlab")
 
