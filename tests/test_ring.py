@@ -3,7 +3,8 @@ gloo compute what one process computes, on packed rows of several documents.
 
 Two launches (2 and 4 processes) check many cases each: fp64 logits, loss and every parameter gradient within 1e-10
 relative error of one plain-sdpa process; fp32 per-step AdamW losses within 1e-6; the point-to-point elements counted at
-the dispatcher (ring sends and Ulysses all-to-alls) equal `comm_elements`; the block pairs skipped equal `block_pairs`' prediction.
+the dispatcher (ring sends and Ulysses all-to-alls) equal `comm_elements`; the block pairs skipped equal `skipped_blocks`'
+count from the row's positions (token by token, not the ring's own rule).
 `workbench.train --ring` from the notebook launcher and from two torchrun "nodes" of 2 processes each (Ulysses inside
 each node, the ring across them) gives one process's losses. The rest needs no process.
 """
@@ -72,7 +73,7 @@ def assert_ring_results(results: list, n_expected: int):
         assert r["p2p"] == r["p2p_formula"], f"{where}: sent {r['p2p']} elements (forward, backward), formula {r['p2p_formula']}"
         assert r["p2p_bytes"][0] == r["p2p"][0] * getattr(torch, r["case"].dtype).itemsize, f"{where}: blocks left their dtype"
         assert r["a2a"] == r["a2a_formula"], f"{where}: all-to-all {r['a2a']} elements (forward, backward), formula {r['a2a_formula']}"
-        assert r["skipped"] == r["skipped_predicted"], f"{where}: skipped {r['skipped']} block pairs, predicted {r['skipped_predicted']}"
+        assert r["skipped"] == r["skipped_predicted"], f"{where}: skipped {r['skipped']} block pairs, counted {r['skipped_predicted']}"
 
 
 def rows(n=3):
@@ -184,7 +185,9 @@ def test_ring_of_two_equals_one_process():
     cases = F64 + F32
     jobs = [(check_ring, (cases, [(1, 2)], PLANS, _references(cases, [1])))]
     (results,) = zip(*launch(_jobs, jobs, num_processes=2, cpu=True, quiet=True, timeout_s=120, deadline_s=240))
-    assert_ring_results([r for rank in results for r in rank], 2 * len(PLANS) * len(cases))
+    checks = [r for rank in results for r in rank]
+    assert_ring_results(checks, 2 * len(PLANS) * len(cases))
+    assert any(r["skipped_predicted"] > 0 for r in checks)  # the skips are checked where there are some (contiguous shards)
 
 
 def test_ring_of_four_hybrid_2x2_and_training_equal_one_process():

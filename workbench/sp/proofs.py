@@ -16,14 +16,14 @@ from ..packing import FlatteningCollator
 from .balance import plan_row, ring_batch
 from .grid import ParallelGrid
 from .loss import global_loss, sync_gradients
-from .ring import block_pairs, comm_elements, documents, register_ring, ring_forward
+from .ring import comm_elements, register_ring, ring_forward
 from .shard import ring_shard, SHARD_KEYS, shard_batch
 from .ulysses import register_ulysses, sp_forward
 from ..tiling import lean_kernels, tile_mlp
 
 # %% auto #0
 __all__ = ['Case', 'case_model', 'case_rows', 'one_process', 'check_equivalence', 'equivalence_worker', 'prove_equivalence',
-           'CountComm', 'check_ring', 'prove_ring', 'ring_losses']
+           'CountComm', 'skipped_blocks', 'check_ring', 'prove_ring', 'ring_losses']
 
 # %% ../../nbs/24_sp_proofs.ipynb #4f7537e1
 @dataclass(frozen=True)
@@ -157,6 +157,20 @@ class CountComm(torch.utils._python_dispatch.TorchDispatchMode):  # c10d's colle
         elif name.startswith("c10d::alltoall"): self.a2a += args[1].numel()  # the input: every piece, own one included
         return func(*args, **(kwargs or {}))
 
+# %% ../../nbs/24_sp_proofs.ipynb #7c2d9e41
+def skipped_blocks(position_ids: torch.Tensor,  # [1, T] positions of the (padded) row: a document starts where they restart
+                   ring_index: torch.Tensor,    # [ring, m] global token indices of every ring block
+                   block: int,                  # the query block (a process's `grid.rank("ring")`)
+                   window: int | None = None,   # sliding window
+                  ) -> int:
+    "Key/value blocks holding no key that a query of ring block `block` may see (causal): the pairs its ring step should skip."
+    pos = position_ids.flatten().tolist()
+    doc = [0]
+    for before, p in zip(pos, pos[1:]): doc.append(doc[-1] + (p != before + 1))
+    def sees(q, k): return doc[q] == doc[k] and k <= q and (window is None or q - k < window)
+    queries = ring_index[block].tolist()
+    return sum(not any(sees(q, k) for q in queries for k in keys) for keys in ring_index.tolist())
+
 # %% ../../nbs/24_sp_proofs.ipynb #d78789da
 def _volume(per_layer: tuple, layers: int, recompute: bool) -> tuple:
     "(forward, backward) elements of all layers; recomputing each layer in backward sends its forward volume again."
@@ -168,7 +182,7 @@ def check_ring(cases: list,                # the `workbench.sp.proofs.Case`s to 
                strategies=("balanced",),   # sharding plans (`workbench.sp.balance.PLANS`), each under every layout
                references: dict | None = None,  # {dp_size: [one_process(case, dp_size) for case in cases]}
               ) -> list[dict]:
-    "Per layout, plan and case, on this process: relative errors of logits, loss and every gradient against one process; p2p elements sent and by formula; skipped pairs met and predicted."
+    "Per layout, plan and case, on this process: relative errors of logits, loss and every gradient against one process; p2p elements sent and by formula; block pairs skipped and counted by `skipped_blocks`."
     results = []
     for u, r in layouts:
         grid = ParallelGrid.build(u, r)
@@ -187,7 +201,7 @@ def check_ring(cases: list,                # the `workbench.sp.proofs.Case`s to 
             idx = shard["token_index"]
             real = idx < row["input_ids"].shape[1]  # the padding's logits have no reference
             n = batch["input_ids"].shape[1]
-            pairs = block_pairs(shard["ring_index"], documents(shard["cu_seq_lens_q"]), getattr(cfg, "sliding_window", None))
+            skip = skipped_blocks(batch["position_ids"], shard["ring_index"], grid.rank("ring"), getattr(cfg, "sliding_window", None))
             results.append(dict(case=case, ulysses=u, ring=r, dp=grid.dp_size, strategy=strategy, rank=dist.get_rank() if grid.mesh else 0,
                                 logits=_rel(logits[0, real].detach(), ref["logits"][grid.rank("dp")][0, idx[real]]) if real.any() else 0.0,
                                 loss=abs(global_loss(loss, grid) - ref["loss"]) / abs(ref["loss"]),
@@ -196,7 +210,7 @@ def check_ring(cases: list,                # the `workbench.sp.proofs.Case`s to 
                                 p2p=(fwd.p2p, bwd.p2p), a2a=(fwd.a2a, bwd.a2a), p2p_bytes=(fwd.p2p_bytes, bwd.p2p_bytes),
                                 p2p_formula=_volume(comm_elements(cfg, n, u, r)["ring"], layers, case.checkpointing),
                                 a2a_formula=_volume(comm_elements(cfg, n, u, r)["all_to_all"], layers, case.checkpointing),
-                                skipped=grid.stats.skipped - skipped, skipped_predicted=layers * (1 + case.checkpointing) * int((~pairs[grid.rank("ring")]).sum()),
+                                skipped=grid.stats.skipped - skipped, skipped_predicted=layers * (1 + case.checkpointing) * skip,
                                 trained=int((shard["shift_labels"] != IGNORE_INDEX).sum())))
     return results
 
