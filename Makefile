@@ -30,8 +30,8 @@ demo: $(STAMP)  ## the main job on the shipped data: prints the report and write
 	$(PY) -m workbench.demo --out reports
 
 test: $(STAMP)  ## pytest over tests/ and every notebook (one item each), then the docs site from those executed notebooks
-	$(PY) -m pytest -n 2 --dist worksteal --ignore=tests/test_docs.py
-	$(PY) -m pytest tests/test_docs.py  # after the notebooks: the site builds from their cached executions
+	$(PY) -m pytest -n 2 --dist worksteal --ignore=tests/test_docs.py --junitxml=test-artifacts/junit-suite.xml
+	$(PY) -m pytest tests/test_docs.py --junitxml=test-artifacts/junit-docs.xml  # after the notebooks: the site builds from their cached executions
 
 test-fast: $(STAMP)  ## the fast suite (FAST above) in .venv
 	$(PY) -m pytest -n 2 --dist worksteal $(FAST)
@@ -47,7 +47,7 @@ $(FLOORS_STAMP): pyproject.toml .ci/floors.py
 
 test-floors: $(FLOORS_STAMP)  ## the fast suite with every dependency at its declared floor (.venv-floors)
 	$(FLOORS_PY) .ci/floors.py verify  # each floor installed exactly and importable, every time (the venv may have drifted)
-	$(FLOORS_PY) -m pytest -n 2 --dist worksteal $(FAST)
+	$(FLOORS_PY) -m pytest -n 2 --dist worksteal $(FAST) --junitxml=test-artifacts/junit-floors.xml
 
 bench: $(STAMP)  ## benchmarks behind BENCHMARKS.md
 	$(PY) -m workbench.bench

@@ -199,10 +199,25 @@ def test_padded_fix_verified_without_padding():
     assert not report.clean and "padded batches" in report["contamination probe"].fix and _verified(report)
 
 
-def test_moe_routing_does_not_fake_a_leak():
-    "A clean MoE whose grouped expert matmuls round by token count: plain forwards differ, the probe stays exactly 0."
+def _rounding_by_count(grouped_mm):
+    "A grouped matmul whose rows round by how many rows their expert got, as batch-dependent kernels do."
+    def rounded(input, weight, offs):
+        out = grouped_mm(input, weight, offs=offs)
+        sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+        counts = sizes.repeat_interleave(sizes)  # each grouped row's expert's row count (rows past offs[-1] are skipped)
+        scale = 1 + (counts % 5).to(out.dtype) * 2**-20
+        return torch.cat([out[:len(counts)] * scale[:, None], out[len(counts):]])
+    return rounded
+
+
+def test_moe_routing_does_not_fake_a_leak(monkeypatch):
+    """A clean MoE whose grouped expert matmuls round by token count: plain forwards differ, the probe stays exactly 0.
+    Whether a CPU's kernels round by count depends on its BLAS (an AMD EPYC box's do not: the plain forwards were equal),
+    so the experts' grouped matmul is replaced by one that does, through transformers' own dispatcher."""
+    from transformers.integrations import moe
     from workbench.core import example_ids, load_sample
     from workbench.doctor import _perturbed  # the probe's own perturbation, to show what it avoids
+    monkeypatch.setattr(moe, "_grouped_mm", _rounding_by_count(moe._grouped_mm))
     model = tiny_model("mixtral", hidden_size=1024, intermediate_size=1024, num_hidden_layers=1)
     batch = FlatteningCollator()([{"input_ids": f["input_ids"][:40]} for f in load_sample("flan_like", limit=24)[20:24]])
     examples = torch.from_numpy(example_ids(torch.diff(batch["cu_seq_lens_q"]).numpy()))

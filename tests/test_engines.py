@@ -170,7 +170,8 @@ import sys
 sys.modules["deepspeed"] = None  # as if not installed: find_spec("deepspeed") is None and importing it raises ImportError
 import workbench.engines as e
 res = e.train_runs([e.Run(steps=2), e.Run(engine="workbench", sp=2, steps=2)], deadline_s=120)
-assert abs(res[0]["steps"][-1]["loss"] - res[1]["steps"][-1]["loss"]) < 1e-6, res
+one, sp2 = res[0]["steps"][-1]["loss"], res[1]["steps"][-1]["loss"]
+assert abs(sp2 / one - 1) < 1e-6, (one, sp2)  # relative, as LOSS_TOL (measured 2.1e-7: 9.0095025 vs 9.0095005)
 try: e.check_engine(e.Run(engine="alst", sp=2, steps=2))
 except ModuleNotFoundError as err: print("REFUSED:", err)
 assert sys.modules["deepspeed"] is None

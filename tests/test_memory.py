@@ -8,33 +8,54 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from workbench.memory import (H100_80GB_GIB, HF_BLOG_QWEN3_4B_SP4, HF_BLOG_SETUP, LEVER_LADDER, LiveBytes, Levers,
                               PRESETS, Shape, estimate, max_context, measure_activations, planned_activations,
-                              preset_config)
+                              preset_config, replace_layers)
 
 LEVERS = {
     "transformers loss": Levers(),
     "tiled loss": Levers(tiled_loss=True),
     "tiled MLP": Levers(tiled_mlp=True),
     "tiled loss + MLP": Levers(tiled_loss=True, tiled_mlp=True),
+    "all + offload": Levers(tiled_loss=True, tiled_mlp=True, offload_checkpoints=True),
+    "no checkpointing": Levers(checkpointing=False),
+    "lean + transformers loss": Levers(lean_kernels=True),
+    "lean + tiled loss": Levers(tiled_loss=True, lean_kernels=True),
+    "lean, all + offload": Levers(tiled_loss=True, tiled_mlp=True, offload_checkpoints=True, lean_kernels=True),
 }
-POINTS = [(8192, 1), (32768, 4), (131072, 8)]
-GRID = [(m, lv, seq, sp) for m in PRESETS for lv in LEVERS for seq, sp in POINTS]
+BASIC = ["transformers loss", "tiled loss", "tiled MLP", "tiled loss + MLP"]
+POINTS = [(8192, 1), (32768, 4), (131072, 8)]  # 8K local tokens with and without the all-to-all; 16K local over SP 8
+GRID = [(m, lv, seq, sp) for m in PRESETS for lv in BASIC for seq, sp in POINTS]
 GRID += [(m, "all + offload", 131072, 4) for m in PRESETS] + [(m, "no checkpointing", 8192, 8) for m in PRESETS]
 GRID += [(m, lv, seq, sp) for m in PRESETS for lv in ("lean + tiled loss", "lean, all + offload")
          for seq, sp in [(8192, 1), (131072, 8)]] + [(m, "lean + transformers loss", 32768, 4) for m in PRESETS]
-GRID += [("qwen3-4b", "lean, all + offload", 131072, 1)]  # the lean fit's worst case (a full-depth run, minutes)
-LEVERS["all + offload"] = Levers(tiled_loss=True, tiled_mlp=True, offload_checkpoints=True)
-LEVERS["no checkpointing"] = Levers(checkpointing=False)
-LEVERS["lean + transformers loss"] = Levers(lean_kernels=True)
-LEVERS["lean + tiled loss"] = Levers(tiled_loss=True, lean_kernels=True)
-LEVERS["lean, all + offload"] = Levers(tiled_loss=True, tiled_mlp=True, offload_checkpoints=True, lean_kernels=True)
+GRID += [("qwen3-4b", "lean, all + offload", 32768, 1)]  # the lean fit's worst case: the flash backward binds (sp=1, long rows)
+EXACT = 1e-4  # measured: within 2.4e-5 of the real code wherever no tile rounds (36 of 39 points)
+ROUNDED = {  # the points where the planner is not exact, each with its measured error and a bound just above it
+    ("qwen3-4b", "tiled loss + MLP", 131072, 8): 0.02,     # measured -1.37%
+    ("qwen3-4b", "lean + tiled loss", 131072, 8): 0.035,   # measured +2.75%
+    ("qwen3-4b", "lean, all + offload", 32768, 1): 0.025,  # measured +1.67% (+1.88% at 64K, +2.01% at 128K)
+}
+FLAT = 4  # layers of the copy that levers keeping the peak flat in depth are measured on (see below)
+
+
+def _measured_and_planned(model: str, levers: str, seq_len: int, sp: int) -> tuple[int, int]:
+    """Measured and planned activation peaks. Where the 2- and 3-layer runs cannot be extrapolated (offloaded
+    checkpoints keep the peak flat in depth; without checkpointing the binding operation changes with depth)
+    `measure_activations` runs every layer, so those levers are measured and planned on a 4-layer copy of the model:
+    the same layer code and the same planner formula, with the same error as at full depth (2.010e-2, 2.339e-5 and
+    -3.05e-9 on 4 and on 36 layers), in seconds instead of minutes (the 128K-token full-depth case took 529 s)."""
+    lv, cfg = LEVERS[levers], preset_config(model)
+    if lv.offload_checkpoints or not lv.checkpointing: cfg = replace_layers(cfg, FLAT)
+    return measure_activations(cfg, seq_len, sp, lv).peak, planned_activations(cfg, seq_len, sp, lv)
 
 
 @pytest.mark.parametrize("model,levers,seq_len,sp", GRID)
-def test_planner_within_10pct_of_fake_tensor_measurement(model, levers, seq_len, sp):
-    lv, cfg = LEVERS[levers], preset_config(model)
-    measured = measure_activations(cfg, seq_len, sp, lv).peak
-    planned = planned_activations(cfg, seq_len, sp, lv)
-    assert abs(planned / measured - 1) <= 0.10, (planned / 2**30, measured / 2**30)
+def test_planner_equals_fake_tensor_measurement(model, levers, seq_len, sp):
+    "The planner is the real code's peak to 1e-4, except at the named points where a tile rounds (each with its bound)."
+    measured, planned = _measured_and_planned(model, levers, seq_len, sp)
+    error = planned / measured - 1
+    bound = ROUNDED.get((model, levers, seq_len, sp), EXACT)
+    assert abs(error) <= bound, f"planner off by {error:+.2e} (bound {bound:g}): {planned / 2**30:.4f} vs {measured / 2**30:.4f} GiB"
+    if bound != EXACT: assert abs(error) > EXACT, f"{error:+.2e}: now exact, move it out of ROUNDED"
 
 
 def test_blog_peaks_within_10pct_and_128k_out_of_memory():
