@@ -109,14 +109,24 @@ def run(kind, raw, tmp_path, max_tokens=None, make=llama, **kw):
 
 
 # ---------------------------------------------------------------- the trap, measured
-def test_default_trainer_drops_masks_silently(flan, tmp_path):
-    "The trap: plain Trainer with default arguments removes completion_mask, so its loss covers the prompt too."
+def test_default_trainer_drops_masks_and_the_collator_says_so_once(flan, tmp_path):
+    "The trap: plain Trainer with default arguments removes completion_mask, so its loss covers the prompt too; FlatteningCollator says so, once."
     raw = flan[:N]
     rec = Recorder()
     t = Trainer(model=tiny_model("llama").train(), args=args(tmp_path), train_dataset=Dataset.from_list(raw), data_collator=rec)
-    t.train()
+    with pytest.warns(UserWarning, match="every token is trained") as caught:
+        t.train()
+    said = [w for w in caught if "every token is trained" in str(w.message)]
+    assert len(said) == 1 and "remove_unused_columns removed them: use prepare_dataset or PackedTrainer" in str(said[0].message)
+    assert len(rec.batches) > 1  # several batches collated, one warning
     ref = reference(rec.batches[:STEPS], raw, STEPS)
     assert abs(losses(t)[0] - ref[0]) > 1e-3  # trained on prompt tokens
+    meant = Trainer(model=t.model, args=args(tmp_path), train_dataset=Dataset.from_list(raw),
+                    data_collator=FlatteningCollator(train_all_tokens=True))
+    with warnings.catch_warnings(record=True) as quiet:
+        warnings.simplefilter("always")
+        batches = list(meant.get_train_dataloader())  # the same columns removed, the same collator: all tokens, by intent
+    assert len(batches) == N // 8 and not [w for w in quiet if "every token is trained" in str(w.message)]
 
 
 # ---------------------------------------------------------------- default arguments == padded, masked reference

@@ -176,7 +176,7 @@ class PackedMixin:
                              f"refuses a collator beside SFTConfig(padding_free=True) or packing=True: leave both False, and "
                              f"pass max_tokens= for token-budget steps")
         prep = lambda d: None if d is None else {k: prepare_dataset(v) for k, v in d.items()} if isinstance(d, dict) else prepare_dataset(d)
-        super().__init__(model, args, data_collator or FlatteningCollator(), prep(train_dataset), prep(eval_dataset), *rest, **kwargs)
+        super().__init__(model, args, data_collator or FlatteningCollator(train_all_tokens=True), prep(train_dataset), prep(eval_dataset), *rest, **kwargs)
         packed = self.train_dataset is not None and "seq_lengths" in _dataset_columns(self.train_dataset)
         self.data_collator = LabelGuard(self.data_collator, packed=packed)
         self.max_tokens, self.overlong, self.buffer_size, self.plan, self.balanced = max_tokens, overlong, buffer_size, None, None

@@ -659,7 +659,7 @@ def train_rank(cfg: TrainConfig) -> list[float]:
         print(plan_readout(plan)); print(balance_readout(cfg, imbalance))
         print(predicted or "no step prediction: workbench.cost models neither LoRA nor this architecture's layers")
     pid = plan_id(plan)
-    pieces, collate = plan.dataset(features), FlatteningCollator(pad_to_multiple_of=cfg.sp)
+    pieces, collate = plan.dataset(features), FlatteningCollator(pad_to_multiple_of=cfg.sp, train_all_tokens=True)  # load_features decided the masks
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)  # LoRA: the adapters
     out = Path(cfg.out); out.mkdir(parents=True, exist_ok=True)
     start = load_checkpoint(out, model, opt, sampler, cfg, pid) if cfg.resume else 0
