@@ -46,12 +46,12 @@ from .sp.ulysses import register_ulysses, sp_forward
 
 # %% auto #0
 __all__ = ['DTYPES', 'BALANCES', 'PRESETS', 'PROJECT', 'CHECKPOINTS', 'MODEL_DIR', 'ADAPTER_DIR', 'SAVE_WAIT', 'flag',
-           'tracker_names', 'TrainConfig', 'chat_features', 'load_features', 'check_token_ids', 'model_config',
-           'add_lora', 'build_model', 'peak_memory_bytes', 'expected_memory', 'memory_readout', 'write_metrics',
-           'read_metrics', 'truncate_metrics', 'hparams', 'open_trackers', 'TrackerSink', 'reporting', 'plan_id',
-           'save_model_dir', 'checkpoints', 'latest_checkpoint', 'commit_checkpoint', 'check_resume', 'check_out',
-           'save_checkpoint', 'load_checkpoint', 'attention_key', 'plan_readout', 'cost_modelled', 'token_imbalance',
-           'plan_run', 'balance_readout', 'step_bytes', 'train_rank', 'preflight_run', 'run', 'main']
+           'tracker_names', 'TrainConfig', 'chat_features', 'tokenize_rows', 'load_features', 'check_token_ids',
+           'model_config', 'add_lora', 'build_model', 'peak_memory_bytes', 'expected_memory', 'memory_readout',
+           'write_metrics', 'read_metrics', 'truncate_metrics', 'hparams', 'open_trackers', 'TrackerSink', 'reporting',
+           'plan_id', 'save_model_dir', 'checkpoints', 'latest_checkpoint', 'commit_checkpoint', 'check_resume',
+           'check_out', 'save_checkpoint', 'load_checkpoint', 'attention_key', 'plan_readout', 'cost_modelled',
+           'token_imbalance', 'plan_run', 'balance_readout', 'step_bytes', 'train_rank', 'preflight_run', 'run', 'main']
 
 # %% ../nbs/08_train.ipynb #aa8d263e
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}  # besides "auto"
@@ -203,14 +203,14 @@ def _check_messages(data: str, i: int, turns):
     if not any(t["role"] == "assistant" for t in turns):
         raise ValueError(f"{data} row {i}: no assistant turn, so nothing would be trained: add one or drop the row")
 
-def _check_rows(data: str, records: list[dict]) -> str:
-    "The kind of columns every row has, or an error naming the first row that differs or holds the wrong types."
+def _check_rows(data: str, records: list[dict], first: int = 1) -> str:
+    "The kind of columns every row has, or an error naming the first row (numbered from `first`) that differs or holds the wrong types."
     if not records: raise ValueError(f"data (--data) {data} has no rows: give a file with at least one example")
     kind = _kind(records[0])
-    for i, r in enumerate(records, 1):
+    for i, r in enumerate(records, first):
         if _kind(r) != kind or kind is None:
-            first = f"row 1 has {kind}, " if kind else ""
-            raise ValueError(f"{data} row {i}: {first}row {i} has columns {sorted(k for k, v in r.items() if v is not None)}; "
+            head = f"row {first} has {kind}, " if kind else ""
+            raise ValueError(f"{data} row {i}: {head}row {i} has columns {sorted(k for k, v in r.items() if v is not None)}; "
                              f"every row needs input_ids, prompt + completion, messages, or text (the same on every row)")
         if kind == "input_ids" and not (isinstance(r["input_ids"], list) and r["input_ids"]
                                         and all(isinstance(x, int) and not isinstance(x, bool) for x in r["input_ids"])):
@@ -250,17 +250,29 @@ def chat_features(conversations: list[list[dict]], tokenizer) -> list[dict]:
     out = tokenizer.apply_chat_template(conversations, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
     return [{"input_ids": list(ids), "assistant_masks": list(m)} for ids, m in zip(out["input_ids"], out["assistant_masks"])]
 
+def _tokenize(records: list[dict], kind: str, tokenizer) -> list[dict]:
+    "Token features of rows already checked to be of one `kind` (`_check_rows`)."
+    if kind == "input_ids": return [{"input_ids": list(r["input_ids"])} for r in records]
+    if kind == "prompt + completion": return tokenize_records(records, tokenizer)
+    if kind == "messages": return chat_features([r["messages"] for r in records], tokenizer)
+    ids = tokenizer([r["text"] for r in records], add_special_tokens=False)["input_ids"]
+    return [{"input_ids": [tokenizer.bos_token_id, *x, tokenizer.eos_token_id]} for x in ids]
+
+def tokenize_rows(rows: list[dict],     # raw rows of one kind: prompt + completion, messages, text, or input_ids
+                  tokenizer,            # what tokenizes them (its chat template renders messages)
+                  data: str = "rows",   # what errors call the rows
+                  first: int = 1,       # the number errors give the first row (a batch of a larger dataset)
+                 ) -> list[dict]:
+    "Raw rows checked and tokenized as `load_features` reads a file (the same code): completions and assistant turns train, text whole."
+    return _tokenize(rows, _check_rows(data, rows, first), tokenizer)
+
 def load_features(data: str, tokenizer=None) -> list[dict]:
     """Token features of a shipped sample or a local JSON-lines, JSON, Parquet or CSV file read with `datasets`: rows of
     prompt + completion (completions train), messages (chat template; assistant turns train), text, or input_ids."""
     tokenizer = tokenizer or load_tokenizer()
     if data in SAMPLES: return load_sample(data, tokenizer)
     records, kind = _read_rows(data, _data_path(data))
-    if kind == "input_ids": return [{"input_ids": list(r["input_ids"])} for r in records]
-    if kind == "prompt + completion": return tokenize_records(records, tokenizer)
-    if kind == "messages": return chat_features([r["messages"] for r in records], tokenizer)
-    ids = tokenizer([r["text"] for r in records], add_special_tokens=False)["input_ids"]
-    return [{"input_ids": [tokenizer.bos_token_id, *x, tokenizer.eos_token_id]} for x in ids]
+    return _tokenize(records, kind, tokenizer)
 
 def check_token_ids(features: list[dict], vocab_size: int, data: str):
     "Refuse a token id outside the model's vocabulary, naming the row (the embedding would fail with an index error)."
