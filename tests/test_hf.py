@@ -1,5 +1,6 @@
 """workbench.hf: Trainer / SFTTrainer with default arguments equal a padded, correctly masked reference; check_trainer;
 packed eval split == unpacked eval; token-budget resume is exact; 2-process DDP."""
+import json
 import warnings
 
 import numpy as np
@@ -109,14 +110,24 @@ def run(kind, raw, tmp_path, max_tokens=None, make=llama, **kw):
 
 
 # ---------------------------------------------------------------- the trap, measured
-def test_default_trainer_drops_masks_silently(flan, tmp_path):
-    "The trap: plain Trainer with default arguments removes completion_mask, so its loss covers the prompt too."
+def test_default_trainer_drops_masks_and_the_collator_says_so_once(flan, tmp_path):
+    "The trap: plain Trainer with default arguments removes completion_mask, so its loss covers the prompt too; FlatteningCollator says so, once."
     raw = flan[:N]
     rec = Recorder()
     t = Trainer(model=tiny_model("llama").train(), args=args(tmp_path), train_dataset=Dataset.from_list(raw), data_collator=rec)
-    t.train()
+    with pytest.warns(UserWarning, match="every token is trained") as caught:
+        t.train()
+    said = [w for w in caught if "every token is trained" in str(w.message)]
+    assert len(said) == 1 and "remove_unused_columns removed them: use prepare_dataset or PackedTrainer" in str(said[0].message)
+    assert len(rec.batches) > 1  # several batches collated, one warning
     ref = reference(rec.batches[:STEPS], raw, STEPS)
     assert abs(losses(t)[0] - ref[0]) > 1e-3  # trained on prompt tokens
+    meant = Trainer(model=t.model, args=args(tmp_path), train_dataset=Dataset.from_list(raw),
+                    data_collator=FlatteningCollator(train_all_tokens=True))
+    with warnings.catch_warnings(record=True) as quiet:
+        warnings.simplefilter("always")
+        batches = list(meant.get_train_dataloader())  # the same columns removed, the same collator: all tokens, by intent
+    assert len(batches) == N // 8 and not [w for w in quiet if "every token is trained" in str(w.message)]
 
 
 # ---------------------------------------------------------------- default arguments == padded, masked reference
@@ -412,18 +423,48 @@ def test_overlong_and_streams(flan, tmp_path):
                       max_tokens=1024)
 
 
-def test_sft_on_raw_text_keeps_trls_labels(tmp_path):
-    "Raw prompt/completion text: TRL tokenizes and builds the labels; the workbench leaves them as they are (no double fold)."
-    from workbench.core import load_records, load_tokenizer
-    raw = Dataset.from_list(load_records("flan_like")[:N])
-    t = PackedSFTTrainer(model=tiny_model("llama"), args=args(tmp_path, SFTConfig), train_dataset=raw,
+def _raw_jsonl(tmp_path) -> str:
+    "N FLAN-like prompt/completion rows as a JSON-lines file, untokenized."
+    from workbench.core import load_records
+    path = tmp_path / "raw.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in load_records("flan_like")[:N]))
+    return str(path)
+
+
+def test_packed_trainer_on_raw_prompt_completion_rows_trains_the_masked_loss(tmp_path):
+    "Raw JSONL rows and a tokenizer: tokenized by load_features' own code, and the masked loss trained (padded reference, 1e-5)."
+    from workbench.core import load_tokenizer
+    path = _raw_jsonl(tmp_path)
+    features = load_features(path)  # what `python -m workbench.train --data raw.jsonl` trains
+    rec = Recorder()
+    t = PackedTrainer(model=llama(), args=args(tmp_path), train_dataset=Dataset.from_json(path), processing_class=load_tokenizer(),
+                      data_collator=rec)
+    assert [r["input_ids"] for r in t.train_dataset] == [f["input_ids"] for f in features]
+    assert [r["labels"] for r in t.train_dataset] == [masked(f) for f in features]  # prompts masked, completions trained
+    t.train()
+    ref = reference(rec.batches[:STEPS], features, STEPS)
+    assert len(losses(t)) == STEPS and max(abs(a - b) for a, b in zip(losses(t), ref)) <= 1e-5, (losses(t), ref)
+    with pytest.raises(ValueError, match="raw prompt \\+ completion rows: pass the tokenizer as processing_class="):
+        PackedTrainer(model=llama(), args=args(tmp_path), train_dataset=Dataset.from_json(path))
+
+
+def test_sft_on_raw_rows_tokenizes_as_load_features(tmp_path):
+    "PackedSFTTrainer: raw prompt/completion rows become load_features' features (not TRL's tokenization); the labels mask the prompt."
+    from workbench.core import load_tokenizer
+    path = _raw_jsonl(tmp_path)
+    t = PackedSFTTrainer(model=tiny_model("llama"), args=args(tmp_path, SFTConfig), train_dataset=Dataset.from_json(path),
                          processing_class=load_tokenizer(), max_tokens=1024)
+    features = load_features(path)
+    assert [r["labels"] for r in t.train_dataset] == [masked(f) for f in features]
     by_ids = {tuple(r["input_ids"]): r["labels"] for r in t.train_dataset}
     batch = next(iter(t.get_train_dataloader()))
     cu, ids, labels = batch["cu_seq_lens_q"].tolist(), batch["input_ids"][0].tolist(), batch["labels"][0].tolist()
     for a, b in zip(cu[:-1], cu[1:]):
         want = by_ids[tuple(ids[a:b])]
-        assert labels[a:b] == [IGNORE_INDEX] + want[1:] and IGNORE_INDEX in want[1:]  # TRL masked the prompt
+        assert labels[a:b] == [IGNORE_INDEX] + want[1:] and IGNORE_INDEX in want[1:]  # the prompt masked
+    with pytest.raises(ValueError, match="completion_only_loss=False asks to train the prompts too"):
+        PackedSFTTrainer(model=tiny_model("llama"), args=args(tmp_path, SFTConfig, completion_only_loss=False),
+                         train_dataset=Dataset.from_json(path), processing_class=load_tokenizer())
 
 
 def test_sft_padding_free_flag_is_refused_with_the_reason(flan, tmp_path):

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from workbench.core import tiny_config
+from workbench.core import load_tokenizer, tiny_config
 from workbench.cost import plan_balanced, run_options
 from workbench.dashboard import COMM_TITLE, METRIC_KEYS, Dashboard
 from workbench.launch import launch
@@ -47,6 +47,7 @@ def counted_train(cfg: TrainConfig) -> dict:
 def runs(tmp_path_factory):
     root, out = tmp_path_factory.mktemp("ringdash"), {}
     tiny_config("llama", num_attention_heads=2, num_key_value_heads=1).save_pretrained(root / "two_heads")
+    load_tokenizer().save_pretrained(root / "two_heads")  # a model directory brings its tokenizer
     for name, kw in RUNS.items():
         model = str(root / "two_heads") if name == "replicated" else COMMON["model"]
         cfg = TrainConfig(**{**COMMON, "model": model}, **kw, name=name, out=str(root / name))

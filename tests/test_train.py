@@ -120,10 +120,11 @@ def test_sp2_sharded_checkpoint_loads_with_from_pretrained_in_a_fresh_process(tm
 
 def test_tied_embeddings_from_a_config_directory_save_one_head(tmp_path):
     from safetensors import safe_open
-    from workbench.core import tiny_config
+    from workbench.core import load_tokenizer, tiny_config
     from workbench.train import MODEL_DIR, TrainConfig, latest_checkpoint, train_rank
     config = tiny_config("llama", tie_word_embeddings=True)
-    config.save_pretrained(tmp_path / "tied")  # a model directory with a config only: trained from scratch
+    config.save_pretrained(tmp_path / "tied")  # a model directory with a config (trained from scratch) and a tokenizer
+    load_tokenizer().save_pretrained(tmp_path / "tied")
     train_rank(TrainConfig(model=str(tmp_path / "tied"), steps=2, max_tokens=256, out=str(tmp_path / "run")))
     assert assert_loads_as_trained(tmp_path / "run", config)["tied"]
     with safe_open(latest_checkpoint(tmp_path / "run")[0] / MODEL_DIR / "model.safetensors", "pt") as f:

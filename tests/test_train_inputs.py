@@ -107,3 +107,42 @@ def test_load_features_names_the_row_in_every_json_shape(tmp_path):
         assert words in str(e.value), (name, str(e.value))
     (tmp_path / "ok.jsonl").write_text('{"text": "a"}\n\n{"text": "b"}\n')
     assert len(load_features(str(tmp_path / "ok.jsonl"))) == 2
+
+
+def _word_tokenizer(rows: list[dict]):
+    "A whitespace word-level tokenizer over the words of `rows`, ids in reverse order of first appearance: no id means what the shipped one's does."
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    words = list(dict.fromkeys(w for r in rows for w in (r["prompt"] + " " + r["completion"]).split()))
+    vocab = {"<unk>": 0, "<pad>": 1, "<s>": 2, "</s>": 3}
+    for i, w in enumerate(reversed(words)): vocab[w] = 4 + i
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+def test_a_model_directory_trains_with_its_own_tokenizer_and_saves_it(tmp_path):
+    "--model DIR: DIR's tokenizer (a vocabulary unlike the shipped one) tokenizes the data and is the checkpoint's; a DIR without one is refused."
+    from transformers import AutoTokenizer
+    from workbench.core import load_records, load_tokenizer, tiny_config, tokenize_records
+    from workbench.train import MODEL_DIR, _config, _parser, latest_checkpoint, read_metrics, run_features
+    rows = load_records("flan_like")[:4]
+    data = tmp_path / "pc.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tok = _word_tokenizer(rows)
+    own, bare = tmp_path / "own", tmp_path / "bare"
+    tiny_config("llama").save_pretrained(own); tok.save_pretrained(own)
+    tiny_config("llama").save_pretrained(bare)  # a model directory without a tokenizer
+    ours, shipped = tokenize_records(rows, tok), tokenize_records(rows, load_tokenizer())
+    tokens, trained = sum(len(f["input_ids"]) for f in ours), sum(sum(f["completion_mask"]) for f in ours)
+    assert tokens != sum(len(f["input_ids"]) for f in shipped)  # the two tokenizers can be told apart by the counts
+    losses, _, error = _main("--model", str(own), "--data", str(data), "--steps", "1", "--max-tokens", "512", "--out", str(tmp_path / "run"))
+    assert losses is not None, error
+    assert [(r["tokens"], r["trained"]) for r in read_metrics(tmp_path / "run")] == [(tokens, trained)]  # the 4 rows fit one step
+    saved = AutoTokenizer.from_pretrained(latest_checkpoint(tmp_path / "run")[0] / MODEL_DIR)
+    assert saved.get_vocab() == tok.get_vocab() and saved(rows[0]["prompt"])["input_ids"] == tok(rows[0]["prompt"])["input_ids"]
+    losses, _, error = _main("--model", str(bare), "--data", str(data), "--steps", "1", "--out", str(tmp_path / "refused"))
+    assert losses is None and "has no tokenizer" in error and "--tokenizer PATH" in error and "tokenizer.save_pretrained(" in error
+    p = _parser()
+    given = _config(p, p.parse_args(["--model", str(bare), "--tokenizer", str(own), "--data", str(data)]), 1)
+    assert run_features(given)[0] == ours  # --tokenizer PATH: the fix the refusal names

@@ -61,7 +61,7 @@ def bench_collation(batch_sizes=(8, 32, 128), tokens_per_size: int = 2_000_000, 
     "Tokens/s of `FlatteningCollator` vs transformers' `DataCollatorWithFlattening` on identical FLAN-like batches."
     import torch
     from transformers import DataCollatorWithFlattening
-    ours, ref = FlatteningCollator(), DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+    ours, ref = FlatteningCollator(train_all_tokens=True), DataCollatorWithFlattening(return_flash_attn_kwargs=True)
     rows = []
     for bs in tqdm(batch_sizes, desc="collation"):
         batches = flan_batches(bs, max(1, tokens_per_size // (bs * 196)))

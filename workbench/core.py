@@ -13,8 +13,8 @@ import torch
 
 # %% auto #0
 __all__ = ['IGNORE_INDEX', 'SAMPLES', 'cu_seq_lens', 'example_ids', 'restart_positions', 'lengths_from_positions',
-           'check_packed_batch', 'shift_labels', 'data_dir', 'load_records', 'load_tokenizer', 'tokenize_records',
-           'load_sample', 'model_families', 'tiny_config', 'tiny_model']
+           'check_packed_batch', 'shift_labels', 'data_dir', 'load_records', 'load_tokenizer', 'bos_eos',
+           'tokenize_records', 'load_sample', 'model_families', 'tiny_config', 'tiny_model']
 
 # %% ../nbs/00_core.ipynb #3feea6d6
 IGNORE_INDEX = -100  # the label value that the loss skips
@@ -105,13 +105,19 @@ def load_tokenizer():
     return PreTrainedTokenizerFast.from_pretrained(str(data_dir() / "tokenizer"))
 
 # %% ../nbs/00_core.ipynb #24000ad7
+def bos_eos(tokenizer) -> tuple[list[int], list[int]]:
+    "The tokenizer's bos and eos ids, each as a list: empty where it has none (Qwen's tokenizers have no bos)."
+    bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+    eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    return bos, eos
+
 def tokenize_records(records: list[dict], tokenizer=None) -> list[dict]:
     "Tokenize prompt/completion records into `input_ids` (bos + prompt + completion + eos) and a `completion_mask`."
     tokenizer = tokenizer or load_tokenizer()
     prompts = tokenizer([r["prompt"] for r in records], add_special_tokens=False)["input_ids"]
     answers = tokenizer([r["completion"] for r in records], add_special_tokens=False)["input_ids"]
-    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
-    return [{"input_ids": [bos, *p, *a, eos], "completion_mask": [0] * (len(p) + 1) + [1] * (len(a) + 1)}
+    bos, eos = bos_eos(tokenizer)
+    return [{"input_ids": [*bos, *p, *a, *eos], "completion_mask": [0] * (len(bos) + len(p)) + [1] * (len(a) + len(eos))}
             for p, a in zip(prompts, answers)]
 
 def load_sample(name: str, tokenizer=None, limit: int | None = None) -> list[dict]:

@@ -576,7 +576,7 @@ def matrix_examples(n: int = 5, longest: int = 48) -> list[dict]:
 
 def family_row(family: str, impl: str, examples: list[dict] | None = None, tolerance: float = 1e-5) -> MatrixRow:
     "Measure one family with one attention implementation: packed (the contract, no cache) against padded."
-    batch = FlatteningCollator()(examples or matrix_examples())
+    batch = FlatteningCollator(train_all_tokens=True)(examples or matrix_examples())  # layouts compared on every token
     grads = impl not in FORWARD_ONLY
     row = MatrixRow(family, impl, reason="" if grads else "forward only: no backward on CPU")
     try:

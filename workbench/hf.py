@@ -17,12 +17,13 @@ from .cost import attention_work, plan_balanced
 from .doctor import Finding, DoctorReport, check_packing, unwrap
 from .memory import Levers
 from .packing import LOSS_MASKS, FlatteningCollator, OVERLONG, PackedStream, TokenBudgetSampler, plan_bins
+from .train import _KINDS, _kind, tokenize_rows
 from transformers import Trainer
 from trl import SFTTrainer
 
 # %% auto #0
-__all__ = ['fold_example', 'FoldedDataset', 'prepare_dataset', 'LabelGuard', 'split_packed', 'PackedMixin', 'PackedTrainer',
-           'PackedSFTTrainer', 'TrainerReport', 'check_trainer']
+__all__ = ['fold_example', 'FoldedDataset', 'prepare_dataset', 'LabelGuard', 'split_packed', 'raw_kind', 'tokenize_dataset',
+           'PackedMixin', 'PackedTrainer', 'PackedSFTTrainer', 'TrainerReport', 'check_trainer']
 
 # %% ../nbs/15_hf.ipynb #851f4ce9
 def _dataset_columns(ds) -> list[str]:
@@ -157,10 +158,54 @@ def split_packed(x: torch.Tensor,  # [1, T, ...] a packed row's per-token values
     parts = x[0].split(lengths.tolist())
     return torch.nn.utils.rnn.pad_sequence(parts, batch_first=True, padding_value=pad_value)
 
+# %% ../nbs/15_hf.ipynb #c15a0002
+def _first_row(ds) -> dict:
+    "The first row of a dataset, a stream (read from its start) or a list; {} when it is empty."
+    import datasets
+    if isinstance(ds, datasets.IterableDataset): return next(iter(ds), {})
+    return ds[0] if len(ds) else {}
+
+def raw_kind(ds) -> str | None:
+    "The kind of raw rows `ds` holds that `tokenize_rows` reads (`prompt + completion` of strings, `messages`, `text`), else None."
+    if ds is None or "input_ids" in _dataset_columns(ds): return None
+    row = _first_row(ds)
+    kind = _kind(row)
+    if kind in (None, "input_ids"): return None
+    if kind == "messages": return kind
+    texts = [row[c] for c in _KINDS[kind]]
+    return kind if all(isinstance(t, str) for t in texts) else None  # e.g. TRL's conversational prompt/completion
+
+def _tokenize_batch(batch: dict, indices: list, tokenizer, name: str) -> dict:
+    "One batch of `datasets.map`: its rows tokenized by `tokenize_rows`, as columns."
+    rows = [dict(zip(batch, values)) for values in zip(*batch.values())]
+    features = tokenize_rows(rows, tokenizer, name, first=indices[0] + 1)
+    return {k: [f[k] for f in features] for k in features[0]}
+
+def tokenize_dataset(ds,                        # a datasets.Dataset / IterableDataset, a dict of them, or a list of row dicts
+                     tokenizer,                 # the tokenizer (a processor's `.tokenizer` is used); None refuses raw rows
+                     name: str = "train_dataset",  # what errors call the dataset
+                    ):
+    "Raw rows (prompt/completion, messages, text) tokenized as `workbench.train.load_features` tokenizes a file; anything else as it is."
+    import datasets
+    if isinstance(ds, (dict, datasets.DatasetDict, datasets.IterableDatasetDict)):
+        return type(ds)({k: tokenize_dataset(v, tokenizer, f"{name}[{k!r}]") for k, v in ds.items()})
+    if isinstance(ds, datasets.IterableDataset) and ds.column_names is None: ds = ds._resolve_features()  # as prepare_dataset does
+    kind = raw_kind(ds)
+    if kind is None: return ds
+    if tokenizer is None:
+        raise ValueError(f"{name} holds raw {kind} rows: pass the tokenizer as processing_class= so they are tokenized "
+                         f"(as workbench.train does), or tokenize them into input_ids first")
+    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor (text + images) tokenizes text with its tokenizer
+    if isinstance(ds, (datasets.Dataset, datasets.IterableDataset)):
+        return ds.map(_tokenize_batch, batched=True, with_indices=True, remove_columns=ds.column_names,
+                      fn_kwargs=dict(tokenizer=tokenizer, name=name))
+    return tokenize_rows(list(ds), tokenizer, name)
+
 # %% ../nbs/15_hf.ipynb #3d317c47
 class PackedMixin:
-    """Padding-free training inside `Trainer` / `SFTTrainer` with nothing lost: masks folded into labels at construction,
-    `FlatteningCollator` by default, `use_cache=False` on every forward, optional token-budget steps, eval split per example."""
+    """Padding-free training inside `Trainer` / `SFTTrainer` with nothing lost: raw rows tokenized as `workbench.train`
+    does, masks folded into labels at construction, `FlatteningCollator` by default, `use_cache=False` on every forward,
+    optional token-budget steps, eval split per example."""
     def __init__(self, model=None, args=None, data_collator=None, train_dataset=None, eval_dataset=None, *rest,
                  max_tokens: int | None = None,  # token budget of one training step per rank; set, it rules and per_device_train_batch_size is unused in training (None: per_device_train_batch_size examples)
                  overlong: str = "error",        # examples over max_tokens: "error", "truncate", "split" or "drop"
@@ -175,8 +220,16 @@ class PackedMixin:
             raise ValueError(f"{type(self).__name__} is padding-free by itself (FlatteningCollator, one row per step); TRL "
                              f"refuses a collator beside SFTConfig(padding_free=True) or packing=True: leave both False, and "
                              f"pass max_tokens= for token-budget steps")
+        if kwargs.get("formatting_func") is None:  # raw rows tokenized as workbench.train does (with one, TRL formats them)
+            tokenizer = kwargs.get("processing_class", rest[0] if rest else None)
+            if getattr(args, "completion_only_loss", None) is False and raw_kind(train_dataset) == "prompt + completion":
+                raise ValueError("completion_only_loss=False asks to train the prompts too, but raw prompt/completion rows are "
+                                 "tokenized as workbench.train does, completions trained: leave it unset, or tokenize the rows "
+                                 "into input_ids yourself (every token then trains)")
+            train_dataset = tokenize_dataset(train_dataset, tokenizer, "train_dataset")
+            eval_dataset = tokenize_dataset(eval_dataset, tokenizer, "eval_dataset")
         prep = lambda d: None if d is None else {k: prepare_dataset(v) for k, v in d.items()} if isinstance(d, dict) else prepare_dataset(d)
-        super().__init__(model, args, data_collator or FlatteningCollator(), prep(train_dataset), prep(eval_dataset), *rest, **kwargs)
+        super().__init__(model, args, data_collator or FlatteningCollator(train_all_tokens=True), prep(train_dataset), prep(eval_dataset), *rest, **kwargs)
         packed = self.train_dataset is not None and "seq_lengths" in _dataset_columns(self.train_dataset)
         self.data_collator = LabelGuard(self.data_collator, packed=packed)
         self.max_tokens, self.overlong, self.buffer_size, self.plan, self.balanced = max_tokens, overlong, buffer_size, None, None

@@ -112,10 +112,11 @@ def _all_finished(store, world_size: int):
     while store.add("finished", 0) < world_size: time.sleep(0.05)
 
 def _rank_env(layout: Layout, port: int, mixed_precision: str) -> dict[str, str]:
-    "What torchrun would set for every rank, plus the loopback interface for gloo and nccl, plus accelerate's precision."
+    "What torchrun would set for every rank, plus the loopback interface for gloo and nccl, plus what accelerate reads."
     n, lo = str(layout.num_processes), _loopback()
+    on_cpu = "false" if layout.cuda else "true"  # as `accelerate launch --cpu`: else a plain Accelerator() on CPU sees 1 process
     env = dict(WORLD_SIZE=n, LOCAL_WORLD_SIZE=n, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME=lo,
-               NCCL_SOCKET_IFNAME=lo, ACCELERATE_MIXED_PRECISION=mixed_precision,
+               NCCL_SOCKET_IFNAME=lo, ACCELERATE_MIXED_PRECISION=mixed_precision, ACCELERATE_USE_CPU=on_cpu,
                OMP_NUM_THREADS="1")  # true of every rank (below); accelerate warns when it is unset
     if layout.cuda:
         from accelerate.utils import check_cuda_p2p_ib_support  # reads nvidia-smi: CUDA stays uninitialised for the fork

@@ -172,6 +172,18 @@ def _tensor(a: np.ndarray, return_tensors: str, batch_dim: bool = True):
     a = a[None] if batch_dim else a  # every array here is freshly made and contiguous: torch shares its memory
     return torch.from_numpy(a) if return_tensors == "pt" else a
 
+_ALL_TOKENS = ("FlatteningCollator: no example of this batch has labels or a loss mask (completion_mask, assistant_masks), "
+               "so every token is trained, prompts too. If your dataset has completion_mask or assistant_masks, Trainer's "
+               "remove_unused_columns removed them: use prepare_dataset or PackedTrainer (workbench.hf). If training every "
+               "token is meant, say so: FlatteningCollator(train_all_tokens=True). (Said once per collator.)")
+
+def _chooses_targets(features: list[dict]) -> bool:
+    "Whether any example carries labels or a loss mask: a column that says which of its tokens are trained."
+    for f in features:
+        for key in ("labels", *LOSS_MASKS):
+            if f.get(key) is not None: return True
+    return False
+
 @dataclass
 class FlatteningCollator:
     "Padding-free collator: one row per batch, position ids restarting per example, never an attention mask."
@@ -183,11 +195,16 @@ class FlatteningCollator:
     position_ids_start: int = 0        # first position id of every example (2 for RoBERTa-style models)
     max_tokens: int | None = None      # refuse rows or examples longer than this token budget
     return_tensors: str = "pt"         # "pt" for torch tensors, "np" for numpy arrays
+    train_all_tokens: bool = False     # a batch without labels or loss masks trains every token by intent: no warning
+    _warned: bool = field(default=False, init=False, repr=False, compare=False)  # the all-token warning was given
 
     def __call__(self, features: list[dict], return_tensors: str | None = None) -> dict:
         rt = return_tensors or self.return_tensors
         if rt not in ("pt", "np"): raise ValueError(f"return_tensors must be 'pt' or 'np', got {rt!r}")
         flat = flatten_features(features, self.max_tokens)
+        if not (self.train_all_tokens or self._warned or _chooses_targets(features)):
+            self._warned = True  # once: a Trainer collates every step
+            warnings.warn(_ALL_TOKENS, stacklevel=2)
         lengths, ids, labels, carried = flat.lengths, flat.input_ids, flat.labels, flat.carried
         pad = (-len(ids)) % self.pad_to_multiple_of if self.pad_to_multiple_of else 0
         if pad:

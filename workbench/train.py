@@ -31,7 +31,7 @@ from tqdm import tqdm  # the text bar: forked ranks cannot draw notebook widgets
 
 from .attention import KEY as VARLEN_KEY, register as register_varlen
 from .cost import BalancedPlan, Dims, bin_costs, measured_mfu, plan_balanced, ring_blocks, run_device, run_options, run_prediction, served_steps
-from .core import SAMPLES, data_dir, load_sample, load_tokenizer, model_families, tiny_config, tokenize_records
+from .core import SAMPLES, bos_eos, data_dir, load_sample, load_tokenizer, model_families, tiny_config, tokenize_records
 from .launch import launch
 from .memory import Levers, estimate
 from .packing import FlatteningCollator, TokenBudgetSampler, plan_bins
@@ -45,13 +45,14 @@ from .sp.shard import shard_batch
 from .sp.ulysses import register_ulysses, sp_forward
 
 # %% auto #0
-__all__ = ['DTYPES', 'BALANCES', 'PRESETS', 'PROJECT', 'CHECKPOINTS', 'MODEL_DIR', 'ADAPTER_DIR', 'SAVE_WAIT', 'flag',
-           'tracker_names', 'TrainConfig', 'chat_features', 'load_features', 'check_token_ids', 'model_config',
-           'add_lora', 'build_model', 'peak_memory_bytes', 'expected_memory', 'memory_readout', 'write_metrics',
-           'read_metrics', 'truncate_metrics', 'hparams', 'open_trackers', 'TrackerSink', 'reporting', 'plan_id',
-           'save_model_dir', 'checkpoints', 'latest_checkpoint', 'commit_checkpoint', 'check_resume', 'check_out',
-           'save_checkpoint', 'load_checkpoint', 'attention_key', 'plan_readout', 'cost_modelled', 'token_imbalance',
-           'plan_run', 'balance_readout', 'step_bytes', 'train_rank', 'preflight_run', 'run', 'main']
+__all__ = ['DTYPES', 'BALANCES', 'PRESETS', 'TOKENIZER_FILES', 'PROJECT', 'CHECKPOINTS', 'MODEL_DIR', 'ADAPTER_DIR', 'SAVE_WAIT',
+           'flag', 'tracker_names', 'TrainConfig', 'chat_features', 'tokenize_rows', 'load_features', 'run_tokenizer',
+           'run_features', 'check_token_ids', 'model_config', 'add_lora', 'build_model', 'peak_memory_bytes',
+           'expected_memory', 'memory_readout', 'write_metrics', 'read_metrics', 'truncate_metrics', 'hparams',
+           'open_trackers', 'TrackerSink', 'reporting', 'plan_id', 'save_model_dir', 'checkpoints', 'latest_checkpoint',
+           'commit_checkpoint', 'check_resume', 'check_out', 'save_checkpoint', 'load_checkpoint', 'attention_key',
+           'plan_readout', 'cost_modelled', 'token_imbalance', 'plan_run', 'balance_readout', 'step_bytes',
+           'train_rank', 'preflight_run', 'run', 'main']
 
 # %% ../nbs/08_train.ipynb #aa8d263e
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}  # besides "auto"
@@ -88,6 +89,7 @@ class TrainConfig:
     "Everything one training run needs."
     model: str = "llama"        # a shipped tiny family (data_samples/configs) or a local checkpoint directory
     data: str = "flan_like"     # a shipped sample (flan_like, orca_like, long_docs) or a local .jsonl/.json/.parquet/.csv file
+    tokenizer: str = ""         # the tokenizer of the data and the checkpoints ('': the model directory's own; the shipped one for a shipped family)
     sp: int = 1                 # processes sharing one sequence (Ulysses)
     ring: int = 1               # ring attention degree: a row is split over sp x ring processes (Ulysses inside a node, the ring across)
     dp: int = 1                 # data-parallel replicas
@@ -203,14 +205,14 @@ def _check_messages(data: str, i: int, turns):
     if not any(t["role"] == "assistant" for t in turns):
         raise ValueError(f"{data} row {i}: no assistant turn, so nothing would be trained: add one or drop the row")
 
-def _check_rows(data: str, records: list[dict]) -> str:
-    "The kind of columns every row has, or an error naming the first row that differs or holds the wrong types."
+def _check_rows(data: str, records: list[dict], first: int = 1) -> str:
+    "The kind of columns every row has, or an error naming the first row (numbered from `first`) that differs or holds the wrong types."
     if not records: raise ValueError(f"data (--data) {data} has no rows: give a file with at least one example")
     kind = _kind(records[0])
-    for i, r in enumerate(records, 1):
+    for i, r in enumerate(records, first):
         if _kind(r) != kind or kind is None:
-            first = f"row 1 has {kind}, " if kind else ""
-            raise ValueError(f"{data} row {i}: {first}row {i} has columns {sorted(k for k, v in r.items() if v is not None)}; "
+            head = f"row {first} has {kind}, " if kind else ""
+            raise ValueError(f"{data} row {i}: {head}row {i} has columns {sorted(k for k, v in r.items() if v is not None)}; "
                              f"every row needs input_ids, prompt + completion, messages, or text (the same on every row)")
         if kind == "input_ids" and not (isinstance(r["input_ids"], list) and r["input_ids"]
                                         and all(isinstance(x, int) and not isinstance(x, bool) for x in r["input_ids"])):
@@ -250,17 +252,55 @@ def chat_features(conversations: list[list[dict]], tokenizer) -> list[dict]:
     out = tokenizer.apply_chat_template(conversations, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
     return [{"input_ids": list(ids), "assistant_masks": list(m)} for ids, m in zip(out["input_ids"], out["assistant_masks"])]
 
+def _tokenize(records: list[dict], kind: str, tokenizer) -> list[dict]:
+    "Token features of rows already checked to be of one `kind` (`_check_rows`)."
+    if kind == "input_ids": return [{"input_ids": list(r["input_ids"])} for r in records]
+    if kind == "prompt + completion": return tokenize_records(records, tokenizer)
+    if kind == "messages": return chat_features([r["messages"] for r in records], tokenizer)
+    ids = tokenizer([r["text"] for r in records], add_special_tokens=False)["input_ids"]
+    bos, eos = bos_eos(tokenizer)
+    return [{"input_ids": [*bos, *x, *eos]} for x in ids]
+
+def tokenize_rows(rows: list[dict],     # raw rows of one kind: prompt + completion, messages, text, or input_ids
+                  tokenizer,            # what tokenizes them (its chat template renders messages)
+                  data: str = "rows",   # what errors call the rows
+                  first: int = 1,       # the number errors give the first row (a batch of a larger dataset)
+                 ) -> list[dict]:
+    "Raw rows checked and tokenized as `load_features` reads a file (the same code): completions and assistant turns train, text whole."
+    return _tokenize(rows, _check_rows(data, rows, first), tokenizer)
+
 def load_features(data: str, tokenizer=None) -> list[dict]:
     """Token features of a shipped sample or a local JSON-lines, JSON, Parquet or CSV file read with `datasets`: rows of
     prompt + completion (completions train), messages (chat template; assistant turns train), text, or input_ids."""
     tokenizer = tokenizer or load_tokenizer()
     if data in SAMPLES: return load_sample(data, tokenizer)
     records, kind = _read_rows(data, _data_path(data))
-    if kind == "input_ids": return [{"input_ids": list(r["input_ids"])} for r in records]
-    if kind == "prompt + completion": return tokenize_records(records, tokenizer)
-    if kind == "messages": return chat_features([r["messages"] for r in records], tokenizer)
-    ids = tokenizer([r["text"] for r in records], add_special_tokens=False)["input_ids"]
-    return [{"input_ids": [tokenizer.bos_token_id, *x, tokenizer.eos_token_id]} for x in ids]
+    return _tokenize(records, kind, tokenizer)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # what tokenizer.save_pretrained writes (either suffices)
+
+def run_tokenizer(cfg: TrainConfig):
+    "The run's tokenizer: `cfg.tokenizer`, else the model directory's own, else the shipped one for a shipped family; None: a directory without one."
+    from transformers import AutoTokenizer
+    if cfg.tokenizer: where, named = cfg.tokenizer, "tokenizer (--tokenizer)"
+    elif cfg.model in model_families(): return load_tokenizer()
+    elif any((Path(cfg.model) / f).exists() for f in TOKENIZER_FILES): where, named = cfg.model, "model (--model)"
+    else: return None
+    try: return AutoTokenizer.from_pretrained(where)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{named} {where!r}: its tokenizer cannot be loaded ({type(e).__name__}: {e}): pass the "
+                         f"directory tokenizer.save_pretrained wrote") from None
+
+def run_features(cfg: TrainConfig) -> tuple[list[dict], object]:
+    "The run's token features and the tokenizer that made them (saved beside the model in every checkpoint; None for token ids)."
+    tokenizer = run_tokenizer(cfg)
+    if tokenizer is not None: return load_features(cfg.data, tokenizer), tokenizer
+    if cfg.data not in SAMPLES:
+        records, kind = _read_rows(cfg.data, _data_path(cfg.data))
+        if kind == "input_ids": return _tokenize(records, kind, None), None
+    raise ValueError(f"model (--model) {cfg.model!r} has no tokenizer, and data (--data) {cfg.data!r} is text: the shipped "
+                     f"tokenizer serves only the shipped families. Pass --tokenizer PATH (the tokenizer the model was "
+                     f"trained with), or put it in the directory (tokenizer.save_pretrained({cfg.model!r}))")
 
 def check_token_ids(features: list[dict], vocab_size: int, data: str):
     "Refuse a token id outside the model's vocabulary, naming the row (the embedding would fail with an index error)."
@@ -650,8 +690,7 @@ def train_rank(cfg: TrainConfig) -> list[float]:
     if cfg.ring > 1: check_layout(model.config, cfg.sp, cfg.ring, world_size=world)
     else: check_sp(model.config, cfg.sp, world_size=world)
     if cfg.shard: model = shard_model(model, grid, cpu_offload=cfg.cpu_offload)  # before the optimizer sees the parameters
-    tokenizer = load_tokenizer()  # what load_features tokenizes with; saved beside the model in every checkpoint
-    features = load_features(cfg.data, tokenizer)
+    features, tokenizer = run_features(cfg)  # the model directory's tokenizer (or --tokenizer); saved in every checkpoint
     check_token_ids(features, model.config.vocab_size, cfg.data)
     plan, sampler, imbalance = plan_run(cfg, model.config, [len(f["input_ids"]) for f in features], grid.rank("dp"))
     predicted = run_prediction(cfg, model.config, plan, sampler=sampler)  # workbench.cost's roofline (None: a run it does not model)
@@ -659,7 +698,7 @@ def train_rank(cfg: TrainConfig) -> list[float]:
         print(plan_readout(plan)); print(balance_readout(cfg, imbalance))
         print(predicted or "no step prediction: workbench.cost models neither LoRA nor this architecture's layers")
     pid = plan_id(plan)
-    pieces, collate = plan.dataset(features), FlatteningCollator(pad_to_multiple_of=cfg.sp)
+    pieces, collate = plan.dataset(features), FlatteningCollator(pad_to_multiple_of=cfg.sp, train_all_tokens=True)  # load_features decided the masks
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)  # LoRA: the adapters
     out = Path(cfg.out); out.mkdir(parents=True, exist_ok=True)
     start = load_checkpoint(out, model, opt, sampler, cfg, pid) if cfg.resume else 0
@@ -721,7 +760,7 @@ def preflight_run(cfg: TrainConfig):
                                       f"transformers' AttentionInterface, so they cannot run a registered one: use sdpa or eager") from None
     cost_modelled(cfg, config)  # balance 'cost' on an architecture the cost model refuses: said here
     check_out(cfg)
-    check_token_ids(load_features(cfg.data), config.vocab_size, cfg.data)
+    check_token_ids(run_features(cfg)[0], config.vocab_size, cfg.data)
 
 def run(cfg: TrainConfig) -> list[float]:
     "Train `cfg` on `cfg.sp * cfg.dp` forked processes (from a notebook or a script); return the per-step losses."

@@ -76,10 +76,10 @@ def strategy_batch(features: list[dict],  # tokenized examples (`load_sample`)
         order = TokenBudgetSampler(plan, seed=0).epoch_steps()[:, 0]  # the shuffled order training would see
         pieces = plan.dataset(features)
         feats = [pieces[int(i)] for i in plan.bins[order[step % len(order)]]]
-        return FlatteningCollator()(feats), None
+        return FlatteningCollator(train_all_tokens=True)(feats), None  # a picture, not a training step
     start = (step * size) % max(len(features) - size + 1, 1)
     feats = features[start:start + size]
-    collate = {"padded": PaddingCollator(), "naive concatenation": NaiveConcatCollator(), "flattening": FlatteningCollator()}
+    collate = {"padded": PaddingCollator(), "naive concatenation": NaiveConcatCollator(), "flattening": FlatteningCollator(train_all_tokens=True)}
     lengths = np.array([len(f["input_ids"]) for f in feats]) if strategy == "naive concatenation" else None
     return collate[strategy](feats), lengths
 

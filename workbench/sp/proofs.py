@@ -62,7 +62,7 @@ def case_rows(case: Case, n_rows: int = 1) -> list:
     tok = load_tokenizer()
     if not case.packed:
         docs = load_records("long_docs")
-        return [FlatteningCollator()([{"input_ids": tok(docs[r]["text"][: 8 * case.tokens])["input_ids"][: case.tokens]}])
+        return [FlatteningCollator(train_all_tokens=True)([{"input_ids": tok(docs[r]["text"][: 8 * case.tokens])["input_ids"][: case.tokens]}])
                 for r in range(n_rows)]
     records, rows = load_records("flan_like"), []
     for r in range(n_rows):
@@ -70,7 +70,7 @@ def case_rows(case: Case, n_rows: int = 1) -> list:
         while total < case.tokens:
             ids = tokenize_records(records[i:i + 1], tok)[0]["input_ids"][: case.tokens - total]
             picked.append({"input_ids": ids}); total += len(ids); i += 1
-        rows.append(FlatteningCollator()(picked))
+        rows.append(FlatteningCollator(train_all_tokens=True)(picked))  # ids alone: every token trains
     return rows
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
