@@ -1,34 +1,65 @@
-"""The suite's time, read from the JUnit XML files pytest wrote (`--junitxml`): `python .ci/durations.py N FILE...`
-prints the N slowest items over every file and the summed and per-file totals, so a change that breaks the budget
-(tests/README.md) is seen when it lands."""
+"""The suite's time, read from the JUnit XML files pytest wrote (`--junitxml`).
+
+`python .ci/durations.py N FILE...` prints the N slowest items over every file and the totals, so a change that breaks
+the budget (tests/README.md) is seen when it lands; `--markdown` prints the same as a table with what each item proves
+(the first line of its test's docstring, or of its module's for a notebook item)."""
+import ast
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parent.parent
 
-def items(path: Path) -> list[tuple[float, str]]:
-    "(seconds, node id) of every test case in one JUnit XML file."
+
+def items(path: Path) -> list[tuple[float, str, str]]:
+    "(seconds, test module, test name) of every test case in one JUnit XML file."
     out = []
     for case in ET.parse(path).getroot().iter("testcase"):
         seconds = float(case.get("time", 0))
-        name = f"{case.get('classname', '')}::{case.get('name', '')}"
-        out.append((seconds, name))
+        module = case.get("classname", "").split(".")[-1]
+        out.append((seconds, module, case.get("name", "")))
     return out
 
 
-def main(n: int, paths: list[Path]) -> None:
+def proves(module: str, name: str) -> str:
+    "The first docstring line of the test function `name` in tests/`module`.py (its module's where it has none)."
+    if name.startswith("test_notebook["): return notebook_summary(ROOT / "nbs" / name[len("test_notebook["):-1])
+    path = ROOT / "tests" / f"{module}.py"
+    if not path.exists(): return ""
+    tree = ast.parse(path.read_text())
+    function = name.split("[")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and node.name == function and ast.get_docstring(node):
+            return ast.get_docstring(node).splitlines()[0]
+    return (ast.get_docstring(tree) or "").splitlines()[0] if ast.get_docstring(tree) else ""
+
+
+def notebook_summary(path: Path) -> str:
+    "A notebook's title and one-line summary (its first markdown cell), as the suite runs it whole."
+    import json
+    if not path.exists(): return ""
+    first = next((c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "markdown"), None)
+    lines = [l.strip("# >").strip() for l in "".join(first["source"]).splitlines() if l.strip()] if first else []
+    return "the notebook, whole: " + ": ".join(lines[:2])
+
+
+def main(n: int, paths: list[Path], markdown: bool) -> None:
     everything = []
     for path in paths:
         found = items(path)
-        total = sum(s for s, _ in found)
-        print(f"{path.name}: {len(found)} items, {total:.0f} s summed over workers")
+        print(f"{path.name}: {len(found)} items, {sum(s for s, _, _ in found):.0f} s summed over workers")
         everything += found
     everything.sort(reverse=True)
     print(f"\nthe {n} slowest items:")
-    for seconds, name in everything[:n]:
-        print(f"{seconds:8.1f} s  {name}")
-    print(f"\ntotal: {len(everything)} items, {sum(s for s, _ in everything):.0f} s summed over workers")
+    if markdown: print("\n| seconds | item | what it proves |\n|---:|---|---|")
+    for seconds, module, name in everything[:n]:
+        if markdown: print(f"| {seconds:.0f} | `{module}::{name}` | {proves(module, name)} |")
+        else: print(f"{seconds:8.1f} s  {module}::{name}")
+    print(f"\ntotal: {len(everything)} items, {sum(s for s, _, _ in everything):.0f} s summed over workers")
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), [Path(p) for p in sys.argv[2:] if Path(p).exists()])
+    args = sys.argv[1:]
+    markdown = "--markdown" in args
+    args = [a for a in args if a != "--markdown"]
+    main(int(args[0]), [Path(p) for p in args[1:] if Path(p).exists()], markdown)
