@@ -73,8 +73,9 @@ def runs(cell, flags: set[str]) -> bool:
 
 
 def cache_key(nb_path: Path, flags: set[str]) -> str:
-    "Hash of everything an execution reads: the notebook, the library, the shipped data, the skipped flags."
-    h = hashlib.sha256(nb_path.read_bytes() + " ".join(sorted(flags)).encode() + FIGURE_SNAPSHOT.encode())
+    "Hash of everything an execution reads: the notebook, the library, the shipped data, the skipped flags, the executor."
+    executor = FIGURE_SNAPSHOT + inspect.getsource(execute) + inspect.getsource(kernel_config)  # how the kernel is run
+    h = hashlib.sha256(nb_path.read_bytes() + " ".join(sorted(flags)).encode() + executor.encode())
     for p in sorted([*(ROOT / "workbench").rglob("*.py"), *(ROOT / "data_samples").rglob("*")]):
         if p.is_file(): h.update(str(p.relative_to(ROOT)).encode() + p.read_bytes())
     return h.hexdigest()[:20]
@@ -108,7 +109,10 @@ def execute(nb_path: Path, flags: set[str], timeout: float | None = None) -> tup
     for cell in nb.cells:
         if cell.cell_type == "code" and not runs(cell, flags):
             cell.metadata.setdefault("tags", []).append("skip-execution")  # nbclient's own skip tag
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    # Not pytest's variables: with PYTEST_CURRENT_TEST set, ipykernel leaves fd 1 and 2 alone, so what the notebook's
+    # subprocesses and C code print would be missing from a notebook tests/test_notebooks.py executed for the pages.
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")},
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "PLOTLY_RENDERER": "plotly_mimetype",  # figures as JSON only: the page draws them with the site's plotly.js
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     start = time.monotonic()

@@ -176,12 +176,13 @@ def load_build():
 
 
 def test_make_docs_reports_each_notebook_and_reuses_executions(tmp_path, monkeypatch, capsys):
-    "One line per notebook as it finishes (executed, then cached on the next run); a per-cell limit only when asked for."
+    """One line per notebook as it finishes (executed, then cached on the next run); a per-cell limit only when asked for.
+    The kernel gets no PYTEST_* variable, so it captures what subprocesses print, as under `make docs`."""
     build = load_build()
     monkeypatch.setattr(build, "ROOT", tmp_path); monkeypatch.setattr(build, "CACHE", tmp_path / ".docs-cache")
     (tmp_path / "nbs").mkdir()
     paths = []
-    for name, code in [("quick", "print('quick')"), ("slow", "import time; time.sleep(10)")]:
+    for name, code in [("quick", "import subprocess; print('quick', flush=True); subprocess.run(['echo', 'from a subprocess'])"), ("slow", "import time; time.sleep(10)")]:
         nb = nbformat.v4.new_notebook(metadata={"kernelspec": KERNELSPEC}, cells=[nbformat.v4.new_code_cell(code)])
         nbformat.write(nb, tmp_path / "nbs" / f"{name}.ipynb"); paths.append(tmp_path / "nbs" / f"{name}.ipynb")
     with pytest.raises(RuntimeError, match=r"1 of 2 notebooks failed:\s+nbs/slow.ipynb failed to execute:\s+A cell timed out"):
@@ -193,7 +194,7 @@ def test_make_docs_reports_each_notebook_and_reuses_executions(tmp_path, monkeyp
     out = capsys.readouterr().out
     assert "2 notebooks: 1 cached, 1 to execute (2 at a time, no per-cell time limit)" in out, out
     assert re.search(r"\] nbs/quick.ipynb +cached\n", out) and re.search(r"\] nbs/slow.ipynb +executed in [\d.]+ s\n", out), out
-    assert results[paths[0]][0].cells[0].outputs[0]["text"] == "quick\n"
+    assert "".join(o.get("text", "") for o in results[paths[0]][0].cells[0].outputs) == "quick\nfrom a subprocess\n"
 
 
 def test_make_docs_timeout_is_optional():
