@@ -358,8 +358,9 @@ def build(jobs: int = 2, only: str = "*", timeout: float | None = None) -> dict[
     times["execute"] = round(time.monotonic() - start, 1)
     t = time.monotonic()
     write_sources({p: page(results[p][0]) for p in paths})
+    # No fixed time limit (the pages took ~3 min on a loaded 2-core box); in CI tests/test_docs.py bounds the whole build.
     subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "-f", str(BUILD / "mkdocs.yml")],
-                   check=True, cwd=ROOT, timeout=300, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+                   check=True, cwd=ROOT, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     times["render"] = round(time.monotonic() - t, 1)
     return times
 
