@@ -52,8 +52,11 @@ test-floors: $(FLOORS_STAMP)  ## the fast suite with every dependency at its dec
 bench: $(STAMP)  ## benchmarks behind BENCHMARKS.md
 	$(PY) -m workbench.bench
 
-docs: $(STAMP)  ## the documentation site in site/ from the executed notebooks (docs/build.py; open site/index.html)
-	$(PY) docs/build.py
+# `make docs` prints a line per notebook as it finishes (cached or executed, seconds); after `make test` every notebook
+# is cached. No cell has a time limit unless TIMEOUT sets one (seconds per cell, e.g. `make docs TIMEOUT=1800`, for CI).
+TIMEOUT ?=
+docs: $(STAMP)  ## the site in site/ from the executed notebooks (docs/build.py; open site/index.html); TIMEOUT=s: per-cell limit
+	$(PY) docs/build.py $(if $(TIMEOUT),--timeout $(TIMEOUT))
 
 # JupyterLab listens on 127.0.0.1 unless told otherwise (`make lab IP=0.0.0.0 PORT=9000`, only behind a firewall: the
 # token is then all that guards a Python shell); the URL with its token is printed. Root (containers, GPU boxes) needs

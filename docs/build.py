@@ -3,7 +3,11 @@
 1. Every notebook under nbs/ runs in a real Jupyter kernel (nbclient) with its own folder as cwd, skipping the cells
    nbdev_test skips (`#| eval: false`, the `tst_flags` of settings.ini that this machine cannot run, `nbdev_export()`).
    Two notebooks run at a time; an executed notebook is cached in .docs-cache/ under the hash of its text, the library
-   and the data, so a local rerun only executes what changed (CI is a clean clone and executes everything).
+   and the data, so a local rerun only executes what changed (CI is a clean clone and executes everything). `make test`
+   fills the same cache (tests/test_notebooks.py calls `executed`), so `make docs` after it executes nothing. One line
+   is printed per notebook as it finishes (cached or executed, seconds). No cell has a time limit unless `--timeout`
+   (`make docs TIMEOUT=seconds`) sets one: a slow machine is not failed, and the pytest path has pytest-timeout.
+   Kernels talk to this process over CurveZMQ-encrypted sockets where pyzmq and the kernelspec support it.
 2. The executed notebooks become pages: `#| hide` cells are dropped, directive lines are stripped from the code shown,
    plotly figures (also those inside widgets, as they were when the notebook ended) become interactive divs that draw
    with the site's one copy of plotly.js (a widget's controls need a kernel and are not shown), and links to notebooks point at their pages.
@@ -23,7 +27,7 @@ import shutil
 import subprocess
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from configparser import ConfigParser
 from pathlib import Path
 
@@ -69,8 +73,9 @@ def runs(cell, flags: set[str]) -> bool:
 
 
 def cache_key(nb_path: Path, flags: set[str]) -> str:
-    "Hash of everything an execution reads: the notebook, the library, the shipped data, the skipped flags."
-    h = hashlib.sha256(nb_path.read_bytes() + " ".join(sorted(flags)).encode() + FIGURE_SNAPSHOT.encode())
+    "Hash of everything an execution reads: the notebook, the library, the shipped data, the skipped flags, the executor."
+    executor = FIGURE_SNAPSHOT + inspect.getsource(execute) + inspect.getsource(kernel_config)  # how the kernel is run
+    h = hashlib.sha256(nb_path.read_bytes() + " ".join(sorted(flags)).encode() + executor.encode())
     for p in sorted([*(ROOT / "workbench").rglob("*.py"), *(ROOT / "data_samples").rglob("*")]):
         if p.is_file(): h.update(str(p.relative_to(ROOT)).encode() + p.read_bytes())
     return h.hexdigest()[:20]
@@ -86,21 +91,35 @@ if "plotly" in _sys.modules:
 """
 
 
-def execute(nb_path: Path, flags: set[str], timeout: int = 600) -> tuple[nbformat.NotebookNode, float]:
-    "Run `nb_path` in a fresh python3 kernel from its own folder; cells nbdev_test skips are not run. Raises on an error."
+def kernel_config():
+    """nbclient's kernel manager settings: CurveZMQ transport encryption when pyzmq and the kernelspec support it (the
+    kernel then does not warn that it runs over TCP in plain text, and no other local user can read its traffic)."""
+    import zmq
+    from traitlets.config import Config
+    c = Config()
+    if zmq.has("curve"): c.KernelManager.transport_encryption = "auto"  # used when the kernelspec declares curve
+    return c
+
+
+def execute(nb_path: Path, flags: set[str], timeout: float | None = None) -> tuple[nbformat.NotebookNode, float]:
+    """Run `nb_path` in a fresh python3 kernel from its own folder; cells nbdev_test skips are not run. Raises on an error.
+    `timeout`: seconds a cell may run (None: no limit; the pytest path is bounded by pytest-timeout per notebook)."""
     from nbclient import NotebookClient
     nb = nbformat.read(nb_path, as_version=4)
     for cell in nb.cells:
         if cell.cell_type == "code" and not runs(cell, flags):
             cell.metadata.setdefault("tags", []).append("skip-execution")  # nbclient's own skip tag
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    # Not pytest's variables: with PYTEST_CURRENT_TEST set, ipykernel leaves fd 1 and 2 alone, so what the notebook's
+    # subprocesses and C code print would be missing from a notebook tests/test_notebooks.py executed for the pages.
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")},
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "PLOTLY_RENDERER": "plotly_mimetype",  # figures as JSON only: the page draws them with the site's plotly.js
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     start = time.monotonic()
     nb.cells.append(nbformat.v4.new_code_cell(FIGURE_SNAPSHOT))
-    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", store_widget_state=True,
-                            resources={"metadata": {"path": str(nb_path.parent)}}, env=env)
-    client.execute(env=env)
+    client = NotebookClient(nb, timeout=timeout, kernel_name="python3", store_widget_state=True, config=kernel_config(),
+                            resources={"metadata": {"path": str(nb_path.parent)}})
+    client.execute(env=env)  # the kernel's environment (not a NotebookClient option: traitlets warns and prints it all)
     snapshot = nb.cells.pop()
     nb.metadata["docs_figures"] = json.loads("".join(o.get("text", "") for o in snapshot.outputs if o.get("name") == "stdout") or "{}")
     for cell in nb.cells:
@@ -108,11 +127,16 @@ def execute(nb_path: Path, flags: set[str], timeout: int = 600) -> tuple[nbforma
     return nb, time.monotonic() - start
 
 
-def executed(nb_path: Path, flags: set[str]) -> tuple[nbformat.NotebookNode, float]:
+def cache_path(nb_path: Path, flags: set[str]) -> Path:
+    "Where the executed `nb_path` is cached: its name and the hash of its inputs (`cache_key`)."
+    return CACHE / f"{nb_path.stem}-{cache_key(nb_path, flags)}.ipynb"
+
+
+def executed(nb_path: Path, flags: set[str], timeout: float | None = None) -> tuple[nbformat.NotebookNode, float]:
     "The executed notebook, from .docs-cache/ when its inputs are unchanged; seconds spent (0 from the cache)."
-    cached = CACHE / f"{nb_path.stem}-{cache_key(nb_path, flags)}.ipynb"
+    cached = cache_path(nb_path, flags)
     if cached.exists(): return nbformat.read(cached, as_version=4), 0.0
-    nb, seconds = execute(nb_path, flags)
+    nb, seconds = execute(nb_path, flags, timeout)
     CACHE.mkdir(exist_ok=True)
     for old in CACHE.glob(f"{nb_path.stem}-*.ipynb"): old.unlink()
     nbformat.write(nb, cached)
@@ -296,26 +320,47 @@ def title_md(p: Path) -> str:
     return m[1].strip() if m else p.stem
 
 
-def _run_one(args):
-    path, flags = args
-    try: return executed(path, flags)
+def _run_one(path: Path, flags: set[str], timeout: float | None):
+    "One notebook in a worker: (executed notebook, seconds, whether it came from the cache)."
+    cached = cache_path(path, flags).exists()
+    try: return (*executed(path, flags, timeout), cached)
     except Exception as e:  # name the notebook; the cell's traceback is in e
         raise RuntimeError(f"{path.relative_to(ROOT)} failed to execute:\n{e}") from None
 
 
-def build(jobs: int = 2, only: str = "*") -> dict[str, float]:
-    "Execute (or reuse) the notebooks (`only`: a glob on their names), write the sources, run mkdocs; seconds spent."
+def execute_all(paths: list[Path], flags: set[str], jobs: int = 2, timeout: float | None = None) -> dict:
+    "Execute (or reuse) `paths`, `jobs` at a time, printing one line per notebook as it finishes; {path: (nb, seconds)}."
+    fresh = sum(not cache_path(p, flags).exists() for p in paths)
+    limit = f"{timeout:g} s per cell" if timeout else "no per-cell time limit"
+    print(f"{len(paths)} notebook{'s' * (len(paths) != 1)}: {len(paths) - fresh} cached, {fresh} to execute ({jobs} at a time, "
+          f"{limit})", flush=True)
+    results, failed, width = {}, [], max((len(str(p.relative_to(ROOT))) for p in paths), default=0)
+    with ProcessPoolExecutor(jobs) as pool:  # the slowest notebooks first, so two workers finish together
+        futures = {pool.submit(_run_one, p, flags, timeout): p for p in sorted(paths, key=lambda p: -p.stat().st_size)}
+        for i, done in enumerate(as_completed(futures), 1):
+            p, rel = futures[done], str(futures[done].relative_to(ROOT))
+            try: nb, seconds, cached = done.result()
+            except Exception as e:
+                failed.append(str(e)); print(f"[{i}/{len(paths)}] {rel:<{width}}  FAILED", flush=True); continue
+            results[p] = nb, seconds
+            print(f"[{i}/{len(paths)}] {rel:<{width}}  " + ("cached" if cached else f"executed in {seconds:.1f} s"), flush=True)
+    if failed: raise RuntimeError(f"{len(failed)} of {len(paths)} notebooks failed:\n\n" + "\n\n".join(failed))
+    return results
+
+
+def build(jobs: int = 2, only: str = "*", timeout: float | None = None) -> dict[str, float]:
+    """Execute (or reuse) the notebooks (`only`: a glob on their names), write the sources, run mkdocs; seconds spent.
+    `timeout`: seconds a cell may run (None: no limit)."""
     flags, paths, times = skip_flags(), [p for p in notebooks() if p.match(only)], {}
     start = time.monotonic()
-    with ProcessPoolExecutor(jobs) as pool:  # the slowest notebooks first, so two workers finish together
-        order = sorted(paths, key=lambda p: -p.stat().st_size)
-        results = dict(zip(order, pool.map(_run_one, [(p, flags) for p in order])))
+    results = execute_all(paths, flags, jobs, timeout)
     for p in paths: times[str(p.relative_to(ROOT))] = round(results[p][1], 1)
     times["execute"] = round(time.monotonic() - start, 1)
     t = time.monotonic()
     write_sources({p: page(results[p][0]) for p in paths})
+    # No fixed time limit (the pages took ~3 min on a loaded 2-core box); in CI tests/test_docs.py bounds the whole build.
     subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "-f", str(BUILD / "mkdocs.yml")],
-                   check=True, cwd=ROOT, timeout=300, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+                   check=True, cwd=ROOT, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     times["render"] = round(time.monotonic() - t, 1)
     return times
 
@@ -346,8 +391,10 @@ if __name__ == "__main__":
     ap.add_argument("--jobs", type=int, default=2, help="notebooks executed at once")
     ap.add_argument("--only", default="*", help="build with only the notebooks matching this glob (a quick look)")
     ap.add_argument("--screenshot", action="store_true", help="then rewrite docs/mask_figure.png from the built site")
+    ap.add_argument("--timeout", type=float, default=None,
+                    help="seconds one cell may run before its notebook fails (default: no limit; `make docs TIMEOUT=...`)")
     args = ap.parse_args()
-    times = build(args.jobs, args.only)
+    times = build(args.jobs, args.only, args.timeout)
     if args.screenshot: print(f"screenshot: {screenshot()}")
-    print(json.dumps(times, indent=1))
+    print(f"notebooks: {times['execute']} s, pages: {times['render']} s")
     print(f"site: {SITE / 'index.html'}")

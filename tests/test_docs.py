@@ -1,5 +1,6 @@
-"""The documentation site, built as `make docs` builds it and read in headless Chromium with the network cut off; the
-notebooks a reader opens (kernelspec); `make lab` as root on 127.0.0.1 with its token URL printed."""
+"""The documentation site, built as `make docs` builds it and read in headless Chromium with the network cut off; its
+report (a line per notebook) and optional cell time limit; the notebooks a reader opens (kernelspec); `make lab` as root
+on 127.0.0.1 with its token URL printed."""
 import functools
 import json
 import os
@@ -164,3 +165,43 @@ def test_make_lab_starts_and_prints_its_token_url(tmp_path):
         try: proc.wait(15)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL); proc.wait(5)
+
+
+def load_build():
+    "docs/build.py as a module its process pool can pickle functions of (registered in sys.modules)."
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("docs_build_progress", ROOT / "docs" / "build.py")
+    module = importlib.util.module_from_spec(spec); sys.modules[spec.name] = module; spec.loader.exec_module(module)
+    return module
+
+
+def test_make_docs_reports_each_notebook_and_reuses_executions(tmp_path, monkeypatch, capsys):
+    """One line per notebook as it finishes (executed, then cached on the next run); a per-cell limit only when asked for.
+    The kernel gets no PYTEST_* variable, so it captures what subprocesses print, as under `make docs`."""
+    build = load_build()
+    monkeypatch.setattr(build, "ROOT", tmp_path); monkeypatch.setattr(build, "CACHE", tmp_path / ".docs-cache")
+    (tmp_path / "nbs").mkdir()
+    paths = []
+    for name, code in [("quick", "import subprocess; print('quick', flush=True); subprocess.run(['echo', 'from a subprocess'])"), ("slow", "import time; time.sleep(10)")]:
+        nb = nbformat.v4.new_notebook(metadata={"kernelspec": KERNELSPEC}, cells=[nbformat.v4.new_code_cell(code)])
+        nbformat.write(nb, tmp_path / "nbs" / f"{name}.ipynb"); paths.append(tmp_path / "nbs" / f"{name}.ipynb")
+    with pytest.raises(RuntimeError, match=r"1 of 2 notebooks failed:\s+nbs/slow.ipynb failed to execute:\s+A cell timed out"):
+        build.execute_all(paths, set(), jobs=2, timeout=4)
+    out = capsys.readouterr().out
+    assert "2 notebooks: 0 cached, 2 to execute (2 at a time, 4 s per cell)" in out, out
+    assert re.search(r"\] nbs/quick.ipynb +executed in [\d.]+ s\n", out) and re.search(r"\] nbs/slow.ipynb +FAILED\n", out), out
+    results = build.execute_all(paths, set(), jobs=2)  # no limit: the slow one runs to its end
+    out = capsys.readouterr().out
+    assert "2 notebooks: 1 cached, 1 to execute (2 at a time, no per-cell time limit)" in out, out
+    assert re.search(r"\] nbs/quick.ipynb +cached\n", out) and re.search(r"\] nbs/slow.ipynb +executed in [\d.]+ s\n", out), out
+    assert "".join(o.get("text", "") for o in results[paths[0]][0].cells[0].outputs) == "quick\nfrom a subprocess\n"
+
+
+def test_make_docs_timeout_is_optional():
+    "`make docs` sets no cell time limit; `make docs TIMEOUT=900` passes one on."
+    venv = Path(sys.prefix)
+    make = ["make", "-C", str(ROOT), "docs", f"VENV={venv}", "-o", str(venv / ".installed"), "-n"]
+    out = subprocess.run(make, capture_output=True, text=True, timeout=30, check=True).stdout
+    assert "docs/build.py" in out and "--timeout" not in out, out
+    out = subprocess.run([*make, "TIMEOUT=900"], capture_output=True, text=True, timeout=30, check=True).stdout
+    assert "docs/build.py --timeout 900" in out, out

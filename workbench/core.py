@@ -5,6 +5,7 @@
 # %% ../nbs/00_core.ipynb #b50324fc
 from __future__ import annotations
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -144,3 +145,16 @@ def tiny_model(family: str = "llama", attn_implementation: str = "sdpa", seed: i
     cfg = tiny_config(family, **overrides)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation, dtype=dtype)
     return model.eval()
+
+# %% ../nbs/00_core.ipynb #8d2e3f4a
+class _DeepSpeedCPUGuess(logging.Filter):
+    "Drops DeepSpeed's warning that it fell back to the CPU, on machines without CUDA; lets everything else through."
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (str(record.msg).startswith("Setting accelerator to CPU.") and not torch.cuda.is_available())
+
+def _quiet_deepspeed_cpu_guess():
+    "Filter DeepSpeed's logger before DeepSpeed creates it: it keeps the logger's filters (deepspeed.utils.logging)."
+    log = logging.getLogger("DeepSpeed")
+    if not any(type(f).__name__ == "_DeepSpeedCPUGuess" for f in log.filters): log.addFilter(_DeepSpeedCPUGuess())
+
+_quiet_deepspeed_cpu_guess()

@@ -5,6 +5,7 @@
 # %% ../nbs/16_engines.ipynb #0154fc51
 from __future__ import annotations
 import os
+import sys
 import tempfile
 from dataclasses import dataclass, field, replace
 
@@ -269,6 +270,17 @@ def _release_alst(key: str, original):
     ALL_ATTENTION_FUNCTIONS[key] = original  # ALST overwrote this key with its wrapper
     parallel_state_sp._release_sequence_parallel_groups()  # private: its only reset ("already initialized" otherwise)
 
+def _probe_ops_quietly():
+    """DeepSpeed's op probe, with the compiler's stderr dropped: its CPU comm setup asks which ops can be built, linking a
+    test program per op (`-laio` for async_io). DeepSpeed silences that through sys.stderr, which in a Jupyter kernel (or
+    under pytest) is not fd 2, so the linker's errors reached the cell. The result is cached in deepspeed.ops: probed once."""
+    import deepspeed.ops
+    if "__compatible_ops__" in vars(deepspeed.ops): return
+    sys.stderr.flush(); saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null: os.dup2(null.fileno(), 2); deepspeed.ops.__compatible_ops__  # pure probing
+    finally: os.dup2(saved, 2); os.close(saved)
+
 def _sp_step_rows(rows: list, sp_rank: int, sp_size: int, dp_rank: int) -> list:
     "The rows this process hands ALST's adapter: it serves the SP group's rows in turn (step s comes from SP rank s mod P)."
     return [alst_batch(rows[s][dp_rank], sp_size) for s in range(sp_rank, len(rows), sp_size)]
@@ -287,6 +299,7 @@ def _check_alst(run: Run):
                  summary="DeepSpeed ALST: UlyssesSPAttentionHF + UlyssesSPDataLoaderAdapter + HF's SP loss, ZeRO-2")
 def train_alst(run: Run, rows: list) -> dict:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    _probe_ops_quietly()
     import deepspeed
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -380,6 +393,7 @@ ACCELERATE_ENV = dict(ACCELERATE_USE_DEEPSPEED="true", DS_ACCELERATOR="cpu")  # 
                          "sp_backend='deepspeed'), deepspeed=...) and the HF Trainer")
 def train_alst_accelerate(run: Run, rows: list) -> dict:
     os.environ.update(ACCELERATE_ENV)
+    _probe_ops_quietly()
     from transformers import Trainer, TrainerCallback, TrainingArguments
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     from transformers.trainer_callback import PrinterCallback
