@@ -384,7 +384,9 @@ def _check_accelerate(run: Run):
     if run.dp != 1: raise ValueError(f"engine 'alst_accelerate' trains DP 1 × SP >= 2 here; got {run.layout}")
     if run.loss != "hf_sp": raise ValueError("the HF Trainer computes HF's SP loss: use loss='hf_sp' with engine 'alst_accelerate'")
 
-ACCELERATE_ENV = dict(ACCELERATE_USE_DEEPSPEED="true", DS_ACCELERATOR="cpu")  # what a CPU run needs (a GPU cluster: neither)
+# what a CPU run needs (a GPU cluster: none): DeepSpeed on CPU ops, and not the MULTI_CPU type that `launch`'s
+# ACCELERATE_USE_CPU=true would give (ParallelismConfig refuses it)
+ACCELERATE_ENV = dict(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_USE_CPU="false", DS_ACCELERATOR="cpu")
 
 @register_engine("alst_accelerate", requires=("deepspeed",), leak_fix=ALST_FIX.replace("register ALST with core_attn_implementation"
                  "='workbench_varlen'", "pass parallelism_config=alst_parallelism_config(sp_size) to TrainingArguments"),
