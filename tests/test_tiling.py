@@ -18,6 +18,25 @@ def batch():
     return FlatteningCollator(pad_to_multiple_of=2)(feats)
 
 
+@pytest.fixture
+def one_thread():
+    "Small fp64 steps: one OpenMP thread runs them several times faster on a shared 2-core box (two threads spin)."
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def short_batch():
+    "Three short examples packed, 67 tokens + 1 padding: every chunk size tested leaves a last tile with a real token."
+    feats = [f for f in load_sample("flan_like", load_tokenizer(), limit=400) if 20 <= len(f["input_ids"]) <= 24]
+    batch = FlatteningCollator(pad_to_multiple_of=2)(feats)
+    T = batch["input_ids"].shape[1]
+    assert T == 68 and all(T % c >= 2 for c in (13, 5, 64))  # 5 x 13 + 3, 13 x 5 + 3, 64 + 4 tokens
+    return batch
+
+
 def rel(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
 
@@ -45,10 +64,10 @@ def assert_same(model, batch, fn):
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("loss_chunk,mlp_chunk", [(1, None), (13, 5), (4096, 64)])
-def test_tiled_loss_and_mlp_exact(family, batch, loss_chunk, mlp_chunk):
+def test_tiled_loss_and_mlp_exact(family, short_batch, one_thread, loss_chunk, mlp_chunk):
     model = tiny_model(family, dtype=torch.float64).train()
     patch = tile_mlp(model, mlp_chunk) if mlp_chunk else None
-    assert_same(model, batch, lambda: causal_lm_loss_sum(model, batch, chunk_size=loss_chunk)[0])
+    assert_same(model, short_batch, lambda: causal_lm_loss_sum(model, short_batch, chunk_size=loss_chunk)[0])
     if patch: patch.undo()
 
 
@@ -135,13 +154,13 @@ def test_lean_kernels_match_transformers_in_fp32(family, batch):
 
 
 @pytest.mark.parametrize("family", LEAN_FAMILIES)
-def test_lean_kernels_with_tiled_mlp_and_loss_exact_in_fp64(family, batch):
+def test_lean_kernels_with_tiled_mlp_and_loss_exact_in_fp64(family, short_batch, one_thread):
     "In fp64 the lean model is the reference; the tiled MLP running the lean MLP and the tiled loss add no error."
     model = tiny_model(family, dtype=torch.float64).train()
     lean = lean_kernels(model)
-    ref_loss, ref_grads = loss_and_grads(model, lambda: reference(model, batch))
+    ref_loss, ref_grads = loss_and_grads(model, lambda: reference(model, short_batch))
     tiles = tile_mlp(model, 5)
-    loss, grads = loss_and_grads(model, lambda: causal_lm_loss_sum(model, batch, chunk_size=13)[0])
+    loss, grads = loss_and_grads(model, lambda: causal_lm_loss_sum(model, short_batch, chunk_size=13)[0])
     tiles.undo(); lean.undo()
     assert rel(loss, ref_loss) <= TOL
     assert max(rel(grads[k], ref_grads[k]) for k in ref_grads) <= TOL
