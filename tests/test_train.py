@@ -18,9 +18,9 @@ def test_sp_from_a_kernel_equals_one_process_and_the_dashboard_sees_every_step(t
         import json
         from workbench.train import TrainConfig, run
         from workbench.dashboard import Dashboard
-        one = run(TrainConfig(steps=3, max_tokens=512, out="{tmp_path}/sp1", name="SP=1"))
+        one = run(TrainConfig(steps=3, max_tokens=256, out="{tmp_path}/sp1", name="SP=1"))
         dash = Dashboard("{tmp_path}/sp1", "{tmp_path}/sp2").watch(0.2)   # live while SP=2 runs
-        two = run(TrainConfig(steps=3, max_tokens=512, sp=2, out="{tmp_path}/sp2", name="SP=2"))
+        two = run(TrainConfig(steps=3, max_tokens=256, sp=2, out="{tmp_path}/sp2", name="SP=2"))
         dash.stop()
         print(json.dumps({{"one": one, "two": two, "loss_traces": [list(t.y) for t in dash.loss.data],
                           "memory_traces": sorted(t.name for t in dash.memory.data), "progress": [b.value for b in dash.bars]}}))
@@ -43,8 +43,11 @@ def _losses(out: Path) -> list[float]:
     return [r["loss"] for r in sorted(rows, key=lambda r: r["step"]) if r["rank"] == 0]
 
 
-def test_cli_self_launch_torchrun_and_sharded_agree(tmp_path):
-    args = ["--sp", "2", "--steps", "2", "--max-tokens", "512", "--data", "orca_like", "--model", "qwen2"]
+@pytest.fixture(scope="module")
+def cli_runs(tmp_path_factory):
+    "One SP=2 run of the CLI each way: self-launched, under torchrun, self-launched FSDP2-sharded (the checkpoint tests load)."
+    tmp_path = tmp_path_factory.mktemp("cli")
+    args = ["--sp", "2", "--steps", "2", "--max-tokens", "256", "--data", "orca_like", "--model", "qwen2"]
     subprocess.run([sys.executable, "-m", "workbench.train", "--nproc", "2", "--out", str(tmp_path / "self"), *args],
                    check=True, cwd=ROOT, timeout=240)
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -52,6 +55,11 @@ def test_cli_self_launch_torchrun_and_sharded_agree(tmp_path):
                    check=True, cwd=ROOT, timeout=240)
     subprocess.run([sys.executable, "-m", "workbench.train", "--nproc", "2", "--shard", "--out", str(tmp_path / "sharded"),
                     *args], check=True, cwd=ROOT, timeout=240)
+    return tmp_path
+
+
+def test_cli_self_launch_torchrun_and_sharded_agree(cli_runs):
+    tmp_path = cli_runs
     a, b, c = _losses(tmp_path / "self"), _losses(tmp_path / "torchrun"), _losses(tmp_path / "sharded")
     assert len(a) == len(b) == len(c) == 2
     assert all(abs(x - y) <= 1e-6 for x, y in zip(a, b)), (a, b)
@@ -111,11 +119,10 @@ def assert_loads_as_trained(out: Path, config, fresh: Path | None = None) -> dic
     return got
 
 
-def test_sp2_sharded_checkpoint_loads_with_from_pretrained_in_a_fresh_process(tmp_path):
+def test_sp2_sharded_checkpoint_loads_with_from_pretrained_in_a_fresh_process(cli_runs, tmp_path):
+    "The CLI's SP=2 FSDP2-sharded run (sp=2, shard, 2 steps, 256 tokens, orca_like, qwen2): its checkpoint loads elsewhere."
     from workbench.core import tiny_config
-    from workbench.train import TrainConfig, run
-    run(TrainConfig(sp=2, shard=True, steps=2, max_tokens=256, data="orca_like", model="qwen2", out=str(tmp_path / "run")))
-    assert_loads_as_trained(tmp_path / "run", tiny_config("qwen2"), fresh=tmp_path)
+    assert_loads_as_trained(cli_runs / "sharded", tiny_config("qwen2"), fresh=tmp_path)
 
 
 def test_tied_embeddings_from_a_config_directory_save_one_head(tmp_path):

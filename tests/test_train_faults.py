@@ -2,6 +2,7 @@
 import json
 import os
 import random
+import select
 import signal
 import subprocess
 import sys
@@ -18,11 +19,10 @@ TIMEOUT = 120
 
 # Run by the single-process trials instead of `python -m workbench.train`: it makes the trainer SIGKILL itself at the
 # k-th call of one write (a fault the test chooses; the library has no such switch), then runs the normal CLI.
-KILLER = r'''
+FAULTS = r'''
 import io, os, pathlib, signal, sys
 import torch
 import workbench.train as T
-point, k, args = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 calls = [0]
 def due():
     calls[0] += 1
@@ -73,8 +73,102 @@ elif point == "mid metrics line":                    # half a JSON line in metri
         with (out / "metrics.jsonl").open("a") as f: f.write(str(row)[:20]); f.flush()
         die()
     T.write_metrics = metrics
-T.main(args)
 '''
+KILLER = "import sys\npoint, k, args = sys.argv[1], int(sys.argv[2]), sys.argv[3:]\n" + FAULTS + "T.main(args)\n"
+
+# Every run of this file is `workbench.train.main(args)` (what `python -m workbench.train` runs) in a fresh fork of one
+# interpreter that imported torch and workbench.train once: ~8 s of imports per run saved. It forks nothing else before
+# (no thread, no torch op), as launch forks its ranks. Each job: a JSON line {point, k, args, err} on stdin; the child
+# takes its own session (a terminal's Ctrl-C reaches its group), installs the fault `point` at call `k` (FAULTS), runs
+# main with stderr to `err`; the zygote answers the child's pid, then its exit code as subprocess reports it.
+ZYGOTE = r'''
+import json, os, signal, sys, traceback
+import torch
+import workbench.train as T
+FAULTS = open(sys.argv[1]).read()
+while line := sys.stdin.readline():
+    job = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.setsid()
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # a Python process's own, whatever pytest's is
+            err = os.open(job["err"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC); os.dup2(err, 2); os.close(err)
+            null = os.open(os.devnull, os.O_RDWR); os.dup2(null, 0); os.dup2(null, 1); os.close(null)
+            if job["point"]: exec(FAULTS, {"point": job["point"], "k": job["k"]})
+            T.main(job["args"]); code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+            if isinstance(e.code, str): print(e.code, file=sys.stderr)
+        except BaseException: traceback.print_exc()
+        finally:
+            sys.stdout.flush(); sys.stderr.flush(); os._exit(code)
+    print(pid, flush=True)
+    print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
+'''
+
+
+class _Run:
+    "One job of the zygote: pid, poll(), wait(), returncode and stderr, as of a subprocess.Popen."
+    def __init__(self, zygote, pid: int, err: Path): self.zygote, self.pid, self.err, self.returncode = zygote, pid, err, None
+
+    def poll(self):
+        if self.returncode is None:
+            line = self.zygote._line(0)
+            if line is not None: self.returncode = int(line)
+        return self.returncode
+
+    def wait(self, timeout=TIMEOUT):
+        if self.returncode is None:
+            line = self.zygote._line(timeout)
+            if line is None: raise subprocess.TimeoutExpired("zygote job", timeout)
+            self.returncode = int(line)
+        return self.returncode
+
+    @property
+    def stderr(self) -> str: return self.err.read_text()
+
+
+class _Zygote:
+    def __init__(self, tmp: Path):
+        self.tmp, self.n, self.buf = tmp, 0, b""
+        (tmp / "faults.py").write_text(FAULTS)
+        self.p = subprocess.Popen([sys.executable, "-c", ZYGOTE, str(tmp / "faults.py")], cwd=ROOT, env=_env(),
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
+
+    def _line(self, timeout: float):
+        "The zygote's next line, or None after `timeout` seconds."
+        end = time.time() + timeout
+        while b"\n" not in self.buf:
+            ready = select.select([self.p.stdout], [], [], max(0.0, end - time.time()))[0]
+            if not ready: return None
+            chunk = os.read(self.p.stdout.fileno(), 4096)
+            if not chunk: raise RuntimeError(f"the zygote died (exit {self.p.wait()})")
+            self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        return line.decode()
+
+    def start(self, args, point: str = "", k: int = 0) -> _Run:
+        self.n += 1; err = self.tmp / f"err{self.n}.txt"
+        self.p.stdin.write((json.dumps(dict(point=point, k=k, args=[str(a) for a in args], err=str(err))) + "\n").encode())
+        pid = self._line(TIMEOUT)
+        assert pid is not None, "the zygote did not fork"
+        return _Run(self, int(pid), err)
+
+    def close(self):
+        self.p.stdin.close(); self.p.wait(timeout=30)
+
+
+_ZYGOTE: list[_Zygote] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def zygote(tmp_path_factory):
+    z = _Zygote(tmp_path_factory.mktemp("zygote"))
+    _ZYGOTE.append(z)
+    yield z
+    _ZYGOTE.remove(z); z.close()
 POINTS = ("in torch.save", "in save_pretrained", "before the manifest", "before the rename", "while pruning", "mid metrics line", "after n rows")
 
 
@@ -83,9 +177,11 @@ def _env():
             "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def _cli(*args, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "workbench.train", *args], cwd=ROOT, env=_env(), capture_output=True,
-                          text=True, timeout=TIMEOUT, **kw)
+def _cli(*args, point: str = "", k: int = 0) -> subprocess.CompletedProcess:
+    "`python -m workbench.train *args` to its end (in a fork of the zygote), with the fault `point` at call `k` if given."
+    run = _ZYGOTE[0].start(args, point, k)
+    code = run.wait(TIMEOUT)
+    return subprocess.CompletedProcess(args, code, "", run.stderr)
 
 
 def _rows(out: Path) -> list[dict]:
@@ -122,17 +218,13 @@ def _killed_run(tmp: Path, out: Path, point: str, k: int, resume: bool) -> int:
     "The trainer killed at the k-th call of `point` in its rank, or (after k more rows) the CLI process itself; -SIGKILL or 0."
     args = [*ARGS, "--out", str(out), *(["--resume"] if resume else [])]
     if point == "after n rows":
-        p = subprocess.Popen([sys.executable, "-m", "workbench.train", *args], cwd=ROOT, env=_env(),
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        p = _ZYGOTE[0].start(args)
         try:
             _wait_rows(out, STEPS - _left(out) + k, time.time() + TIMEOUT)
-            p.kill()
+            os.kill(p.pid, signal.SIGKILL)
         finally: code = p.wait(timeout=TIMEOUT)
         return code
-    script = tmp / "killer.py"
-    script.write_text(KILLER)
-    r = subprocess.run([sys.executable, str(script), point, str(k), *args], cwd=ROOT, env=_env(), capture_output=True,
-                       text=True, timeout=TIMEOUT)
+    r = _cli(*args, point=point, k=k)
     # the self-kill lands in the rank that trains (launch forks it): the CLI must exit 1 naming it and its signal
     killed = r.returncode == 1 and "rank 0 of 1 was killed by SIGKILL" in r.stderr
     assert r.returncode == 0 or killed, r.stderr[-3000:]
@@ -192,9 +284,7 @@ def reference_2(tmp_path_factory):
 def _interrupt_two_ranks(out: Path, fault: str, rows: int, resume: bool, extra=()) -> int:
     "Start an SP=2 run, wait for `rows` new metrics rows, then `fault` (kill -9 rank 0 / rank 1, or SIGINT the group)."
     before = len(_rows(out)) if (out / "metrics.jsonl").exists() else 0
-    p = subprocess.Popen([sys.executable, "-m", "workbench.train", *ARGS_2, *extra, "--out", str(out), *(["--resume"] if resume else [])],
-                         cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
+    p = _ZYGOTE[0].start([*ARGS_2, *extra, "--out", str(out), *(["--resume"] if resume else [])])  # its own session
     try:
         deadline = time.time() + TIMEOUT
         ranks = _ranks(p, 2, deadline)
@@ -202,7 +292,7 @@ def _interrupt_two_ranks(out: Path, fault: str, rows: int, resume: bool, extra=(
         if fault == "SIGINT": os.killpg(p.pid, signal.SIGINT)  # Ctrl-C in a terminal reaches every process of the group
         else: ranks[int(fault[-1])].kill()
         code = p.wait(timeout=60)  # the launcher notices and stops every rank
-        err = p.stderr.read()
+        err = p.stderr
         _, alive = psutil.wait_procs(ranks, timeout=10)
         assert not alive, f"ranks left running after {fault}: {alive}"
     finally:
@@ -251,12 +341,11 @@ def test_a_save_slower_than_the_collective_timeout_does_not_kill_the_run(tmp_pat
 def test_ctrl_c_of_a_single_process_run_exits_130_and_resumes(tmp_path, reference):
     "SIGINT to a terminal run of one process after 2 steps: exit code 130, the last checkpoint named, resume equals the reference."
     out = tmp_path / "run"
-    p = subprocess.Popen([sys.executable, "-m", "workbench.train", *ARGS, "--out", str(out)], cwd=ROOT, env=_env(),
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    p = _ZYGOTE[0].start([*ARGS, "--out", str(out)])  # in its own session, as a terminal's foreground job
     try:
         _wait_rows(out, 2, time.time() + TIMEOUT)
         os.killpg(p.pid, signal.SIGINT)
-        code, err = p.wait(timeout=60), p.stderr.read()
+        code, err = p.wait(timeout=60), p.stderr
     finally:
         if p.poll() is None: os.killpg(p.pid, signal.SIGKILL); p.wait(timeout=10)
     assert code == 130 and "--resume continues from it" in err, (code, err[-2000:])
