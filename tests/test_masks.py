@@ -11,13 +11,7 @@ from workbench.masks import (MaskSpec, attention_leakage, effective_mask, evalua
 from workbench.packing import FlatteningCollator, NaiveConcatCollator, PaddingCollator
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    "The probes are hundreds of one-layer forwards of ~60 tokens: one OpenMP thread runs them ~20x faster on a shared 2-core box."
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # every test here probes with many tiny forwards (conftest.py)
 
 
 @pytest.fixture(scope="module")

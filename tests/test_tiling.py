@@ -18,15 +18,6 @@ def batch():
     return FlatteningCollator(pad_to_multiple_of=2)(feats)
 
 
-@pytest.fixture
-def one_thread():
-    "Small fp64 steps: one OpenMP thread runs them several times faster on a shared 2-core box (two threads spin)."
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def short_batch():
     "Three short examples packed, 67 tokens + 1 padding: every chunk size tested leaves a last tile with a real token."
