@@ -245,6 +245,8 @@ def test_users_model_shrinks_the_same_from_a_directory_a_config_or_a_model(tmp_p
     with pytest.raises(ValueError, match="not both"): prove_engine(family="llama", model=cfg)
     with pytest.raises(ValueError, match="cannot split the 3 key/value heads"):  # the user's own heads, before shrinking
         prove_engine(model=AutoConfig.for_model("llama", hidden_size=384, num_attention_heads=6, num_key_value_heads=3))
+    with pytest.raises(ValueError, match=r"GptOssForCausalLM has no sdpa attention"):  # the golden run's attention
+        prove_engine(model=AutoConfig.for_model("gpt_oss"))
     with pytest.raises(ValueError, match="linear_attention"):
         prove_config(ParallelismConfig(sp_size=2, sp_backend="deepspeed"), model=AutoConfig.for_model("qwen3_next"))
     with pytest.raises(ValueError, match="no tiny config for 'gpt17': pass a shipped family name"):

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 # %% auto #0
-__all__ = ['IGNORE_INDEX', 'SAMPLES', 'SHRINK', 'EXPERTS', 'TOP_K', 'LAYER_KINDS', 'cu_seq_lens', 'example_ids',
+__all__ = ['IGNORE_INDEX', 'SAMPLES', 'SHRINK', 'EXPERTS', 'TOP_K', 'LAYER_KINDS', 'NOT_PER_LAYER', 'cu_seq_lens', 'example_ids',
            'restart_positions', 'lengths_from_positions', 'check_packed_batch', 'shift_labels', 'data_dir',
            'load_records', 'load_tokenizer', 'bos_eos', 'tokenize_records', 'load_sample', 'model_families',
            'tiny_config', 'tiny_model', 'as_config', 'shrink_config', 'config_sizes', 'shrink_table']
@@ -158,6 +158,7 @@ SHRINK = dict(head_dim=16, intermediate_size=128, moe_intermediate_size=32, shar
 EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")  # names configs give the expert count
 TOP_K = ("num_experts_per_tok", "moe_topk", "top_k")
 LAYER_KINDS = ("full_attention", "sliding_attention")  # attention layers: what the SP engines shard
+NOT_PER_LAYER = ("architectures", "eos_token_id", "bos_token_id", "pad_token_id")  # lists that are not one entry per layer
 
 def as_config(model):
     "The transformers config of a model directory (path with a config.json), a `PretrainedConfig` or a `PreTrainedModel` (a copy)."
@@ -165,7 +166,8 @@ def as_config(model):
     from transformers import AutoConfig, PretrainedConfig
     if isinstance(model, (str, Path)):
         if not (Path(model) / "config.json").is_file():
-            raise ValueError(f"{str(model)!r} is not a model directory: it holds no config.json")
+            raise ValueError(f"{str(model)!r} is not a model directory: it holds no config.json (a hub name: download "
+                             f"its config.json first, e.g. `hf download NAME config.json --local-dir DIR`)")
         return AutoConfig.from_pretrained(str(model))
     cfg = getattr(model, "config", model)
     if not isinstance(cfg, PretrainedConfig):
@@ -175,7 +177,8 @@ def as_config(model):
 def _layer_kind(cfg, i: int) -> tuple:
     "What makes layer `i` of a config differ from the others: its entry in every per-layer list, and index rules of MoE layers."
     n = cfg.num_hidden_layers
-    kind = [(k, v[i]) for k, v in sorted(vars(cfg).items()) if isinstance(v, (list, tuple)) and len(v) == n and not k.startswith("_")]
+    kind = [(k, v[i]) for k, v in sorted(vars(cfg).items()) if isinstance(v, (list, tuple)) and len(v) == n > 1
+            and not k.startswith("_") and k not in NOT_PER_LAYER]
     if getattr(cfg, "mlp_only_layers", None) is not None: kind.append(("mlp_only", i in cfg.mlp_only_layers))
     if getattr(cfg, "decoder_sparse_step", None): kind.append(("sparse_step", (i + 1) % cfg.decoder_sparse_step == 0))
     if getattr(cfg, "first_k_dense_replace", None) is not None: kind.append(("dense", i < cfg.first_k_dense_replace))
@@ -227,13 +230,13 @@ def shrink_config(model,           # a model directory (config.json), a `Pretrai
     d = cfg.to_dict()
     n = cfg.num_hidden_layers
     for k, v in list(d.items()):
-        if isinstance(v, list) and len(v) == n and n > 1: d[k] = v[:layers]
+        if isinstance(v, list) and len(v) == n > 1 and k not in NOT_PER_LAYER: d[k] = v[:layers]
     new = dict(num_hidden_layers=layers, num_attention_heads=tiny_kv * group, num_key_value_heads=tiny_kv,
                hidden_size=tiny_kv * group * SHRINK["head_dim"], head_dim=SHRINK["head_dim"],
                intermediate_size=SHRINK["intermediate_size"], vocab_size=SHRINK["vocab_size"],
                pad_token_id=0, bos_token_id=1, eos_token_id=2)
     if "head_dim" not in d: new.pop("head_dim")
-    dropped = [k for k in ("quantization_config",) if d.pop(k, None) is not None]
+    d.pop("quantization_config", None)  # the tiny copy trains unquantized (`config_sizes` shows the original's method)
     ex = next((k for k in EXPERTS if d.get(k)), None)
     if ex:
         e = min(d[ex], SHRINK["experts"])
@@ -272,7 +275,12 @@ def config_sizes(cfg) -> dict:
             "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
             "intermediate": getattr(cfg, "intermediate_size", None), "experts": ex,
             "top-k": next((getattr(cfg, k) for k in TOP_K if getattr(cfg, k, None)), None) if ex else None,
-            "sliding window": getattr(cfg, "sliding_window", None), "vocab": cfg.vocab_size}
+            "sliding window": getattr(cfg, "sliding_window", None), "vocab": cfg.vocab_size,
+            "quantization": _quant_method(getattr(cfg, "quantization_config", None))}
+
+def _quant_method(q) -> str | None:
+    if q is None: return None
+    return (q.get("quant_method") if isinstance(q, dict) else getattr(q, "quant_method", None)) or type(q).__name__
 
 def shrink_table(original, tiny) -> dict:
     "Original against tiny, per `config_sizes` entry: `{name: (original, tiny)}`."

@@ -580,6 +580,14 @@ def references(runs: list) -> list:
     "The one-process runs that `runs` are judged against: the golden run and the no-mask reference of each, once."
     return sorted({golden_of(r, m) for r in runs for m in (False, True)}, key=lambda g: g.name)
 
+def _check_golden(config):
+    "Refuse a model class without sdpa before any launch: the golden run (one process, per-document masks) runs sdpa."
+    from transformers import AutoModelForCausalLM
+    cls = AutoModelForCausalLM._model_mapping[type(config)]
+    if not cls._supports_sdpa:
+        raise ValueError(f"{cls.__name__} has no sdpa attention in transformers (_supports_sdpa=False): the golden run, one "
+                         f"process with per-document masks, runs sdpa, so its engines cannot be judged here")
+
 def prove_engine(engines=("workbench", "alst"),   # engines to prove (keys of `ENGINES`)
                  sp_sizes=(2,),                   # SP sizes, one launch each (DP 1)
                  packed=(False, True),            # row layouts
@@ -590,7 +598,8 @@ def prove_engine(engines=("workbench", "alst"),   # engines to prove (keys of `E
                  loss: dict | None = None,        # loss formula per engine (default: ALST as users run it, 'hf_sp')
                  max_grad_norm: float | None = None,  # clip every run (and its golden run) to this gradient norm
                  deadline_s: float = 600,         # limit of each launch
-                 model=None,                      # your model instead of `family`: a model directory, a config or a model instance
+                 model=None,                      # your model instead of `family`: a model directory, a config or a model
+                                                  # instance, proven as a tiny random-weight copy of its architecture (`shrink_config`)
                 ) -> EngineReport:
     "Train the same tiny model on the same rows through every engine and SP size, and judge each against one process."
     import math, time
@@ -598,14 +607,16 @@ def prove_engine(engines=("workbench", "alst"),   # engines to prove (keys of `E
         if family is not None: raise ValueError(f"pass family={family!r} (a shipped tiny config) or model (yours), not both")
         original = as_config(model)
         for p in sp_sizes: check_sp(original, p)  # your model's own heads against every SP size, before shrinking
-        tiny = shrink_config(original, sp_size=max(sp_sizes))
+        tiny = shrink_config(original, sp_size=math.lcm(*sp_sizes))  # kv heads split or replicated as the original's
         with tempfile.TemporaryDirectory() as d:  # the launched processes read the tiny config from here
             path = os.path.join(d, f"{tiny.model_type}-tiny")
             tiny.save_pretrained(path)
-            report = prove_engine(engines, sp_sizes, packed, attention, fix, path, dtype, loss, max_grad_norm, deadline_s)
+            report = prove_engine(engines=engines, sp_sizes=sp_sizes, packed=packed, attention=attention, fix=fix,
+                                  family=path, dtype=dtype, loss=loss, max_grad_norm=max_grad_norm, deadline_s=deadline_s)
         report.shrunk = shrink_table(original, tiny)
         return report
     family = family or "llama"
+    _check_golden(tiny_config(family))
     t = time.time()
     loss = {"alst": "hf_sp", "alst_accelerate": "hf_sp", **(loss or {})}
     steps = math.lcm(*sp_sizes)  # ALST's adapter serves a step from every SP rank in turn
