@@ -228,7 +228,7 @@ def user_model_dir(path: Path):
     return cfg
 
 
-def test_users_model_shrinks_the_same_from_a_directory_a_config_or_a_model(tmp_path):
+def test_users_model_shrinks_the_same_from_a_directory_a_config_or_a_model(tmp_path, monkeypatch):
     "No launch: a directory, its config object and a model instance shrink to one tiny config; refusals come before any launch."
     from accelerate.parallelism_config import ParallelismConfig
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -249,6 +249,13 @@ def test_users_model_shrinks_the_same_from_a_directory_a_config_or_a_model(tmp_p
         prove_engine(model=AutoConfig.for_model("gpt_oss"))
     with pytest.raises(ValueError, match="linear_attention"):
         prove_config(ParallelismConfig(sp_size=2, sp_backend="deepspeed"), model=AutoConfig.for_model("qwen3_next"))
+    import workbench.engines as engines  # prove_config hands the model on to prove_engine (its launch: the test below)
+    calls = []
+    monkeypatch.setattr(engines, "prove_engine", lambda **kw: calls.append(kw))
+    pc = ParallelismConfig(sp_size=2, sp_backend="deepspeed")
+    prove_config(pc, model=tmp_path); prove_config(pc)
+    assert [(c["model"], c["family"], c["engines"]) for c in calls] == [(tmp_path, None, ("alst_accelerate",)),
+                                                                      (None, "llama3", ("alst_accelerate",))]
     with pytest.raises(ValueError, match="no tiny config for 'gpt17': pass a shipped family name"):
         check_engine(Run(engine="workbench", sp=2, family="gpt17"))
 
