@@ -192,7 +192,7 @@ def _refuse(cfg):
     mt = cfg.model_type
     if getattr(cfg, "is_encoder_decoder", False):
         raise ValueError(f"model_type {mt!r} is an encoder-decoder (is_encoder_decoder=True): the engines train causal LMs")
-    if hasattr(cfg, "text_config") and mt not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    if getattr(cfg, "text_config", None) is not None and cfg.get_text_config() is not cfg:
         raise ValueError(f"model_type {mt!r} is a composite model (text_config): shrink its language model, "
                          f"config.text_config (model_type {getattr(cfg.text_config, 'model_type', None)!r})")
     if mt not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
@@ -213,7 +213,7 @@ def _refuse(cfg):
         raise ValueError(f"model_type {mt!r}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
 
 def shrink_config(model,           # a model directory (config.json), a `PretrainedConfig` or a `PreTrainedModel`
-                  sp_size: int = 2, # the largest SP size the tiny copy must run: kv heads split or replicate as the original's
+                  sp_size: int = 2, # the SP size the copy must run (several: their lcm): kv heads split or replicate as the original's
                  ):
     "A tiny config of the same class: fewer layers (every layer kind kept), small widths, the head ratio, window and MoE routing kept."
     cfg = as_config(model)
@@ -249,7 +249,9 @@ def shrink_config(model,           # a model directory (config.json), a `Pretrai
             if d.get(k): new[k] = 1
     if d.get("query_pre_attn_scalar") == config_sizes(cfg)["head_dim"]: new["query_pre_attn_scalar"] = SHRINK["head_dim"]
     if d.get("mlp_only_layers"): new["mlp_only_layers"] = [i for i in d["mlp_only_layers"] if i < layers]
-    if d.get("sliding_window") and d.get("use_sliding_window", True) is not False: new["sliding_window"] = SHRINK["sliding_window"]
+    window = d.get("sliding_window") if d.get("use_sliding_window", True) is not False else None
+    if window and window < (d.get("max_position_embeddings") or float("inf")):  # else no row reaches it: kept as it is
+        new["sliding_window"] = SHRINK["sliding_window"]
     tiny = type(cfg).from_dict({**d, **new})
     lost = {_layer_kind(cfg, i) for i in range(n)} - {_layer_kind(tiny, i) for i in range(tiny.num_hidden_layers)}
     if lost: raise ValueError(f"model_type {cfg.model_type!r}: the tiny copy lost layer kinds {sorted(lost)}")
