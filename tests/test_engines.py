@@ -213,3 +213,65 @@ def test_a_third_engine_plugs_in_and_is_judged():
         v = judge(run, res, gold, no_mask)
         assert v.status == "leaks" and v.leak_diff <= LOSS_TOL < v.diff["loss"] and v.diff["same_rows"], v
     finally: del ENGINES["test_cache_trap"]
+
+
+def user_model_dir(path: Path):
+    "A saved model directory (config.json and weights) of a family the workbench does not ship as a name: Cohere2, three "
+    "sliding-window layers then a full-attention layer without RoPE, 8 query heads sharing 2 kv heads."
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    cfg = AutoConfig.for_model("cohere2", num_hidden_layers=8, hidden_size=256, intermediate_size=512, num_attention_heads=8,
+                               num_key_value_heads=2, head_dim=32, vocab_size=16000, sliding_window=4096,
+                               pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    return cfg
+
+
+def test_users_model_shrinks_the_same_from_a_directory_a_config_or_a_model(tmp_path, monkeypatch):
+    "No launch: a directory, its config object and a model instance shrink to one tiny config; refusals come before any launch."
+    from accelerate.parallelism_config import ParallelismConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from workbench.core import shrink_config, model_families
+    from workbench.engines import prove_engine
+    cfg = user_model_dir(tmp_path)
+    assert cfg.model_type not in model_families() and "cohere2" not in model_families()
+    same = lambda c: {k: v for k, v in c.to_dict().items() if k != "_name_or_path"}
+    tiny = shrink_config(tmp_path)
+    assert same(tiny) == same(shrink_config(cfg)) == same(shrink_config(AutoModelForCausalLM.from_config(cfg)))
+    assert same(tiny) == same(shrink_config(str(tmp_path)))  # deterministic
+    assert tiny.layer_types == cfg.layer_types[:4] == ["sliding_attention"] * 3 + ["full_attention"]
+    assert (tiny.num_attention_heads, tiny.num_key_value_heads, tiny.sliding_window) == (8, 2, 16)
+    with pytest.raises(ValueError, match="not both"): prove_engine(family="llama", model=cfg)
+    with pytest.raises(ValueError, match="cannot split the 3 key/value heads"):  # the user's own heads, before shrinking
+        prove_engine(model=AutoConfig.for_model("llama", hidden_size=384, num_attention_heads=6, num_key_value_heads=3))
+    with pytest.raises(ValueError, match=r"GptOssForCausalLM has no sdpa attention"):  # the golden run's attention
+        prove_engine(model=AutoConfig.for_model("gpt_oss"))
+    with pytest.raises(ValueError, match="linear_attention"):
+        prove_config(ParallelismConfig(sp_size=2, sp_backend="deepspeed"), model=AutoConfig.for_model("qwen3_next"))
+    import workbench.engines as engines  # prove_config hands the model on to prove_engine (its launch: the test below)
+    calls = []
+    monkeypatch.setattr(engines, "prove_engine", lambda **kw: calls.append(kw))
+    pc = ParallelismConfig(sp_size=2, sp_backend="deepspeed")
+    prove_config(pc, model=tmp_path); prove_config(pc)
+    assert [(c["model"], c["family"], c["engines"]) for c in calls] == [(tmp_path, None, ("alst_accelerate",)),
+                                                                      (None, "llama3", ("alst_accelerate",))]
+    with pytest.raises(ValueError, match="no tiny config for 'gpt17': pass a shipped family name"):
+        check_engine(Run(engine="workbench", sp=2, family="gpt17"))
+
+
+def test_prove_engine_on_a_users_model_directory(tmp_path):
+    "One launch of 2 processes: a saved Cohere2 directory, shrunk; Ulysses exact, ALST + sdpa leaks, ALST + the fix exact."
+    user_model_dir(tmp_path)
+    from workbench.engines import prove_engine
+    report = prove_engine(engines=("workbench", "alst"), packed=(True,), loss={"alst": "exact"}, model=tmp_path, deadline_s=300)
+    ours = report.find(engine="workbench")
+    leak, fixed = report.find(engine="alst", attention="sdpa"), report.find(engine="alst", attention="workbench_varlen")
+    assert ours.status == "exact" and ours.diff["grads"] <= GRAD_TOL, ours
+    assert leak.status == "leaks" and leak.leak_diff <= LOSS_TOL < leak.diff["loss"] and leak.diff["grads_rescaled"] > 1e-2, leak
+    assert "across the documents" in leak.cause and "beyond the model's sliding window" in leak.cause
+    assert fixed.status == "exact" and fixed.diff["loss"] <= LOSS_TOL and fixed.diff["grads"] <= GRAD_TOL, fixed  # flipped
+    assert all(v.diff["same_rows"] and v.diff["ranks_agree"] for v in report.verdicts)
+    assert report.shrunk["layers"] == (8, 4) and report.shrunk["hidden"] == (256, 128)
+    assert (report.shrunk["heads"], report.shrunk["kv heads"], report.shrunk["sliding window"]) == ((8, 8), (2, 2), (4096, 16))
+    assert "cohere2-tiny" in ours.run.name and "layers 8 → 4" in str(report) and "layers 8 → 4" in report._repr_markdown_()

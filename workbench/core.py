@@ -13,9 +13,10 @@ import numpy as np
 import torch
 
 # %% auto #0
-__all__ = ['IGNORE_INDEX', 'SAMPLES', 'cu_seq_lens', 'example_ids', 'restart_positions', 'lengths_from_positions',
-           'check_packed_batch', 'shift_labels', 'data_dir', 'load_records', 'load_tokenizer', 'bos_eos',
-           'tokenize_records', 'load_sample', 'model_families', 'tiny_config', 'tiny_model']
+__all__ = ['IGNORE_INDEX', 'SAMPLES', 'SHRINK', 'EXPERTS', 'TOP_K', 'LAYER_KINDS', 'NOT_PER_LAYER', 'cu_seq_lens', 'example_ids',
+           'restart_positions', 'lengths_from_positions', 'check_packed_batch', 'shift_labels', 'data_dir',
+           'load_records', 'load_tokenizer', 'bos_eos', 'tokenize_records', 'load_sample', 'model_families',
+           'tiny_config', 'tiny_model', 'as_config', 'shrink_config', 'config_sizes', 'shrink_table']
 
 # %% ../nbs/00_core.ipynb #3feea6d6
 IGNORE_INDEX = -100  # the label value that the loss skips
@@ -131,20 +132,163 @@ def model_families() -> list[str]:
     return sorted(p.name for p in (data_dir() / "configs").iterdir() if (p / "config.json").exists())
 
 def tiny_config(family: str = "llama", **overrides):
-    "The shipped tiny config of a model family, with optional attribute overrides."
+    "The tiny config of a shipped family name, or of a directory holding a `config.json` (e.g. one `shrink_config` saved)."
     from transformers import AutoConfig
-    if family not in model_families():
-        raise ValueError(f"no tiny config for {family!r}; shipped: {model_families()}")
-    return AutoConfig.from_pretrained(str(data_dir() / "configs" / family), **overrides)
+    if family in model_families(): return AutoConfig.from_pretrained(str(data_dir() / "configs" / family), **overrides)
+    if (Path(family) / "config.json").is_file(): return AutoConfig.from_pretrained(str(family), **overrides)
+    raise ValueError(f"no tiny config for {family!r}: pass a shipped family name {model_families()} or a directory "
+                     f"holding a config.json (a user's model shrinks to one with shrink_config)")
 
 def tiny_model(family: str = "llama", attn_implementation: str = "sdpa", seed: int = 0,
                dtype: torch.dtype = torch.float32, **overrides):
-    "A random-init causal LM of a shipped family (deterministic for `seed`), in eval mode."
+    "A random-init causal LM of a shipped family or a config directory (deterministic for `seed`), in eval mode."
     from transformers import AutoModelForCausalLM
     torch.manual_seed(seed)
     cfg = tiny_config(family, **overrides)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation, dtype=dtype)
     return model.eval()
+
+# %% ../nbs/00_core.ipynb #c9b2bec8
+SHRINK = dict(head_dim=16, intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+              vocab_size=8192,     # the shipped tokenizer's: the proof rows are its token ids
+              sliding_window=16,   # shorter than a proof row (203 tokens) and than its documents: a dropped window shows
+              experts=4, top_k=2,  # routed experts; experts per token (top-k) stays below the experts, as the original's
+              min_heads=4,         # query heads at least (kv heads doubled, the ratio kept, while the original has them)
+              max_params=20_000_000)  # a copy larger than this is refused: an attribute left unshrunk
+EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")  # names configs give the expert count
+TOP_K = ("num_experts_per_tok", "moe_topk", "top_k")
+LAYER_KINDS = ("full_attention", "sliding_attention")  # attention layers: what the SP engines shard
+NOT_PER_LAYER = ("architectures", "eos_token_id", "bos_token_id", "pad_token_id")  # lists that are not one entry per layer
+
+def as_config(model):
+    "The transformers config of a model directory (path with a config.json), a `PretrainedConfig` or a `PreTrainedModel` (a copy)."
+    import copy
+    from transformers import AutoConfig, PretrainedConfig
+    if isinstance(model, (str, Path)):
+        if not (Path(model) / "config.json").is_file():
+            raise ValueError(f"{str(model)!r} is not a model directory: it holds no config.json (a hub name: download "
+                             f"its config.json first, e.g. `hf download NAME config.json --local-dir DIR`)")
+        return AutoConfig.from_pretrained(str(model))
+    cfg = getattr(model, "config", model)
+    if not isinstance(cfg, PretrainedConfig):
+        raise TypeError(f"expected a model directory, a transformers PretrainedConfig or a PreTrainedModel, got {type(model).__name__}")
+    return copy.deepcopy(cfg)
+
+def _layer_kind(cfg, i: int) -> tuple:
+    "What makes layer `i` of a config differ from the others: its entry in every per-layer list, and index rules of MoE layers."
+    n = cfg.num_hidden_layers
+    kind = [(k, v[i]) for k, v in sorted(vars(cfg).items()) if isinstance(v, (list, tuple)) and len(v) == n > 1
+            and not k.startswith("_") and k not in NOT_PER_LAYER]
+    if getattr(cfg, "mlp_only_layers", None) is not None: kind.append(("mlp_only", i in cfg.mlp_only_layers))
+    if getattr(cfg, "decoder_sparse_step", None): kind.append(("sparse_step", (i + 1) % cfg.decoder_sparse_step == 0))
+    if getattr(cfg, "first_k_dense_replace", None) is not None: kind.append(("dense", i < cfg.first_k_dense_replace))
+    if getattr(cfg, "moe_layer_freq", None): kind.append(("moe_freq", i % cfg.moe_layer_freq == 0))
+    if getattr(cfg, "interleave_moe_layer_step", None): kind.append(("moe_step", (i + 1) % cfg.interleave_moe_layer_step == 0))
+    return tuple(kind)
+
+def _refuse(cfg):
+    "A `ValueError` naming the attribute, where a tiny copy could not keep the architecture's meaning."
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    mt = cfg.model_type
+    if getattr(cfg, "is_encoder_decoder", False):
+        raise ValueError(f"model_type {mt!r} is an encoder-decoder (is_encoder_decoder=True): the engines train causal LMs")
+    if getattr(cfg, "text_config", None) is not None and cfg.get_text_config() is not cfg:
+        raise ValueError(f"model_type {mt!r} is a composite model (text_config): shrink its language model, "
+                         f"config.text_config (model_type {getattr(cfg.text_config, 'model_type', None)!r})")
+    if mt not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(f"model_type {mt!r} has no causal-LM class in transformers (AutoModelForCausalLM): the engines "
+                         f"train causal LMs")
+    for attr, why in (("kv_lora_rank", "multi-head latent attention: its query/key/value head sizes (kv_lora_rank, "
+                       "qk_nope_head_dim, qk_rope_head_dim, v_head_dim) are tied, and shrinking them is not implemented"),
+                      ("attention_chunk_size", "chunked attention: a layer kind the workbench's masks do not model"),
+                      ("encoder_layers", "encoder layers: not a decoder-only causal LM")):
+        if getattr(cfg, attr, None): raise ValueError(f"model_type {mt!r}: {attr}={getattr(cfg, attr)!r} is {why}")
+    other = sorted({t for t in getattr(cfg, "layer_types", None) or [] if t not in LAYER_KINDS})
+    if other:
+        raise ValueError(f"model_type {mt!r}: layer_types holds {other}, layers without attention heads to shard (the "
+                         f"engines proven here, Ulysses and ALST, shard attention only); its {LAYER_KINDS} layers alone "
+                         f"would not be the same architecture")
+    heads, kv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    if heads % kv:
+        raise ValueError(f"model_type {mt!r}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
+
+def shrink_config(model,           # a model directory (config.json), a `PretrainedConfig` or a `PreTrainedModel`
+                  sp_size: int = 2, # the SP size the copy must run (several: their lcm): kv heads split or replicate as the original's
+                 ):
+    "A tiny config of the same class: fewer layers (every layer kind kept), small widths, the head ratio, window and MoE routing kept."
+    cfg = as_config(model)
+    _refuse(cfg)
+    heads, kv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    group = heads // kv
+    tiny_kv = kv if kv <= sp_size else sp_size   # kv <= SP: each kv head replicated over the ranks, as the original's
+    while tiny_kv * group < SHRINK["min_heads"] and tiny_kv * 2 <= kv: tiny_kv *= 2
+    kinds, first = [], []
+    for i in range(cfg.num_hidden_layers):
+        k = _layer_kind(cfg, i)
+        if k not in kinds: kinds.append(k); first.append(i)
+    layers = max(2, first[-1] + 1)  # the shortest prefix holding every layer kind: index rules (sparse steps) stay true
+    d = cfg.to_dict()
+    n = cfg.num_hidden_layers
+    for k, v in list(d.items()):
+        if isinstance(v, list) and len(v) == n > 1 and k not in NOT_PER_LAYER: d[k] = v[:layers]
+    new = dict(num_hidden_layers=layers, num_attention_heads=tiny_kv * group, num_key_value_heads=tiny_kv,
+               hidden_size=tiny_kv * group * SHRINK["head_dim"], head_dim=SHRINK["head_dim"],
+               intermediate_size=SHRINK["intermediate_size"], vocab_size=SHRINK["vocab_size"],
+               pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if "head_dim" not in d: new.pop("head_dim")
+    d.pop("quantization_config", None)  # the tiny copy trains unquantized (`config_sizes` shows the original's method)
+    ex = next((k for k in EXPERTS if d.get(k)), None)
+    if ex:
+        e = min(d[ex], SHRINK["experts"])
+        for k in TOP_K:
+            if d.get(k): new[k] = e if d[k] >= d[ex] else min(d[k], SHRINK["top_k"], e - 1)
+        new[ex] = e
+        for k in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+            if d.get(k): new[k] = SHRINK[k]
+        for k in ("n_group", "topk_group"):
+            if d.get(k): new[k] = 1
+    if d.get("query_pre_attn_scalar") == config_sizes(cfg)["head_dim"]: new["query_pre_attn_scalar"] = SHRINK["head_dim"]
+    if d.get("mlp_only_layers"): new["mlp_only_layers"] = [i for i in d["mlp_only_layers"] if i < layers]
+    window = d.get("sliding_window") if d.get("use_sliding_window", True) is not False else None
+    if window and window < (d.get("max_position_embeddings") or float("inf")):  # else no row reaches it: kept as it is
+        new["sliding_window"] = SHRINK["sliding_window"]
+    tiny = type(cfg).from_dict({**d, **new})
+    lost = {_layer_kind(cfg, i) for i in range(n)} - {_layer_kind(tiny, i) for i in range(tiny.num_hidden_layers)}
+    if lost: raise ValueError(f"model_type {cfg.model_type!r}: the tiny copy lost layer kinds {sorted(lost)}")
+    _check_size(tiny)
+    return tiny
+
+def _check_size(tiny):
+    "Refuse a tiny copy that some unshrunk attribute keeps large (it would not train in seconds on CPU processes)."
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"): m = AutoModelForCausalLM.from_config(tiny)
+    total = sum(p.numel() for p in m.parameters())
+    if total > SHRINK["max_params"]:
+        big = sorted(((p.numel(), n, tuple(p.shape)) for n, p in m.named_parameters()), reverse=True)[:3]
+        raise ValueError(f"model_type {tiny.model_type!r}: the shrunk copy still has {total:,} parameters (largest: "
+                         f"{[(n, s) for _, n, s in big]}): an attribute shrink_config does not know keeps it large")
+
+def config_sizes(cfg) -> dict:
+    "What `shrink_config` changes or keeps, read off a config: layers, widths, heads, experts, window, layer kinds."
+    heads = cfg.num_attention_heads
+    ex = next((getattr(cfg, k) for k in EXPERTS if getattr(cfg, k, None)), None)
+    return {"layers": cfg.num_hidden_layers, "layer kinds": len({_layer_kind(cfg, i) for i in range(cfg.num_hidden_layers)}),
+            "hidden": cfg.hidden_size, "heads": heads, "kv heads": getattr(cfg, "num_key_value_heads", None) or heads,
+            "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+            "intermediate": getattr(cfg, "intermediate_size", None), "experts": ex,
+            "top-k": next((getattr(cfg, k) for k in TOP_K if getattr(cfg, k, None)), None) if ex else None,
+            "sliding window": getattr(cfg, "sliding_window", None), "vocab": cfg.vocab_size,
+            "quantization": _quant_method(getattr(cfg, "quantization_config", None))}
+
+def _quant_method(q) -> str | None:
+    if q is None: return None
+    return (q.get("quant_method") if isinstance(q, dict) else getattr(q, "quant_method", None)) or type(q).__name__
+
+def shrink_table(original, tiny) -> dict:
+    "Original against tiny, per `config_sizes` entry: `{name: (original, tiny)}`."
+    a, b = config_sizes(original), config_sizes(tiny)
+    return {k: (a[k], b[k]) for k in a}
+
 
 # %% ../nbs/00_core.ipynb #8d2e3f4a
 class _DeepSpeedCPUGuess(logging.Filter):

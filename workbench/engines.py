@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import attention  # registers 'workbench_varlen' with transformers (the ALST fix)
-from .core import IGNORE_INDEX, load_records, tiny_config
+from .core import IGNORE_INDEX, as_config, load_records, shrink_config, shrink_table, tiny_config
 from .launch import launch
 from .sp.proofs import Case, case_model, case_rows
 from .sp.grid import check_sp, ParallelGrid
@@ -39,7 +39,7 @@ class Run:
     dp: int = 1                  # data-parallel replicas (each step trains `dp` rows, one per replica)
     packed: bool = True          # FLAN-like examples packed in a row, else one long document per row
     attention: str = "sdpa"      # the model's attention implementation (the engine's inner attention under SP)
-    family: str = "llama"        # shipped tiny config
+    family: str = "llama"        # shipped tiny config, or a directory holding a config.json (a shrunk user model)
     dtype: str = "float32"       # "float32" or "float64"
     tokens: int = 203            # row length before padding to a multiple of `sp`
     steps: int = 2               # optimizer steps (plain SGD)
@@ -59,7 +59,7 @@ class Run:
         extra = "" if self.loss == "exact" else f", loss {self.loss}"
         extra += "" if self.max_grad_norm is None else f", clip {self.max_grad_norm:g}"
         extra += "" if self.dtype == "float32" else f", {self.dtype}"
-        return f"{self.engine} {self.layout}, {self.family}, {'packed' if self.packed else 'unpacked'}, {self.attention}{extra}"
+        return f"{self.engine} {self.layout}, {os.path.basename(self.family.rstrip(os.sep))}, {'packed' if self.packed else 'unpacked'}, {self.attention}{extra}"
 
 def run_rows(run: Run) -> list[list[dict]]:
     "The rows of every step (a list of `dp` packed rows per step): the same for every engine and layout of a case."
@@ -199,7 +199,9 @@ def _clip(model, run: Run) -> float:
 
 def _train_here(run: Run, rows: list, no_mask: bool) -> dict:
     model = case_model(run.case, run.attention).train()
-    if no_mask: model.config.sliding_window = None  # read when the mask is built: plain causal, as sdpa's is_causal
+    if no_mask:  # read when the mask is built: plain causal, as sdpa's is_causal; a model with sliding layers (layer_types)
+        sliding = "sliding_attention" in (getattr(model.config, "layer_types", None) or [])  # needs a window: one no row reaches
+        model.config.sliding_window = 1 << 30 if sliding else None
     opt, rec = torch.optim.SGD(model.parameters(), lr=run.lr), Recorder(run, model)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the summation order of the launched processes
@@ -540,6 +542,7 @@ class EngineReport:
     verdicts: list                           # `Verdict`s in the order run
     seconds: float = 0.0                     # wall time of the proof
     results: list = field(default_factory=list, repr=False)  # every trained run (golden runs included): the ledger
+    shrunk: dict | None = None               # the user's model against its tiny copy (`shrink_table`), when one was shrunk
 
     def __getitem__(self, i) -> Verdict: return self.verdicts[i]
     def find(self, **match) -> Verdict:
@@ -554,8 +557,12 @@ class EngineReport:
     def _title(self):
         bad = sum(v.status != "exact" for v in self.verdicts)
         return (f"Engine proof: {len(self.verdicts)} runs against one process, {bad} not exact ({self.seconds:.0f} s)")
+    def _shrunk(self) -> str:
+        if not self.shrunk: return ""
+        kept = ", ".join(f"{k} {a} → {b}" if a != b else f"{k} {a}" for k, (a, b) in self.shrunk.items() if a is not None)
+        return f"Your model, shrunk to a tiny copy of the same architecture (original → tiny): {kept}"
     def __str__(self):
-        lines = [self._title()]
+        lines = [self._title(), *([self._shrunk()] if self.shrunk else [])]
         for v in self.verdicts:
             d = v.diff
             lines.append(f"  [{v.status.upper():6}] {v.run.name}: loss {d['loss']:.2g}, gradients {d['grads']:.2g}, "
@@ -567,25 +574,49 @@ class EngineReport:
         head = "| verdict | run | loss diff | grad diff | grad-norm ratio | cause | fix |\n|---|---|---|---|---|---|---|"
         rows = [f"| {v.status.upper()} | {v.run.name} | {v.diff['loss']:.2g} | {v.diff['grads']:.2g} | "
                 f"{v.diff['grad_norm_ratio']:.4g} | {v.cause} | {v.fix} |" for v in self.verdicts]
-        return "\n".join([f"**{self._title()}**", "", head, *rows])
+        return "\n".join([f"**{self._title()}**", "", *([self._shrunk(), ""] if self.shrunk else []), head, *rows])
 
 def references(runs: list) -> list:
     "The one-process runs that `runs` are judged against: the golden run and the no-mask reference of each, once."
     return sorted({golden_of(r, m) for r in runs for m in (False, True)}, key=lambda g: g.name)
+
+def _check_golden(config):
+    "Refuse a model class without sdpa before any launch: the golden run (one process, per-document masks) runs sdpa."
+    from transformers import AutoModelForCausalLM
+    cls = AutoModelForCausalLM._model_mapping[type(config)]
+    if not cls._supports_sdpa:
+        raise ValueError(f"{cls.__name__} has no sdpa attention in transformers (_supports_sdpa=False): the golden run, one "
+                         f"process with per-document masks, runs sdpa, so its engines cannot be judged here")
 
 def prove_engine(engines=("workbench", "alst"),   # engines to prove (keys of `ENGINES`)
                  sp_sizes=(2,),                   # SP sizes, one launch each (DP 1)
                  packed=(False, True),            # row layouts
                  attention: str = "sdpa",         # the attention users load the model with
                  fix: bool = True,                # also run the engines that leak with attention 'workbench_varlen'
-                 family: str = "llama",           # shipped tiny config (llama3: 2 kv heads, so kv < SP at SP 4)
+                 family: str | None = None,       # shipped tiny config (default 'llama'; llama3: 2 kv heads, so kv < SP at SP 4)
                  dtype: str = "float32",
                  loss: dict | None = None,        # loss formula per engine (default: ALST as users run it, 'hf_sp')
                  max_grad_norm: float | None = None,  # clip every run (and its golden run) to this gradient norm
                  deadline_s: float = 600,         # limit of each launch
+                 model=None,                      # your model instead of `family`: a model directory, a config or a model
+                                                  # instance, proven as a tiny random-weight copy of its architecture (`shrink_config`)
                 ) -> EngineReport:
     "Train the same tiny model on the same rows through every engine and SP size, and judge each against one process."
     import math, time
+    if model is not None:
+        if family is not None: raise ValueError(f"pass family={family!r} (a shipped tiny config) or model (yours), not both")
+        original = as_config(model)
+        for p in sp_sizes: check_sp(original, p)  # your model's own heads against every SP size, before shrinking
+        tiny = shrink_config(original, sp_size=math.lcm(*sp_sizes))  # kv heads split or replicated as the original's
+        with tempfile.TemporaryDirectory() as d:  # the launched processes read the tiny config from here
+            path = os.path.join(d, f"{tiny.model_type}-tiny")
+            tiny.save_pretrained(path)
+            report = prove_engine(engines=engines, sp_sizes=sp_sizes, packed=packed, attention=attention, fix=fix,
+                                  family=path, dtype=dtype, loss=loss, max_grad_norm=max_grad_norm, deadline_s=deadline_s)
+        report.shrunk = shrink_table(original, tiny)
+        return report
+    family = family or "llama"
+    _check_golden(tiny_config(family))
     t = time.time()
     loss = {"alst": "hf_sp", "alst_accelerate": "hf_sp", **(loss or {})}
     steps = math.lcm(*sp_sizes)  # ALST's adapter serves a step from every SP rank in turn
@@ -600,9 +631,10 @@ def prove_engine(engines=("workbench", "alst"),   # engines to prove (keys of `E
 
 # %% ../nbs/16_engines.ipynb #9b6d8825
 def prove_config(parallelism_config,         # the accelerate `ParallelismConfig` a cluster run will use
-                 family: str = "llama3",     # the shipped tiny config standing in for the model
+                 family: str | None = None,  # the shipped tiny config standing in for the model (default 'llama3')
                  max_grad_norm: float | None = None,  # the run's TrainingArguments.max_grad_norm (None: no clipping)
                  deadline_s: float = 600,
+                 model=None,                 # your model instead of `family`: a model directory, a config or a model instance
                 ) -> EngineReport:
     "Judge the ALST setup of a `ParallelismConfig` (its SP size and attention) through accelerate + the HF Trainer on CPU."
     pc = parallelism_config
@@ -610,5 +642,6 @@ def prove_config(parallelism_config,         # the accelerate `ParallelismConfig
         raise ValueError(f"prove_config proves DeepSpeed ALST: a ParallelismConfig with sp_backend='deepspeed' and "
                          f"sp_size > 1, got sp_backend={getattr(pc, 'sp_backend', None)!r}, sp_size={getattr(pc, 'sp_size', None)!r}")
     attention = getattr(pc.sp_handler, "sp_attn_implementation", None) or "sdpa"  # accelerate's default
-    return prove_engine(engines=("alst_accelerate",), sp_sizes=(pc.sp_size,), attention=attention, family=family,
-                        deadline_s=deadline_s, max_grad_norm=max_grad_norm)
+    return prove_engine(engines=("alst_accelerate",), sp_sizes=(pc.sp_size,), attention=attention,
+                        family=family or (None if model is not None else "llama3"), deadline_s=deadline_s,
+                        max_grad_norm=max_grad_norm, model=model)

@@ -29,7 +29,7 @@ __all__ = ['Case', 'case_model', 'case_rows', 'one_process', 'check_equivalence'
 @dataclass(frozen=True)
 class Case:
     "One equivalence check: a model family, an inner attention, a row layout and a dtype."
-    family: str = "llama"     # shipped tiny config
+    family: str = "llama"     # shipped tiny config, or a directory holding a config.json (`shrink_config` saved)
     inner: str = "sdpa"       # attention implementation wrapped by Ulysses
     packed: bool = True       # several FLAN-like examples in a row, else one long document
     dtype: str = "float32"    # "float32" or "float64"
