@@ -119,8 +119,8 @@ def test_model_packed_and_padded_equal_eager(family, examples):
     lens = [len(f["input_ids"]) for f in examples]
     ref = per_example_logits(tiny_model(family, attn_implementation="eager"), PaddingCollator()(examples), lens)
     ours = tiny_model(family, attn_implementation=KEY)
-    assert _max_diff(per_example_logits(ours, FlatteningCollator()(examples), lens), ref) < 1e-5
-    padded_row = FlatteningCollator(pad_to_multiple_of=64)(examples)  # plus one dummy example of padding
+    assert _max_diff(per_example_logits(ours, FlatteningCollator(train_all_tokens=True)(examples), lens), ref) < 1e-5
+    padded_row = FlatteningCollator(pad_to_multiple_of=64, train_all_tokens=True)(examples)  # plus one dummy example of padding
     with_dummy = lens + [padded_row["input_ids"].shape[1] - sum(lens)]
     assert with_dummy[-1] > 0
     assert _max_diff(per_example_logits(ours, padded_row, with_dummy)[:-1], ref) < 1e-5
@@ -157,7 +157,7 @@ def test_set_attn_implementation_and_dropout(examples):
     model = tiny_model("llama", attn_implementation="sdpa", attention_dropout=0.5)
     model.set_attn_implementation(KEY)
     assert model.config._attn_implementation == KEY
-    batch = {k: v for k, v in FlatteningCollator()(examples).items() if k != "labels"}
+    batch = {k: v for k, v in FlatteningCollator(train_all_tokens=True)(examples).items() if k != "labels"}
     with torch.no_grad():
         e1, e2 = model(**batch, use_cache=False).logits, model(**batch, use_cache=False).logits
         model.train()

@@ -71,7 +71,7 @@ def test_resume_at_any_step_is_exact_on_every_rank(lengths, k, stop, buffer_size
 def test_an_iterable_dataset_with_none_rows_and_1xT_rows():
     rows = [{"input_ids": [[1, 2, 3, 4, 5]]}, {"input_ids": [[6, 7]]}, {"input_ids": [[8, 9, 10]]}]
     ds = Dataset.from_list(rows).to_iterable_dataset()
-    stream = PackedStream(ds, 4, buffer_size=2, overlong="split", collate_fn=FlatteningCollator())
+    stream = PackedStream(ds, 4, buffer_size=2, overlong="split", collate_fn=FlatteningCollator(train_all_tokens=True))
     out = [b["input_ids"].tolist() for b in DataLoader(stream, batch_size=None)]
     assert sorted(t for row in out for t in row[0]) == list(range(1, 11)) and max(len(r[0]) for r in out) <= 4
     holed = Dataset.from_list([{"input_ids": [1, 2]}, {"input_ids": [3]}, {"input_ids": None}]).to_iterable_dataset()
@@ -152,7 +152,7 @@ def test_plan_dataset_over_a_selected_dataset_with_1xT_rows():
     pieces = plan.dataset(ds)
     bins = [[pieces[i] for i in b] for b in plan.bins]
     _check_kept(bins, [{"input_ids": r["input_ids"][0], "idx": r["idx"]} for r in ds], 8)
-    batch = FlatteningCollator()([{"input_ids": f["input_ids"]} for f in bins[0]])
+    batch = FlatteningCollator(train_all_tokens=True)([{"input_ids": f["input_ids"]} for f in bins[0]])
     assert batch["input_ids"].shape[1] == plan.bin_tokens[0]
     assert str(packing_report(ds, batch_size=2)) == str(packing_report([len(r["input_ids"][0]) for r in ds], batch_size=2))
 

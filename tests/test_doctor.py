@@ -18,7 +18,7 @@ def feats():
 
 @pytest.fixture(scope="module")
 def packed(feats):
-    return FlatteningCollator()(feats)
+    return FlatteningCollator(train_all_tokens=True)(feats)
 
 
 def _statuses(report: DoctorReport) -> dict:
@@ -32,7 +32,7 @@ def test_clean_setup_is_clean_everywhere(packed):
 
 
 def test_padding_dummy_is_just_another_example(feats):
-    batch = FlatteningCollator(pad_to_multiple_of=128)(feats)
+    batch = FlatteningCollator(pad_to_multiple_of=128, train_all_tokens=True)(feats)
     report = check_packing(tiny_model("llama"), batch, NO_CACHE)
     assert report.n_examples == len(feats) + 1 and report.clean
 
@@ -100,15 +100,15 @@ def _tiny_roberta(attn):
 def test_position_ids_start_detected_and_fixed(feats):
     "RoBERTa-style position embeddings reserve ids up to padding_idx: positions must start at padding_idx + 1."
     model = _tiny_roberta(KEY)
-    sick = check_packing(model, FlatteningCollator()(feats), NO_CACHE)
+    sick = check_packing(model, FlatteningCollator(train_all_tokens=True)(feats), NO_CACHE)
     assert not sick.clean and sick["position_ids start"].status == "fail"
     assert "position_ids_start=1" in sick["position_ids start"].fix
-    assert check_packing(model, FlatteningCollator(position_ids_start=1)(feats), NO_CACHE).clean
+    assert check_packing(model, FlatteningCollator(position_ids_start=1, train_all_tokens=True)(feats), NO_CACHE).clean
 
 
 def test_attention_that_ignores_packing_is_caught(feats):
     "RoBERTa's own eager/sdpa masks ignore packed position_ids: the probe catches it; our varlen attention fixes it."
-    batch = FlatteningCollator(position_ids_start=1)(feats)
+    batch = FlatteningCollator(position_ids_start=1, train_all_tokens=True)(feats)
     model = _tiny_roberta("sdpa")
     sick = check_packing(model, batch, NO_CACHE)
     assert not sick.clean and sick["contamination probe"].status == "fail" and KEY in sick["contamination probe"].fix
@@ -122,8 +122,8 @@ def test_convolution_layers_detected(feats):
     cfg = tr.AutoConfig.for_model("lfm2", vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2, layer_types=["conv", "full_attention"])
     model = tr.AutoModelForCausalLM.from_config(cfg).eval()
-    silent = check_packing(model, FlatteningCollator()(feats), NO_CACHE)  # without seq_idx the convolution leaks silently
-    refused = check_packing(model, FlatteningCollator(return_seq_idx=True)(feats), NO_CACHE)  # with it, transformers refuses
+    silent = check_packing(model, FlatteningCollator(train_all_tokens=True)(feats), NO_CACHE)  # without seq_idx the convolution leaks silently
+    refused = check_packing(model, FlatteningCollator(return_seq_idx=True, train_all_tokens=True)(feats), NO_CACHE)  # with it, transformers refuses
     assert not silent.clean and silent["sequence-mixing layers"].status == "fail"  # measured, not read from class names
     assert "ShortConv" in silent["sequence-mixing layers"].detail and "padded batches" in silent["sequence-mixing layers"].fix
     assert silent["contamination probe"].status == "fail" and "padded batches" in silent["contamination probe"].fix

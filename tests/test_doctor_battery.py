@@ -18,7 +18,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 @pytest.fixture(scope="module")
 def packed():
-    return FlatteningCollator()(matrix_examples())
+    return FlatteningCollator(train_all_tokens=True)(matrix_examples())
 
 
 def _verified(report):
@@ -193,7 +193,7 @@ def test_compiled_model_is_measured(packed):
 
 def test_padded_fix_verified_without_padding():
     "Examples of one length: their padded twin has an all-ones mask and still counts one example per row."
-    same = FlatteningCollator()([{"input_ids": f["input_ids"][:20]} for f in matrix_examples()])
+    same = FlatteningCollator(train_all_tokens=True)([{"input_ids": f["input_ids"][:20]} for f in matrix_examples()])
     model = tiny_model("llama")
     model.model.layers[0].mlp = ShiftMix(model.model.layers[0].mlp, 1e-2)
     report = check_packing(model, same, NO_CACHE)
@@ -220,7 +220,7 @@ def test_moe_routing_does_not_fake_a_leak(monkeypatch):
     from workbench.doctor import _perturbed  # the probe's own perturbation, to show what it avoids
     monkeypatch.setattr(moe, "_grouped_mm", _rounding_by_count(moe._grouped_mm))
     model = tiny_model("mixtral", hidden_size=1024, intermediate_size=1024, num_hidden_layers=1)
-    batch = FlatteningCollator()([{"input_ids": f["input_ids"][:40]} for f in load_sample("flan_like", limit=24)[20:24]])
+    batch = FlatteningCollator(train_all_tokens=True)([{"input_ids": f["input_ids"][:40]} for f in load_sample("flan_like", limit=24)[20:24]])
     examples = torch.from_numpy(example_ids(torch.diff(batch["cu_seq_lens_q"]).numpy()))
     with torch.no_grad():
         base = model(**batch, use_cache=False).logits[0]
@@ -266,7 +266,7 @@ def test_leak_backwards_and_two_packed_rows(packed):
     model.model.layers[0].mlp = ShiftMix(model.model.layers[0].mlp, 1e-3, ahead=True)
     assert check_packing(model, packed, NO_CACHE).cross_example_effect > 0
     feats = matrix_examples()
-    rows = [FlatteningCollator(pad_to_multiple_of=96)(part) for part in (feats[:2], feats[2:])]
+    rows = [FlatteningCollator(pad_to_multiple_of=96, train_all_tokens=True)(part) for part in (feats[:2], feats[2:])]
     two = {k: torch.cat([r[k] for r in rows]) for k in ("input_ids", "labels", "position_ids")}
     report = check_packing(tiny_model("qwen2"), two, NO_CACHE)
     assert report.clean and report.n_examples == 7 and report.cross_example_effect == 0, str(report)

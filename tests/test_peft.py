@@ -34,7 +34,7 @@ def trained(model) -> set:
 
 @pytest.fixture(scope="module")
 def packed():
-    return FlatteningCollator()(matrix_examples())
+    return FlatteningCollator(train_all_tokens=True)(matrix_examples())
 
 
 # ---------------------------------------------------------------- one process: the doctor sees through the wrappers

@@ -122,7 +122,7 @@ def test_interacting_blocks_is_block_pairs():
         for (u, r), strategy, window in zip([(1, 2), (2, 2), (1, 4), (2, 3)] * 3, PLANS * 4, [0, 7, 64, 0] * 3):
             cu, blocks = ring_blocks(lens, u, r, strategy)
             assert (interacting_blocks(blocks, cu, window) == block_pairs(blocks, documents(torch.tensor(cu)), window or None).numpy()).all()
-            padded, plan = plan_row(FlatteningCollator()([{"input_ids": [1] * n} for n in lens]), u * r, strategy)
+            padded, plan = plan_row(FlatteningCollator(train_all_tokens=True)([{"input_ids": [1] * n} for n in lens]), u * r, strategy)
             assert cu.tolist() == padded["cu_seq_lens_q"].tolist() and torch.equal(blocks, plan.reshape(r, -1))
 
 

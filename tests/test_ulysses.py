@@ -84,7 +84,7 @@ def test_shards_put_back_together_are_the_globally_shifted_row(sp_size):
 
 def test_single_process_wrapper_refuses_what_it_cannot_compute():
     model = tiny_model("llama", attn_implementation=register_ulysses("sdpa"))
-    shard = shard_batch(FlatteningCollator()([{"input_ids": list(range(3, 40))}]), 0, 1)
+    shard = shard_batch(FlatteningCollator(train_all_tokens=True)([{"input_ids": list(range(3, 40))}]), 0, 1)
     with pytest.raises(ValueError, match="sp_grid=grid"):
         model(input_ids=shard["input_ids"], position_ids=shard["position_ids"],
               cu_seq_lens_q=shard["cu_seq_lens_q"], use_cache=False)
