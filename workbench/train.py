@@ -52,6 +52,7 @@ __all__ = ['DTYPES', 'BALANCES', 'PRESETS', 'TOKENIZER_FILES', 'PROJECT', 'CHECK
            'open_trackers', 'TrackerSink', 'reporting', 'plan_id', 'save_model_dir', 'checkpoints', 'latest_checkpoint',
            'commit_checkpoint', 'check_resume', 'check_out', 'save_checkpoint', 'load_checkpoint', 'attention_key',
            'plan_readout', 'cost_modelled', 'token_imbalance', 'plan_run', 'balance_readout', 'step_bytes',
+           'step_shards', 'forward_backward', 'optimizer_step', 'shard_tokens', 'row_tokens', 'step_metrics',
            'train_rank', 'preflight_run', 'run', 'main']
 
 # %% ../nbs/08_train.ipynb #aa8d263e
@@ -676,6 +677,74 @@ def step_bytes(config,            # the model config
     sent = [comm_bytes(config, n, cfg.sp, cfg.ring, cfg.checkpointing, dtype_bytes) for n in rows]
     return dict(a2a_bytes=sum(b["all_to_all"] for b in sent), ring_bytes=sum(b["ring"] for b in sent))
 
+# %% ../nbs/08_train.ipynb #b8d2f1a3
+def step_shards(bins: list,       # this replica's plan bins of one optimizer step, one per micro-step
+                pieces,           # the plan's pieces (`plan.dataset(features)`)
+                collate,          # the collator that packs a bin's pieces into one row
+                grid,             # the `ParallelGrid` of this process
+                cfg: TrainConfig,
+               ) -> list[dict]:
+    "Each micro-step's packed row, cut into this process's shard (labels shifted over the whole row first)."
+    shards = []
+    for bin_ids in bins:
+        row = collate([pieces[i] for i in bin_ids])
+        if cfg.ring > 1: shard = ring_batch(row, grid)
+        else: shard = shard_batch(row, grid.sp_rank, cfg.sp)
+        shards.append(shard)
+    return shards
+
+def forward_backward(model, shards: list[dict], grid, cfg: TrainConfig, device: torch.device) -> torch.Tensor:
+    "Forward and backward every micro-step's shard; this process's share of the step's loss (summed token losses / the step's trained tokens)."
+    step_trained = sum(shard["num_items_in_batch"] for shard in shards)  # every micro-step's row: the loss denominator
+    step_loss = torch.zeros((), device=device)
+    for shard in shards:
+        micro = {**shard, "num_items_in_batch": step_trained}  # the shard keeps its own row's count (the metrics read it)
+        if cfg.ring > 1: _, loss = ring_forward(model, micro, grid)
+        else: _, loss = sp_forward(model, micro, grid, cfg.loss_chunk or None)
+        loss.backward()
+        step_loss += loss.detach()
+    return step_loss
+
+def optimizer_step(model, opt, grid):
+    "Sum the gradients over the grid (FSDP2 already reduce-scattered a sharded model's), step, and clear them."
+    reduce_gradients(model, grid)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+def shard_tokens(shard: dict, real: int, grid, cfg: TrainConfig) -> int:
+    "Tokens of the plan (not padding) in this process's shard of a row holding `real` of them."
+    if cfg.ring > 1: return int((shard["token_index"] < real).sum())  # the ring deals tokens out of order
+    width = shard["input_ids"].shape[1]
+    before = grid.sp_rank * width  # tokens of the row in the shards before this one
+    return min(max(real - before, 0), width)
+
+def row_tokens(shard: dict, cfg: TrainConfig) -> int:
+    "Tokens of the whole (padded) row a shard was cut from."
+    if cfg.ring > 1: return shard["ring_index"].numel()
+    return shard["input_ids"].shape[1] * cfg.sp
+
+def step_metrics(step: int, loss: float, bins: list, shards: list[dict], plan, grid, cfg: TrainConfig, model,
+                 device: torch.device,
+                 seconds: float,   # this step's wall time
+                 a2a_s: float,     # of which in the all-to-alls
+                 ring_s: float,    # of which in the ring's exchanges
+                 elapsed: float,   # since the run started
+                 predicted) -> dict:
+    "The metrics row of one step (what `metrics.jsonl`, the dashboard and the trackers read)."
+    real = [int(plan.length[b].sum()) for b in bins]  # the plan's tokens of each micro-step's row
+    trained = sum(shard["num_items_in_batch"] for shard in shards)
+    mine = sum(shard_tokens(shard, n, grid, cfg) for shard, n in zip(shards, real))
+    replica = [float(sum(real)), float(trained)] if grid.sp_rank == 0 else [0.0, 0.0]  # once per replica
+    everyone = torch.tensor(replica, device=device)
+    if dist.is_initialized(): dist.all_reduce(everyone)  # real tokens and trained targets of every replica
+    sent = step_bytes(model.config, [row_tokens(shard, cfg) for shard in shards], cfg, model.dtype.itemsize)
+    mfu = measured_mfu(model.config, [plan.length[b] for b in bins], cfg, seconds, predicted)
+    return dict(step=step, rank=_rank(), loss=loss, tokens=mine, trained=int(everyone[1]),
+                tokens_per_s=everyone[0].item() / seconds, peak_mem_bytes=peak_memory_bytes(device),
+                a2a_share=a2a_s / seconds, ring_share=ring_s / seconds, **sent,
+                time=elapsed, step_s=seconds, **mfu)
+
+# %% ../nbs/08_train.ipynb #c9e3a2b4
 def train_rank(cfg: TrainConfig) -> list[float]:
     "Train on this process as one rank of the `cfg.dp` x `cfg.sp` grid; return the loss of every step it trained."
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -710,36 +779,17 @@ def train_rank(cfg: TrainConfig) -> list[float]:
         truncate_metrics(out, start)  # a resumed run logs each step once: rows past the checkpoint go
     if dist.is_initialized(): dist.barrier()
     with reporting(cfg, start) as sink:
-        bins, losses, t_run = _endless(sampler), [], time.perf_counter()
+        bin_stream, losses, t_run = _endless(sampler), [], time.perf_counter()
         for step in tqdm(range(start, cfg.steps), desc=f"train sp={cfg.sp} ring={cfg.ring} dp={cfg.dp}", disable=_rank() != 0, file=sys.stdout):  # stdout: not red in Jupyter
-            t0, comm0, ring0 = time.perf_counter(), grid.clock.seconds, grid.stats.seconds
-            rows = [next(bins) for _ in range(cfg.grad_accum)]
-            shards = [ring_batch(collate([pieces[i] for i in b]), grid) if cfg.ring > 1 else
-                      shard_batch(collate([pieces[i] for i in b]), grid.sp_rank, cfg.sp) for b in rows]
-            count = sum(s["num_items_in_batch"] for s in shards)
-            step_loss = torch.zeros((), device=device)
-            for s in shards:
-                s["num_items_in_batch"] = count  # the denominator is the whole step's trained tokens
-                _, loss = ring_forward(model, s, grid) if cfg.ring > 1 else sp_forward(model, s, grid, cfg.loss_chunk or None)
-                loss.backward()
-                step_loss += loss.detach()
-            reduce_gradients(model, grid)  # summed over the grid (FSDP2 already reduce-scattered a sharded model's)
-            opt.step(); opt.zero_grad(set_to_none=True)
+            t0, a2a0, ring0 = time.perf_counter(), grid.clock.seconds, grid.stats.seconds
+            bins = [next(bin_stream) for _ in range(cfg.grad_accum)]
+            shards = step_shards(bins, pieces, collate, grid, cfg)
+            step_loss = forward_backward(model, shards, grid, cfg, device)
+            optimizer_step(model, opt, grid)
             losses.append(global_loss(step_loss, grid))
-            real = sum(int(plan.length[b].sum()) for b in rows)  # real tokens of this replica's rows
-            mine = sum(int((s["token_index"] < int(plan.length[b].sum())).sum()) if cfg.ring > 1 else  # a plan's tokens
-                       min(max(int(plan.length[b].sum()) - grid.sp_rank * s["input_ids"].shape[1], 0), s["input_ids"].shape[1])
-                       for s, b in zip(shards, rows))
             seconds = time.perf_counter() - t0
-            everyone = torch.tensor([float(real), float(count)] if grid.sp_rank == 0 else [0.0, 0.0], device=device)
-            if dist.is_initialized(): dist.all_reduce(everyone)  # real tokens and trained targets of every replica
-            row = dict(step=step, rank=_rank(), loss=losses[-1], tokens=mine, trained=int(everyone[1]),
-                       tokens_per_s=everyone[0].item() / seconds, peak_mem_bytes=peak_memory_bytes(device),
-                       a2a_share=(grid.clock.seconds - comm0) / seconds, ring_share=(grid.stats.seconds - ring0) / seconds,
-                       **step_bytes(model.config, [s["ring_index"].numel() if cfg.ring > 1 else s["input_ids"].shape[1] * cfg.sp
-                                                   for s in shards], cfg, model.dtype.itemsize),
-                       time=time.perf_counter() - t_run, step_s=seconds,
-                       **measured_mfu(model.config, [plan.length[b] for b in rows], cfg, seconds, predicted))
+            row = step_metrics(step, losses[-1], bins, shards, plan, grid, cfg, model, device, seconds, grid.clock.seconds - a2a0,
+                               grid.stats.seconds - ring0, time.perf_counter() - t_run, predicted)
             write_metrics(out, **row)
             sink.log(row)
             if step + 1 == cfg.steps or cfg.save_every and (step + 1) % cfg.save_every == 0:
