@@ -47,13 +47,13 @@ from .sp.ulysses import register_ulysses, sp_forward
 # %% auto #0
 __all__ = ['DTYPES', 'BALANCES', 'PRESETS', 'TOKENIZER_FILES', 'PROJECT', 'CHECKPOINTS', 'MODEL_DIR', 'ADAPTER_DIR', 'SAVE_WAIT',
            'flag', 'tracker_names', 'TrainConfig', 'chat_features', 'tokenize_rows', 'load_features', 'run_tokenizer',
-           'run_features', 'check_token_ids', 'model_config', 'add_lora', 'build_model', 'peak_memory_bytes',
-           'expected_memory', 'memory_readout', 'write_metrics', 'read_metrics', 'truncate_metrics', 'hparams',
-           'open_trackers', 'TrackerSink', 'reporting', 'plan_id', 'save_model_dir', 'checkpoints', 'latest_checkpoint',
-           'commit_checkpoint', 'check_resume', 'check_out', 'save_checkpoint', 'load_checkpoint', 'attention_key',
-           'plan_readout', 'cost_modelled', 'token_imbalance', 'plan_run', 'balance_readout', 'step_bytes',
-           'step_shards', 'forward_backward', 'optimizer_step', 'shard_tokens', 'row_tokens', 'step_metrics',
-           'train_rank', 'preflight_run', 'run', 'main']
+           'run_features', 'check_token_ids', 'model_config', 'add_lora', 'run_dtype', 'build_model',
+           'peak_memory_bytes', 'watch_memory', 'expected_memory', 'memory_readout', 'write_metrics', 'read_metrics',
+           'truncate_metrics', 'hparams', 'open_trackers', 'TrackerSink', 'reporting', 'plan_id', 'save_model_dir',
+           'checkpoints', 'latest_checkpoint', 'commit_checkpoint', 'check_resume', 'check_out', 'save_checkpoint',
+           'load_checkpoint', 'attention_key', 'plan_readout', 'cost_modelled', 'token_imbalance', 'plan_run',
+           'balance_readout', 'step_bytes', 'step_shards', 'forward_backward', 'optimizer_step', 'shard_tokens',
+           'row_tokens', 'step_metrics', 'train_rank', 'preflight_run', 'run', 'memory_comparison', 'main']
 
 # %% ../nbs/08_train.ipynb #aa8d263e
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}  # besides "auto"
@@ -327,10 +327,14 @@ def add_lora(model, r: int):
     get_peft_model(model, LoraConfig(r=r, target_modules="all-linear"))
     return model
 
+def run_dtype(cfg: TrainConfig, device_type: str) -> torch.dtype:
+    "The dtype the run trains in: `cfg.dtype`, or for 'auto' bf16 on CUDA and fp32 on a CPU."
+    return DTYPES.get(cfg.dtype) or (torch.bfloat16 if device_type == "cuda" else torch.float32)
+
 def build_model(cfg: TrainConfig, attn_implementation: str, device: torch.device):
     "The model of `cfg.model` with the given attention, seeded, in train mode (checkpoint weights loaded when present)."
     from transformers import AutoModelForCausalLM
-    dtype = DTYPES.get(cfg.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = run_dtype(cfg, device.type)
     config = model_config(cfg)
     torch.manual_seed(cfg.seed)
     weights = cfg.model not in model_families() and any(p.suffix in (".safetensors", ".bin") for p in Path(cfg.model).iterdir())
@@ -343,28 +347,51 @@ def build_model(cfg: TrainConfig, attn_implementation: str, device: torch.device
     return model.to(device).train()
 
 # %% ../nbs/08_train.ipynb #d219f250
+_STATUS = Path("/proc/self/status")  # Linux: VmRSS (resident now) and VmHWM (its peak), in KiB
+
+def _proc_status(key: str) -> int | None:
+    if not _STATUS.exists(): return None
+    kib = re.search(rf"^{key}:\s+(\d+) kB", _STATUS.read_text(), re.M)
+    return int(kib.group(1)) * 1024 if kib else None
+
 def peak_memory_bytes(device: torch.device) -> int:
-    "Peak memory of this process: CUDA's max allocated on a GPU, the peak resident set size on a CPU."
+    "Peak memory of this process since `watch_memory`: CUDA's max allocated on a GPU, the peak resident set size on a CPU."
     if device.type == "cuda": return int(torch.cuda.max_memory_allocated(device))
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    peak = _proc_status("VmHWM")
+    if peak is not None: return peak
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # not Linux: since the process started (KiB on most)
+
+def watch_memory(device: torch.device):
+    "Count this process's peak memory from now: a forked rank otherwise starts from its parent's peak (a notebook's, say)."
+    if device.type == "cuda": torch.cuda.reset_peak_memory_stats(device)
+    else:
+        try: Path("/proc/self/clear_refs").write_text("5")  # Linux: VmHWM restarts from VmRSS
+        except OSError: pass  # elsewhere the peak counts from the process's start: it can only read high
 
 # %% ../nbs/08_train.ipynb #0e14afb2
-def expected_memory(cfg: TrainConfig):
-    "The planner's per-rank peak (bf16) for this run: a `workbench.memory.Estimate` with named parts."
+_SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
+
+def expected_memory(cfg: TrainConfig, dtype: torch.dtype = torch.bfloat16):
+    "The planner's per-rank peak for this run in `dtype` (a GPU run's bf16 by default): a `workbench.memory.Estimate` with named parts."
     levers = Levers(checkpointing=cfg.checkpointing, offload_checkpoints=cfg.offload_checkpoints,
                     tiled_loss=bool(cfg.loss_chunk), loss_chunk=cfg.loss_chunk or 1024,
                     tiled_mlp=bool(cfg.mlp_chunk), mlp_chunk=cfg.mlp_chunk or None, lean_kernels=cfg.lean_kernels)
     seq = (-(-cfg.max_tokens // cfg.sp) * cfg.sp if cfg.ring == 1 else  # the row is padded to a multiple of sp,
            int(ring_blocks([cfg.max_tokens], cfg.sp, cfg.ring)[0][-1]))   # or as the ring's plan pads it
     return estimate(model_config(cfg), seq, cfg.sp, cfg.dp, ring=cfg.ring, levers=levers, zero_stage=3 if cfg.shard else 0,
-                    optimizer_offload=cfg.cpu_offload, param_offload=cfg.cpu_offload, runtime_gib=0)
+                    optimizer_offload=cfg.cpu_offload, param_offload=cfg.cpu_offload, runtime_gib=0,
+                    dtype_bytes=dtype.itemsize)
 
-def memory_readout(cfg: TrainConfig) -> tuple[int | None, str]:
-    "The planned per-rank peak in bytes and the line saying it, or None and the line saying why the planner cannot."
-    try: plan = expected_memory(cfg)
+def memory_readout(cfg: TrainConfig, dtype: torch.dtype = torch.bfloat16) -> tuple[int | None, str]:
+    "The planned per-rank peak in `dtype` in bytes and the line saying it, or None and the line saying why the planner cannot."
+    if dtype.itemsize != 2:  # the planner's activation terms are measured for bf16/fp16: no figure to compare with this run
+        try: gpu = f"; the same run in bf16 on a GPU is planned at {expected_memory(cfg).gib:.3f} GiB per rank"
+        except ValueError: gpu = ""
+        return None, f"expected per-rank peak: not planned for {_SHORT[dtype]} training (the planner models bf16/fp16){gpu}"
+    try: plan = expected_memory(cfg, dtype)
     except ValueError as e: return None, f"memory readout: none for this model ({e}); training anyway"
     host = f"; host memory for the offloads {plan.host_gib:.3f} GiB" if plan.host_gib else ""
-    return plan.total, f"expected per-rank peak (planner, bf16): {plan.gib:.3f} GiB{host}"
+    return plan.total, f"expected per-rank peak (planner, {_SHORT[dtype]}): {plan.gib:.3f} GiB{host}"
 
 # %% ../nbs/08_train.ipynb #92a8a776
 def _rank() -> int: return dist.get_rank() if dist.is_initialized() else 0
@@ -729,7 +756,8 @@ def step_metrics(step: int, loss: float, bins: list, shards: list[dict], plan, g
                  a2a_s: float,     # of which in the all-to-alls
                  ring_s: float,    # of which in the ring's exchanges
                  elapsed: float,   # since the run started
-                 predicted) -> dict:
+                 predicted,        # the step-time prediction (None: a run the cost model does not model)
+                ) -> dict:
     "The metrics row of one step (what `metrics.jsonl`, the dashboard and the trackers read)."
     real = [int(plan.length[b].sum()) for b in bins]  # the plan's tokens of each micro-step's row
     trained = sum(shard["num_items_in_batch"] for shard in shards)
@@ -755,6 +783,7 @@ def train_rank(cfg: TrainConfig) -> list[float]:
     device = _device()
     grid = ParallelGrid.build(cfg.sp, cfg.ring, device.type)
     wait = dist.new_group(backend="gloo", timeout=SAVE_WAIT) if dist.is_initialized() else None  # for checkpoint saves
+    watch_memory(device)
     model = build_model(cfg, attention_key(cfg), device)
     if cfg.ring > 1: check_layout(model.config, cfg.sp, cfg.ring, world_size=world)
     else: check_sp(model.config, cfg.sp, world_size=world)
@@ -773,7 +802,7 @@ def train_rank(cfg: TrainConfig) -> list[float]:
     start = load_checkpoint(out, model, opt, sampler, cfg, pid) if cfg.resume else 0
     if _rank() == 0:
         _replace_file(out / "config.json", json.dumps({**asdict(cfg), "plan": repr(plan),
-                                                       "expected_peak_bytes": memory_readout(cfg)[0],
+                                                       "expected_peak_bytes": memory_readout(cfg, model.dtype)[0],
                                                        **({"imbalance": imbalance} if imbalance else {}),
                                                        **({"predicted": predicted.as_dict()} if predicted else {})}, indent=1))
         truncate_metrics(out, start)  # a resumed run logs each step once: rows past the checkpoint go
@@ -815,13 +844,30 @@ def preflight_run(cfg: TrainConfig):
 def run(cfg: TrainConfig) -> list[float]:
     "Train `cfg` on `cfg.sp * cfg.dp` forked processes (from a notebook or a script); return the per-step losses."
     preflight_run(cfg)
-    print(memory_readout(cfg)[1])
+    dtype = run_dtype(cfg, _device().type)
+    planned, line = memory_readout(cfg, dtype)
+    print(line)
     run_device()  # measured once here (cached), so that every forked rank divides by the same peak
     results = launch(train_rank, cfg, num_processes=cfg.world, sp_size=cfg.sp, ring=cfg.ring, model_config=model_config(cfg),
                      timeout_s=cfg.timeout_s)
-    peaks = {r["rank"]: r["peak_mem_bytes"] / 2**30 for r in read_metrics(Path(cfg.out))}
-    print("measured per-rank peak: " + ", ".join(f"rank {k} {v:.3f} GiB" for k, v in sorted(peaks.items())))
+    print(memory_comparison(read_metrics(Path(cfg.out)), planned, _device().type))
     return results[0]
+
+def memory_comparison(rows: list[dict],       # the run's metrics rows (`read_metrics`)
+                      planned: int | None,    # the planner's per-rank peak in the run's dtype (`memory_readout`)
+                      device_type: str,
+                     ) -> str:
+    "The measured per-rank peak; beside the planner's figure only on a GPU, where both count the device's tensor bytes."
+    peak = {}
+    for row in rows: peak[row["rank"]] = max(peak.get(row["rank"], 0), row["peak_mem_bytes"])
+    what = "max allocated" if device_type == "cuda" else "peak resident memory of the process"
+    measured = f"measured per-rank peak ({what}): " + ", ".join(f"rank {r} {peak[r] / 2**30:.3f} GiB" for r in sorted(peak))
+    if device_type != "cuda":
+        return (f"{measured}\n  not compared with the planner: a CPU process's resident memory also holds the Python runtime, "
+                f"the libraries, the dataset and the allocator's caches; the planner counts device tensor bytes")
+    if planned is None: return measured
+    worst = max(peak, key=peak.get)
+    return f"{measured}\n  planner against the largest: {planned / 2**30:.3f} GiB planned, measured/planned {peak[worst] / planned:.2f}"
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m workbench.train", description="DP x SP training with padding-free packing")
