@@ -51,8 +51,8 @@ __all__ = ['DTYPES', 'BALANCES', 'PRESETS', 'TOKENIZER_FILES', 'PROJECT', 'CHECK
            'expected_memory', 'memory_readout', 'write_metrics', 'read_metrics', 'truncate_metrics', 'hparams',
            'open_trackers', 'TrackerSink', 'reporting', 'plan_id', 'save_model_dir', 'checkpoints', 'latest_checkpoint',
            'commit_checkpoint', 'check_resume', 'check_out', 'save_checkpoint', 'load_checkpoint', 'attention_key',
-           'plan_readout', 'cost_modelled', 'token_imbalance', 'plan_run', 'balance_readout', 'step_bytes',
-           'train_rank', 'preflight_run', 'run', 'main']
+           'plan_readout', 'cost_modelled', 'token_imbalance', 'plan_run', 'balance_readout', 'check_trained',
+           'step_bytes', 'train_rank', 'preflight_run', 'run', 'main']
 
 # %% ../nbs/08_train.ipynb #aa8d263e
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}  # besides "auto"
@@ -628,12 +628,15 @@ def attention_key(cfg: TrainConfig) -> str:
     return register_ulysses(cfg.attn) if cfg.sp > 1 else cfg.attn
 
 def plan_readout(plan) -> str:
-    "One line on the plan a run trains: steps, fill, and every example split because it exceeds max_tokens."
+    "One line on the plan a run trains: steps, fill, every example split because it exceeds max_tokens, and the pieces left out because they train nothing."
     line = f"plan: {len(plan.bins)} bins of at most {plan.capacity} tokens from {plan.n_examples} examples, fill {plan.fill:.1%}"
-    if not plan.split: return line
-    return (f"{line}; {plan.split} examples longer than max_tokens (--max-tokens) are split into "
-            f"{len(plan.length) - plan.n_examples + plan.split} pieces, each trained without the tokens before it: "
-            f"raise --max-tokens to keep them whole")
+    if plan.split:
+        line = (f"{line}; {plan.split} examples longer than max_tokens (--max-tokens) are split into "
+                f"{len(plan.length) + plan.untrained - plan.n_examples + plan.split} pieces, each trained without the "
+                f"tokens before it: raise --max-tokens to keep them whole")
+    if not plan.untrained: return line
+    return (f"{line}; {plan.untrained} pieces ({plan.untrained_tokens} tokens) train no token (prompt only) and are left "
+            f"out: they would add nothing to the loss or the gradient")
 
 def cost_modelled(cfg: TrainConfig, config) -> bool:
     "Whether `workbench.cost` models this architecture's steps; where `cfg.balance` is 'cost' and it does not, an error naming the fix."
@@ -649,7 +652,9 @@ def token_imbalance(cfg: TrainConfig, config, plan) -> float:
     served = served_steps(plan, cfg.dp, cfg.grad_accum, cfg.seed)
     return BalancedPlan.imbalance(bin_costs(config, plan, opts["attention"], opts["levers"])[served].sum(1))
 
-def plan_run(cfg: TrainConfig, config, lengths, rank: int = 0):
+def plan_run(cfg: TrainConfig, config,
+             lengths,  # the run's features (their masks say which pieces train: those that train nothing are left out), or bare lengths
+             rank: int = 0):
     "The run's plan, `rank`'s sampler grouped as `cfg.balance` says, and the predicted max/mean rank cost of the groupings computed: `tokens` (both with `balance='cost'`; None: an architecture `workbench.cost` does not model)."
     if cfg.balance == "cost" and cost_modelled(cfg, config):  # only this balance deals the bins by cost (a loop per bin)
         opts = run_options(cfg)  # the attention work and levers of this run: what a bin costs
@@ -666,6 +671,14 @@ def balance_readout(cfg: TrainConfig, imbalance: dict | None) -> str:
     line = f"balance: {cfg.balance}; predicted max/mean rank cost per optimizer step: token-balanced {imbalance['tokens']:.3f}"
     if "cost" in imbalance: return f"{line}, cost-balanced {imbalance['cost']:.3f}"
     return line + (" (--balance cost groups each step's bins by predicted cost)" if cfg.dp > 1 else " (one data-parallel rank)")
+
+def check_trained(trained: int, step: int, rows) -> None:
+    "Refuse an optimizer step whose bins train no token on any rank: its loss would read 0.0 and AdamW would still move the weights."
+    if trained: return
+    raise ValueError(f"step {step}: its bins (this rank's: {[list(map(int, b)) for b in rows]}) train no token on any rank: "
+                     f"every piece is prompt only (a loss-masked slice of a split example), so the loss would read 0.0 and "
+                     f"the optimizer would still step on momentum and weight decay alone. Plan the features with "
+                     f"plan_bins(features, ..., untrained='drop') (the default; bare lengths cannot tell which pieces train)")
 
 def step_bytes(config,            # the model config
                rows: list[int],   # tokens of every micro-step's (padded) row
@@ -692,7 +705,7 @@ def train_rank(cfg: TrainConfig) -> list[float]:
     if cfg.shard: model = shard_model(model, grid, cpu_offload=cfg.cpu_offload)  # before the optimizer sees the parameters
     features, tokenizer = run_features(cfg)  # the model directory's tokenizer (or --tokenizer); saved in every checkpoint
     check_token_ids(features, model.config.vocab_size, cfg.data)
-    plan, sampler, imbalance = plan_run(cfg, model.config, [len(f["input_ids"]) for f in features], grid.rank("dp"))
+    plan, sampler, imbalance = plan_run(cfg, model.config, features, grid.rank("dp"))
     predicted = run_prediction(cfg, model.config, plan, sampler=sampler)  # workbench.cost's roofline (None: a run it does not model)
     if _rank() == 0:
         print(plan_readout(plan)); print(balance_readout(cfg, imbalance))
@@ -717,6 +730,10 @@ def train_rank(cfg: TrainConfig) -> list[float]:
             shards = [ring_batch(collate([pieces[i] for i in b]), grid) if cfg.ring > 1 else
                       shard_batch(collate([pieces[i] for i in b]), grid.sp_rank, cfg.sp) for b in rows]
             count = sum(s["num_items_in_batch"] for s in shards)
+            real = sum(int(plan.length[b].sum()) for b in rows)  # real tokens of this replica's rows
+            everyone = torch.tensor([float(real), float(count)] if grid.sp_rank == 0 else [0.0, 0.0], device=device)
+            if dist.is_initialized(): dist.all_reduce(everyone)  # real tokens and trained targets of every replica
+            check_trained(int(everyone[1]), step, rows)  # before any forward: no step is taken on nothing
             step_loss = torch.zeros((), device=device)
             for s in shards:
                 s["num_items_in_batch"] = count  # the denominator is the whole step's trained tokens
@@ -726,13 +743,10 @@ def train_rank(cfg: TrainConfig) -> list[float]:
             reduce_gradients(model, grid)  # summed over the grid (FSDP2 already reduce-scattered a sharded model's)
             opt.step(); opt.zero_grad(set_to_none=True)
             losses.append(global_loss(step_loss, grid))
-            real = sum(int(plan.length[b].sum()) for b in rows)  # real tokens of this replica's rows
             mine = sum(int((s["token_index"] < int(plan.length[b].sum())).sum()) if cfg.ring > 1 else  # a plan's tokens
                        min(max(int(plan.length[b].sum()) - grid.sp_rank * s["input_ids"].shape[1], 0), s["input_ids"].shape[1])
                        for s, b in zip(shards, rows))
             seconds = time.perf_counter() - t0
-            everyone = torch.tensor([float(real), float(count)] if grid.sp_rank == 0 else [0.0, 0.0], device=device)
-            if dist.is_initialized(): dist.all_reduce(everyone)  # real tokens and trained targets of every replica
             row = dict(step=step, rank=_rank(), loss=losses[-1], tokens=mine, trained=int(everyone[1]),
                        tokens_per_s=everyone[0].item() / seconds, peak_mem_bytes=peak_memory_bytes(device),
                        a2a_share=(grid.clock.seconds - comm0) / seconds, ring_share=(grid.stats.seconds - ring0) / seconds,
