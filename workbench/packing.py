@@ -749,7 +749,7 @@ class PackedStream(torch.utils.data.IterableDataset):
     """Bins of at most `capacity` tokens packed as a stream of feature dicts is read (`OnlineBestFit` over a buffer of
     `buffer_size` examples), each bin a list of features for `FlatteningCollator` (or `collate_fn(bin)`).
 
-    Every token is kept once unless `overlong` says otherwise, and the report counts it. Under data parallelism every
+    Every token is kept once unless `overlong` or `untrained` says otherwise, and the report counts it. Under data parallelism every
     rank packs the whole stream (the same bins on every rank, no communication) and serves every `num_replicas`-th bin;
     when the bins do not divide evenly, the ranks short of one at the end repeat a bin of the last round (counted in
     `report.repeated`), so all ranks take the same number of steps. One pass over the source is one epoch.
