@@ -181,3 +181,18 @@ def test_hf_trainer_steps_through_a_packed_stream(tmp_path):
     assert out.global_step == 3 and 0 < out.training_loss < 20
     expected = [b["input_ids"] for b, _ in zip(make(), range(len(rows)))]
     assert len(rows) >= 3 and all(torch.equal(a, b) for a, b in zip(rows, expected))
+
+
+def test_a_dataset_s_trained_targets_are_read_in_arrow_as_row_by_row():
+    "plan_bins over a Dataset reads labels and masks in Arrow; the pieces it keeps and their targets equal the row-by-row reading."
+    rng = np.random.default_rng(0)
+    rows = [{"input_ids": list(range(n)), "completion_mask": (rng.random(n) < 0.3).astype(int).tolist(),
+             "labels": np.where(rng.random(n) < 0.8, 5, -100).tolist()} for n in rng.integers(1, 40, 200).tolist()]
+    nested = [{k: [v] for k, v in r.items()} for r in rows]  # [1, T] rows
+    holed = [{**r, "completion_mask": None} if i % 7 == 0 else r for i, r in enumerate(rows)]  # None: every token trains
+    for data in (rows, nested, holed):
+        ds = Dataset.from_list(data).shuffle(seed=2).select(range(0, 200, 3))
+        for cap in (4, 16):
+            a, b = plan_bins(ds, cap, overlong="split"), plan_bins(ds.to_list(), cap, overlong="split")
+            assert (a.example.tolist(), a.offset.tolist(), a.trained.tolist(), a.untrained) == \
+                   (b.example.tolist(), b.offset.tolist(), b.trained.tolist(), b.untrained) and a.untrained > 0

@@ -364,6 +364,26 @@ def _target_row(f: Mapping, i: int, column: str = "input_ids") -> np.ndarray:
 
 _TARGET_KEYS = ("labels", *LOSS_MASKS, *_BOUNDARIES)  # columns that change which tokens are targets
 
+def _arrow_targets(ds, lengths: np.ndarray) -> np.ndarray | None:
+    """`_target_row` of every row of a `datasets.Dataset` without document columns, laid end to end and computed in
+    Arrow (no row read into Python); None where a row is missing or does not align: the row-by-row path names it."""
+    import pyarrow as pa, pyarrow.compute as pc
+    cols = [c for c in ("labels", *LOSS_MASKS) if c in ds.column_names]
+    table, t = ds.select_columns(cols).with_format("arrow")[:], np.ones(int(lengths.sum()), dtype=bool)
+    for c in cols:
+        col = table[c]
+        if col.null_count or not (pa.types.is_list(col.type) or pa.types.is_large_list(col.type)): return None
+        if pa.types.is_list(col.type.value_type) or pa.types.is_large_list(col.type.value_type):  # [1, T] rows
+            if (pc.list_value_length(col).to_numpy(zero_copy_only=False) != 1).any(): return None
+            col = pc.list_flatten(col)
+        if not np.array_equal(pc.list_value_length(col).to_numpy(zero_copy_only=False), lengths): return None
+        flat = pc.list_flatten(col)
+        if flat.null_count: return None
+        t &= flat.to_numpy(zero_copy_only=False) != (IGNORE_INDEX if c == "labels" else 0)
+    t[np.cumsum(lengths)[:-1]] = False  # every example's first token (the first of all is cleared just below)
+    if len(t): t[0] = False
+    return t
+
 def _piece_targets(data, lengths: np.ndarray, example: np.ndarray, offset: np.ndarray, length: np.ndarray,
                    column: str = "input_ids") -> np.ndarray | None:
     """Trained targets of every piece (`lengths[e]` tokens of example `e`, piece `[offset, offset + length)`): the
@@ -375,7 +395,9 @@ def _piece_targets(data, lengths: np.ndarray, example: np.ndarray, offset: np.nd
     if not any(k in _TARGET_KEYS for k in (rows.column_names if isinstance(rows, datasets.Dataset) else
                                             set(chain.from_iterable(rows)))):
         return length - 1  # every token trains (`FlatteningCollator` without labels or masks) but a piece's first
-    t = np.concatenate([_target_row(f, i, column) for i, f in enumerate(rows)]) if len(rows) else np.zeros(0, bool)
+    t = (_arrow_targets(rows, lengths) if isinstance(rows, datasets.Dataset) and column == "input_ids" and
+         not any(k in rows.column_names for k in _BOUNDARIES) else None)
+    if t is None: t = np.concatenate([_target_row(f, i, column) for i, f in enumerate(rows)]) if len(rows) else np.zeros(0, bool)
     cs = np.concatenate([[0], np.cumsum(t, dtype=np.int64)])
     start = np.concatenate([[0], np.cumsum(lengths)])[example] + offset
     return cs[start + length] - cs[start + np.minimum(length, 1)]
