@@ -226,6 +226,11 @@ def test_untrained_policy_small_cases():
     with pytest.raises(ValueError, match=r"untrained must be one of \('drop', 'keep'\)"): plan_bins([3], 8, untrained="skip")
     with pytest.raises(ValueError, match="untrained must be one of"): PackedStream(feats, 4, untrained=True)
     with pytest.raises(ValueError, match="does none of it train"): TokenBudgetSampler(one)
+    s = PackedStream(feats, 4, overlong="split"); it = iter(s); next(it)
+    old = {k: v for k, v in s.state_dict().items() if k != "untrained"}  # a state saved before the policy: every piece kept
+    with pytest.raises(ValueError, match="state was saved with untrained='keep' but this stream has untrained='drop'"):
+        PackedStream(feats, 4, overlong="split").load_state_dict(old)
+    PackedStream(feats, 4, overlong="split", untrained="keep").load_state_dict(old)
 
 
 # ---------------------------------------------------------------- packed == padded on a real model
