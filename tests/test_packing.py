@@ -220,6 +220,8 @@ def test_untrained_policy_small_cases():
     assert (labels.offset.tolist(), labels.trained.tolist(), labels.untrained) == ([0], [1], 1)  # label 3 starts its piece
     docs = plan_bins([{"input_ids": [1, 2, 3, 4], "seq_lengths": [2, 1, 1]}], 4)  # TRL rows: documents start at 0, 2, 3
     assert docs.trained.tolist() == [1]
+    with pytest.raises(ValueError, match=r"example 1: seq_lengths \[2, 2\] must be positive document lengths summing to its 3"):
+        plan_bins([{"input_ids": [1, 2]}, {"input_ids": [1, 2, 3], "seq_lengths": [2, 2]}], 4)
     bare = plan_bins([10, 3], 4, overlong="split")  # lengths carry no labels: every piece kept, the counts unknown
     assert (len(bare.length), bare.untrained, bare.trained, bare.bin_trained) == (4, 0, None, None)
     assert "trained targets unknown: planned from bare lengths" in repr(bare)

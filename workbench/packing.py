@@ -359,7 +359,9 @@ def _target_row(f: Mapping, i: int, column: str = "input_ids") -> np.ndarray:
         if len(v) != n: raise ValueError(f"example {i}: {key} has {len(v)} entries but {column} has {n} tokens; "
                                          f"per-token columns must align with {column}")
         t &= v != (IGNORE_INDEX if key == "labels" else 0)
-    t[np.cumsum([0, *_documents([f], [n], f)])[:-1]] = False  # a document's first token is no one's target
+    try: docs = _documents([f], [n], f)
+    except ValueError as e: raise ValueError(str(e).replace("example 0:", f"example {i}:", 1)) from None
+    t[np.cumsum([0, *docs])[:-1]] = False  # a document's first token is no one's target
     return t
 
 _TARGET_KEYS = ("labels", *LOSS_MASKS, *_BOUNDARIES)  # columns that change which tokens are targets
@@ -415,7 +417,7 @@ class Plan:
     split: int = 0        # examples split into several pieces
     dropped: int = 0      # examples left out
     lost_tokens: int = 0  # tokens removed by truncate or drop
-    untrained: int = 0    # pieces left out because they train no token (untrained='drop'): prompt-only pieces of split examples
+    untrained: int = 0    # pieces left out because they train no token (untrained='drop'): prompt-only pieces of split or truncated examples
     untrained_tokens: int = 0  # the tokens of those pieces (no trained target among them: nothing the loss sees is lost)
     trained: np.ndarray | None = None  # trained targets of every piece (None: planned from bare lengths, which carry no labels)
 
