@@ -123,14 +123,14 @@ def test_a_cost_balanced_dp_run_trains_the_planned_groups_and_refuses_the_other_
                       out=str(tmp_path / "run"), timeout_s=60)
     run(cfg)
     run(TrainConfig(**{**cfg.__dict__, "steps": 4, "resume": True}))  # continues from the step-2 checkpoint
-    lengths = [len(f["input_ids"]) for f in load_features(cfg.data, load_tokenizer())]
+    feats = load_features(cfg.data, load_tokenizer())  # what the run plans (its masks say which pieces train)
     rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert sorted((r["step"], r["rank"]) for r in rows) == [(s, r) for s in range(4) for r in range(2)]
     logged = {(r["step"], r["rank"]): r["tokens"] for r in rows}
     expect, imbalance = {}, {}
     for balance in ("cost", "tokens"):
         for rank in (0, 1):
-            plan, sampler, imbalance[balance] = plan_run(TrainConfig(**{**cfg.__dict__, "balance": balance}), model_config(cfg), lengths, rank)
+            plan, sampler, imbalance[balance] = plan_run(TrainConfig(**{**cfg.__dict__, "balance": balance}), model_config(cfg), feats, rank)
             served = sampler.epoch_steps()[:, rank][:8].reshape(4, 2)  # 4 optimizer steps of 2 micro-steps
             for step, bins in enumerate(served):
                 expect[balance, step, rank] = int(sum(plan.length[plan.bins[b]].sum() for b in bins))

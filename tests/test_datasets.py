@@ -30,18 +30,25 @@ def _check_kept(bins, feats, capacity):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.integers(1, 60), max_size=40), st.integers(1, 50), st.integers(1, 12), st.sampled_from(["split", "error"]))
-def test_streaming_keeps_every_token_once(lengths, capacity, buffer_size, overlong):
+@given(st.lists(st.integers(1, 60), max_size=40), st.integers(1, 50), st.integers(1, 12), st.sampled_from(["split", "error"]),
+       st.sampled_from(["keep", "drop"]))
+def test_streaming_keeps_every_token_once(lengths, capacity, buffer_size, overlong, untrained):
     feats = _features(lengths)
-    stream = PackedStream(feats, capacity, buffer_size=buffer_size, overlong=overlong)
+    stream = PackedStream(feats, capacity, buffer_size=buffer_size, overlong=overlong, untrained=untrained)
     if overlong == "error" and any(n > capacity for n in lengths):
         with pytest.raises(ValueError, match="more than capacity"): list(stream)
         return
     bins = list(stream)
-    _check_kept(bins, feats, capacity)
+    # ids alone train every token but a piece's first: a piece of one token (the last of an example whose length is 1 more
+    # than a multiple of the capacity) trains nothing, and untrained='drop' leaves exactly those out
+    pieces = [[f["input_ids"][lo:lo + capacity] for lo in range(0, n, capacity)] for f, n in zip(feats, lengths)]
+    idle = [p for ps in pieces for p in ps if len(p) == 1] if untrained == "drop" else []
+    kept = [{**f, "input_ids": [t for p in ps if untrained == "keep" or len(p) > 1 for t in p]} for f, ps in zip(feats, pieces)]
+    _check_kept(bins, kept, capacity)
     r = stream.report
-    assert (r.examples, r.bins, r.tokens, r.split) == (len(lengths), len(bins), sum(lengths), sum(n > capacity for n in lengths))
-    assert list(PackedStream(feats, capacity, buffer_size=buffer_size, overlong=overlong)) == bins  # deterministic
+    assert (r.examples, r.bins, r.tokens, r.split) == (len(lengths), len(bins), sum(lengths) - len(idle), sum(n > capacity for n in lengths))
+    assert (r.untrained, r.untrained_tokens) == (len(idle), len(idle))
+    assert list(PackedStream(feats, capacity, buffer_size=buffer_size, overlong=overlong, untrained=untrained)) == bins  # deterministic
 
 
 @settings(max_examples=200, deadline=None)
@@ -71,7 +78,7 @@ def test_resume_at_any_step_is_exact_on_every_rank(lengths, k, stop, buffer_size
 def test_an_iterable_dataset_with_none_rows_and_1xT_rows():
     rows = [{"input_ids": [[1, 2, 3, 4, 5]]}, {"input_ids": [[6, 7]]}, {"input_ids": [[8, 9, 10]]}]
     ds = Dataset.from_list(rows).to_iterable_dataset()
-    stream = PackedStream(ds, 4, buffer_size=2, overlong="split", collate_fn=FlatteningCollator(train_all_tokens=True))
+    stream = PackedStream(ds, 4, buffer_size=2, overlong="split", collate_fn=FlatteningCollator(train_all_tokens=True), untrained="keep")  # every token, [5] too
     out = [b["input_ids"].tolist() for b in DataLoader(stream, batch_size=None)]
     assert sorted(t for row in out for t in row[0]) == list(range(1, 11)) and max(len(r[0]) for r in out) <= 4
     holed = Dataset.from_list([{"input_ids": [1, 2]}, {"input_ids": [3]}, {"input_ids": None}]).to_iterable_dataset()
@@ -119,10 +126,10 @@ def test_edges_of_size():
     s = PackedStream(_features([20]), 8, overlong="drop", num_replicas=2, rank=1)  # nothing to serve on any rank
     assert list(s) == [] and (s.report.dropped, s.report.repeated) == (1, 0)
     feats = _features([9, 17, 30, 11])  # a capacity below every example
-    bins = list(PackedStream(feats, 8, buffer_size=3, overlong="split"))
+    bins = list(PackedStream(feats, 8, buffer_size=3, overlong="split", untrained="keep"))  # the one-token pieces too
     _check_kept(bins, feats, 8)
     lengths = [5, 3, 7, 2, 6, 1, 4]  # a stream shorter than the buffer is one global best-fit-decreasing pass
-    stream = PackedStream(_features(lengths), 8, buffer_size=100)
+    stream = PackedStream(_features(lengths), 8, buffer_size=100, untrained="keep")  # as the bare lengths: [1] kept
     assert len(list(stream)) == len(plan_bins(lengths, 8).bins) and stream.report.fill == stream.report.global_plan().fill
     tensors = [{"input_ids": torch.arange(10).reshape(1, 10), "completion_mask": torch.ones(1, 10, dtype=torch.long)}]
     pieces = [f for b in PackedStream(tensors, 4, overlong="split") for f in b]  # [1, T] tensors, as a tokenizer returns
@@ -174,3 +181,18 @@ def test_hf_trainer_steps_through_a_packed_stream(tmp_path):
     assert out.global_step == 3 and 0 < out.training_loss < 20
     expected = [b["input_ids"] for b, _ in zip(make(), range(len(rows)))]
     assert len(rows) >= 3 and all(torch.equal(a, b) for a, b in zip(rows, expected))
+
+
+def test_a_dataset_s_trained_targets_are_read_in_arrow_as_row_by_row():
+    "plan_bins over a Dataset reads labels and masks in Arrow; the pieces it keeps and their targets equal the row-by-row reading."
+    rng = np.random.default_rng(0)
+    rows = [{"input_ids": list(range(n)), "completion_mask": (rng.random(n) < 0.3).astype(int).tolist(),
+             "labels": np.where(rng.random(n) < 0.8, 5, -100).tolist()} for n in rng.integers(1, 40, 200).tolist()]
+    nested = [{k: [v] for k, v in r.items()} for r in rows]  # [1, T] rows
+    holed = [{**r, "completion_mask": None} if i % 7 == 0 else r for i, r in enumerate(rows)]  # None: every token trains
+    for data in (rows, nested, holed):
+        ds = Dataset.from_list(data).shuffle(seed=2).select(range(0, 200, 3))
+        for cap in (4, 16):
+            a, b = plan_bins(ds, cap, overlong="split"), plan_bins(ds.to_list(), cap, overlong="split")
+            assert (a.example.tolist(), a.offset.tolist(), a.trained.tolist(), a.untrained) == \
+                   (b.example.tolist(), b.offset.tolist(), b.trained.tolist(), b.untrained) and a.untrained > 0

@@ -432,6 +432,28 @@ def _raw_jsonl(tmp_path) -> str:
     return str(path)
 
 
+def test_split_pieces_that_train_nothing_are_left_out(flan, tmp_path):
+    "PackedTrainer plans, deals and streams with untrained='drop': every step it serves trains a token, and it says what it left out."
+    ds = Dataset.from_list(flan[:N])
+    mk = lambda d, **kw: PackedTrainer(model=tiny_model("llama").train(), args=args(tmp_path), train_dataset=d, max_tokens=64,
+                                       overlong="split", **kw)
+    with pytest.warns(UserWarning, match=r"0 dropped \(0 tokens lost\) of 32; (\d+) pieces that train no token left out "
+                                         r"\((\d+) tokens, untrained='drop'\)") as w:
+        t = mk(ds)
+    p = t.plan
+    assert p.untrained > 0 and f"; {p.untrained} pieces that train no token left out ({p.untrained_tokens} tokens" in str(w[-1].message)
+    trains = lambda batch: bool((batch["labels"][0, 1:] != IGNORE_INDEX).any())
+    assert p.bin_trained.min() >= 1 and all(trains(b) for b in t.get_train_dataloader())
+    with pytest.warns(UserWarning): keep = mk(ds, untrained="keep")
+    assert keep.plan.untrained == 0 and (keep.plan.bin_trained == 0).sum() > 0 and len(keep.plan.bins) > len(p.bins)
+    with pytest.warns(UserWarning): cost = mk(ds, balance="cost")
+    assert (cost.plan.untrained, len(cost.plan.bins)) == (p.untrained, len(p.bins))
+    stream = mk(ds.to_iterable_dataset())
+    assert all(trains(b) for b in stream.get_train_dataloader())
+    assert (stream.stream.report.untrained, stream.stream.report.untrained_tokens) == (p.untrained, p.untrained_tokens)
+    with pytest.raises(ValueError, match=r"untrained must be one of \('drop', 'keep'\)"): mk(ds, untrained="skip")
+
+
 def test_packed_trainer_on_raw_prompt_completion_rows_trains_the_masked_loss(tmp_path):
     "Raw JSONL rows and a tokenizer: tokenized by load_features' own code, and the masked loss trained (padded reference, 1e-5)."
     from workbench.core import load_tokenizer

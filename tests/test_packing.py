@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from workbench.core import IGNORE_INDEX, check_packed_batch, load_sample, load_tokenizer, tiny_model
-from workbench.packing import (FlatteningCollator, NaiveConcatCollator, PaddingCollator, TokenBudgetSampler,
+from workbench.packing import (FlatteningCollator, NaiveConcatCollator, PackedStream, PaddingCollator, TokenBudgetSampler,
                                per_example_logits, plan_bins)
 
 # ---------------------------------------------------------------- properties of the collator
@@ -140,6 +140,100 @@ def test_sampler_covers_balances_and_resumes(replicas):
     e3 = TokenBudgetSampler(plan, seed=5, num_replicas=replicas); e3.set_epoch(3)
     e4 = TokenBudgetSampler(plan, seed=5, num_replicas=replicas); e4.set_epoch(4)
     assert list(e3) != list(e4)  # a new order every epoch
+
+# ---------------------------------------------------------------- no step trains nothing
+
+
+@pytest.fixture(scope="module")
+def flan_all():
+    "The whole shipped FLAN-like sample, tokenized (4,000 examples, prompts masked by completion_mask)."
+    return load_sample("flan_like", load_tokenizer())
+
+
+def _served_targets(plan, feats) -> list[list[tuple[int, int]]]:
+    """Per bin, the (example, position) of every target the packed row trains, read from what the collator and the
+    loss see (labels shifted by one, -100 ignored), not from the planner's own counts."""
+    pieces, collate, out = plan.dataset(feats), FlatteningCollator(), []
+    for b in plan.bins:
+        row = collate([pieces[int(i)] for i in b])
+        trained = np.flatnonzero(row["labels"][0, 1:].numpy() != IGNORE_INDEX) + 1  # a target: a label the shift keeps
+        where = np.concatenate([int(plan.offset[i]) + np.arange(int(plan.length[i])) for i in b])  # row position -> token
+        whose = np.repeat(plan.example[b], plan.length[b])
+        out.append(list(zip(whose[trained].tolist(), where[trained].tolist())))
+    return out
+
+
+def _check_every_step_trains(plan, feats, capacity):
+    "Every bin trains a target, and the targets trained over the plan are those of the data, each exactly once."
+    from collections import Counter
+    served = _served_targets(plan, feats)
+    idle = [i for i, t in enumerate(served) if not t]
+    assert not idle, f"{len(idle)} of {len(plan.bins)} bins train nothing (e.g. bin {idle[0]})"
+    # the data's targets: completion tokens but each example's first; a split example's piece starts at multiples of
+    # the capacity have no token before them in their piece, so no piece can train them (the cost of splitting)
+    data = Counter((e, p) for e, f in enumerate(feats) for p in np.flatnonzero(np.asarray(f["completion_mask"])).tolist()
+                   if p > 0 and (len(f["input_ids"]) <= capacity or p % capacity))
+    assert Counter(t for ts in served for t in ts) == data
+
+
+def test_flan_like_every_step_trains_and_every_target_once(flan_all):
+    "At --max-tokens 256 on the shipped FLAN-like data every bin (a step's row) trains, and every trained token once."
+    plan = plan_bins(flan_all, 256, overlong="split")
+    _check_every_step_trains(plan, flan_all, 256)
+    old = plan_bins(flan_all, 256, overlong="split", untrained="keep")  # the old behaviour: prompt-only pieces kept
+    with pytest.raises(AssertionError, match=r"453 of 2631 bins train nothing"): _check_every_step_trains(old, flan_all, 256)
+    assert len(plan.bins) < len(old.bins) and (plan.fill, old.fill) > (0.99, 0.99)
+
+
+def test_untrained_pieces_are_counted(flan_all):
+    "The plan counts the pieces it left out and their tokens: exactly the pieces that train no target, found independently."
+    old = plan_bins(flan_all, 256, overlong="split", untrained="keep")
+    pieces, collate = old.dataset(flan_all), FlatteningCollator()
+    idle = [i for i in range(len(old.length)) if not (collate([pieces[i]])["labels"][0, 1:] != IGNORE_INDEX).any()]
+    plan = plan_bins(flan_all, 256, overlong="split")
+    assert (plan.untrained, plan.untrained_tokens) == (len(idle), int(old.length[idle].sum())) and len(idle) > 0
+    assert len(plan.length) == len(old.length) - len(idle) and plan.length.sum() == old.length.sum() - plan.untrained_tokens
+    assert (plan.split, plan.lost_tokens, old.untrained) == (old.split, 0, 0)
+    assert f"untrained pieces dropped {len(idle)} ({old.length[idle].sum()} tokens)" in repr(plan)
+    assert "bins training none 0)" in repr(plan) and f"bins training none {int((old.bin_trained == 0).sum())})" in repr(old)
+    assert plan.trained.sum() == old.trained.sum() and plan.bin_trained.min() >= 1
+    stream = PackedStream(flan_all, 256, buffer_size=500, overlong="split")  # the stream leaves out the same pieces
+    bins = list(stream)
+    assert (stream.report.untrained, stream.report.untrained_tokens) == (plan.untrained, plan.untrained_tokens)
+    row = lambda b: FlatteningCollator()(b)["labels"][0, 1:]
+    assert all((row(b) != IGNORE_INDEX).any() for b in bins)
+    assert "untrained pieces dropped" in repr(stream.report)
+
+
+def test_untrained_policy_small_cases():
+    "A piece's first token is no one's target; labels, masks and documents say the rest; bare lengths cannot tell."
+    feats = [{"input_ids": list(range(10)), "completion_mask": [0] * 8 + [1, 1]}, {"input_ids": [7, 8, 9]}]
+    plan = plan_bins(feats, 4, overlong="split")  # pieces [0, 4) and [4, 8) are prompt; [8, 10) trains token 9 only
+    assert (plan.example.tolist(), plan.offset.tolist(), plan.trained.tolist()) == ([0, 1], [8, 0], [1, 2])
+    assert (plan.untrained, plan.untrained_tokens) == (2, 8)
+    assert [plan.dataset(feats)[i]["input_ids"] for i in range(2)] == [[8, 9], [7, 8, 9]]
+    kept = plan_bins(feats, 4, overlong="split", untrained="keep")
+    assert (kept.trained.tolist(), kept.untrained) == ([0, 0, 1, 2], 0)
+    one = plan_bins([{"input_ids": [1, 2, 3, 4, 5], "completion_mask": [0, 0, 0, 0, 1]}], 4, overlong="split")
+    assert (len(one.bins), one.untrained, one.untrained_tokens) == (0, 2, 5)  # token 4 starts its piece: nothing trains
+    labels = plan_bins([{"input_ids": [1, 2, 3, 4], "labels": [-100, 2, 3, -100]}], 2, overlong="split")
+    assert (labels.offset.tolist(), labels.trained.tolist(), labels.untrained) == ([0], [1], 1)  # label 3 starts its piece
+    docs = plan_bins([{"input_ids": [1, 2, 3, 4], "seq_lengths": [2, 1, 1]}], 4)  # TRL rows: documents start at 0, 2, 3
+    assert docs.trained.tolist() == [1]
+    with pytest.raises(ValueError, match=r"example 1: seq_lengths \[2, 2\] must be positive document lengths summing to its 3"):
+        plan_bins([{"input_ids": [1, 2]}, {"input_ids": [1, 2, 3], "seq_lengths": [2, 2]}], 4)
+    bare = plan_bins([10, 3], 4, overlong="split")  # lengths carry no labels: every piece kept, the counts unknown
+    assert (len(bare.length), bare.untrained, bare.trained, bare.bin_trained) == (4, 0, None, None)
+    assert "trained targets unknown: planned from bare lengths" in repr(bare)
+    with pytest.raises(ValueError, match=r"untrained must be one of \('drop', 'keep'\)"): plan_bins([3], 8, untrained="skip")
+    with pytest.raises(ValueError, match="untrained must be one of"): PackedStream(feats, 4, untrained=True)
+    with pytest.raises(ValueError, match="does none of it train"): TokenBudgetSampler(one)
+    s = PackedStream(feats, 4, overlong="split"); it = iter(s); next(it)
+    old = {k: v for k, v in s.state_dict().items() if k != "untrained"}  # a state saved before the policy: every piece kept
+    with pytest.raises(ValueError, match="state was saved with untrained='keep' but this stream has untrained='drop'"):
+        PackedStream(feats, 4, overlong="split").load_state_dict(old)
+    PackedStream(feats, 4, overlong="split", untrained="keep").load_state_dict(old)
+
 
 # ---------------------------------------------------------------- packed == padded on a real model
 

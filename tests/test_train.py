@@ -136,3 +136,43 @@ def test_tied_embeddings_from_a_config_directory_save_one_head(tmp_path):
     assert assert_loads_as_trained(tmp_path / "run", config)["tied"]
     with safe_open(latest_checkpoint(tmp_path / "run")[0] / MODEL_DIR / "model.safetensors", "pt") as f:
         assert "lm_head.weight" not in f.keys() and "model.embed_tokens.weight" in f.keys()
+
+
+def test_the_run_plans_its_features_so_every_step_trains():
+    "plan_run gets the features: at 256 tokens on FLAN-like no bin trains nothing, with either balance, and the readout counts what was left out."
+    from dataclasses import replace
+    from workbench.train import TrainConfig, load_features, model_config, plan_readout, plan_run
+    cfg = TrainConfig(max_tokens=256, dp=2, grad_accum=2)
+    feats = load_features(cfg.data)
+    for balance in ("tokens", "cost"):
+        plan, sampler, _ = plan_run(replace(cfg, balance=balance), model_config(cfg), feats, rank=1)
+        assert plan.bin_trained.min() >= 1 and plan.untrained > 0
+        assert (plan.bin_trained[sampler.epoch_steps()] > 0).all()  # what the ranks are served
+    lengths = plan_run(cfg, model_config(cfg), [len(f["input_ids"]) for f in feats])[0]  # bare lengths: nothing known, nothing left out
+    assert (lengths.untrained, lengths.trained) == (0, None) and len(lengths.bins) > len(plan.bins)
+    line = plan_readout(plan)
+    assert f"{plan.untrained} pieces ({plan.untrained_tokens} tokens) train no token (prompt only) and are left out" in line
+    assert f"split into {len(plan.length) + plan.untrained - plan.n_examples + plan.split} pieces" in line
+
+
+def test_a_step_that_trains_nothing_is_refused(tmp_path, monkeypatch):
+    "A step with no trained token on any rank stops the run before its forward: no 0.0 logged as a loss, no optimizer step."
+    import workbench.train as T
+    from workbench.packing import TokenBudgetSampler, plan_bins
+    from workbench.train import check_trained
+    feats = [{"input_ids": list(range(1, 9)), "completion_mask": [0] * 8}]  # a prompt with nothing to train
+    monkeypatch.setattr(T, "run_features", lambda cfg: (feats, None))
+    seen = []
+    def keep(cfg, config, data, rank=0):  # a plan that keeps what trains nothing (bare lengths or untrained='keep')
+        seen.append(data)
+        plan = plan_bins(data, cfg.max_tokens, overlong="split", untrained="keep")
+        return plan, TokenBudgetSampler(plan), None
+    monkeypatch.setattr(T, "plan_run", keep)
+    with pytest.raises(ValueError, match=r"step 0: its bins \(this rank's: \[\[0\]\]\) train no token on any rank.*untrained='drop'"):
+        T.train_rank(T.TrainConfig(steps=2, max_tokens=64, out=str(tmp_path)))
+    assert not (tmp_path / "metrics.jsonl").exists() or not (tmp_path / "metrics.jsonl").read_text().strip()
+    assert seen == [feats]  # train_rank plans the features (their masks), not bare lengths
+    check_trained(1, 0, [[0]])  # one trained token anywhere is a step
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="does none of it train"):  # the run's own plan leaves the prompt out: no bins at all
+        T.plan_run(T.TrainConfig(max_tokens=64), T.model_config(T.TrainConfig()), feats)

@@ -387,11 +387,12 @@ def plan_balanced(lengths,                 # per-example token counts (or anythi
                   levers: Levers = Levers(checkpointing=False),  # checkpointing and the levers that change work
                   overlong: str = "error", # as `plan_bins`
                   seed: int = 0,           # as `plan_bins` and `TokenBudgetSampler`
+                  untrained: str = "drop", # as `plan_bins`: a piece that trains no token (features only) is left out, counted in `plan.untrained`
                  ) -> BalancedPlan:
     "The bins of `plan_bins`, grouped into optimizer steps so that every rank's predicted cost is close (and, for comparison, as the token-balanced sampler groups them)."
     for name, v in (("dp", dp), ("grad_accum", grad_accum)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1: raise ValueError(f"{name} must be a positive integer, got {v!r}")
-    plan = plan_bins(lengths, capacity, overlong=overlong, seed=seed)
+    plan = plan_bins(lengths, capacity, overlong=overlong, seed=seed, untrained=untrained)
     if not plan.bins: raise ValueError("no bins to balance: the lengths are empty (or every example was dropped)")
     costs = bin_costs(config, plan, attention, levers)
     cost_steps = _deal(np.argsort(-costs, kind="stable"), costs, dp, grad_accum)

@@ -16,7 +16,7 @@ from .core import IGNORE_INDEX, lengths_from_positions, restart_positions
 from .cost import attention_work, plan_balanced
 from .doctor import Finding, DoctorReport, check_packing, unwrap
 from .memory import Levers
-from .packing import LOSS_MASKS, FlatteningCollator, OVERLONG, PackedStream, TokenBudgetSampler, plan_bins
+from .packing import LOSS_MASKS, FlatteningCollator, OVERLONG, PackedStream, TokenBudgetSampler, UNTRAINED, plan_bins
 from .train import _KINDS, _kind, tokenize_rows
 from transformers import Trainer
 from trl import SFTTrainer
@@ -211,8 +211,11 @@ class PackedMixin:
                  overlong: str = "error",        # examples over max_tokens: "error", "truncate", "split" or "drop"
                  buffer_size: int = 2000,        # a streamed train_dataset: examples held while packing it (`PackedStream`)
                  balance: str = "tokens",        # with max_tokens: group each optimizer step's bins over ranks by tokens, or by predicted cost (`workbench.cost.plan_balanced`)
+                 untrained: str = "drop",        # with max_tokens: a piece that trains no token (a prompt-only slice of a split example): "drop" (counted) or "keep"
                  **kwargs):
         if overlong not in OVERLONG: raise ValueError(f"overlong must be one of {OVERLONG}, got {overlong!r}")
+        if untrained not in UNTRAINED:
+            raise ValueError(f"untrained must be one of {UNTRAINED} (what to do with a piece that trains no token), got {untrained!r}")
         if balance not in ("tokens", "cost"): raise ValueError(f"balance must be 'tokens' or 'cost', got {balance!r}")
         if balance == "cost" and max_tokens is None:
             raise ValueError("balance='cost' groups token-budget bins: pass max_tokens= as well")
@@ -233,6 +236,7 @@ class PackedMixin:
         packed = self.train_dataset is not None and "seq_lengths" in _dataset_columns(self.train_dataset)
         self.data_collator = LabelGuard(self.data_collator, packed=packed)
         self.max_tokens, self.overlong, self.buffer_size, self.plan, self.balanced = max_tokens, overlong, buffer_size, None, None
+        self.untrained = untrained
         if max_tokens is not None:
             if self.args.train_sampling_strategy != "random":
                 raise ValueError(f"max_tokens replaces Trainer's sampler, so train_sampling_strategy="
@@ -241,15 +245,16 @@ class PackedMixin:
             if self.train_dataset is None: raise ValueError("max_tokens plans the train_dataset's bins: pass a train_dataset")
             if balance == "cost": self.balanced = self._plan_balanced()  # its predicted max/mean rank cost: repr(trainer.balanced)
             if self.balanced: self.plan = self.balanced.plan
-            elif not _is_stream(self.train_dataset): self.plan = plan_bins(self.train_dataset, max_tokens, overlong=overlong, seed=self.args.seed)
+            elif not _is_stream(self.train_dataset): self.plan = plan_bins(self.train_dataset, max_tokens, overlong=overlong, seed=self.args.seed, untrained=untrained)
             elif self.args.dataloader_num_workers:
                 warnings.warn(f"dataloader_num_workers={self.args.dataloader_num_workers} is not used for a streamed "
                               f"train_dataset with max_tokens: PackedStream packs it in the main process (each worker "
                               f"would read the whole stream); set it to 0 to silence this")
             p = self.plan
-            if p is not None and (p.truncated or p.split or p.dropped):
+            if p is not None and (p.truncated or p.split or p.dropped or p.untrained):
                 warnings.warn(f"max_tokens={max_tokens}, overlong={overlong!r}: {p.truncated} examples truncated, {p.split} "
-                              f"split, {p.dropped} dropped ({p.lost_tokens} tokens lost) of {p.n_examples}")
+                              f"split, {p.dropped} dropped ({p.lost_tokens} tokens lost) of {p.n_examples}; {p.untrained} "
+                              f"pieces that train no token left out ({p.untrained_tokens} tokens, untrained={untrained!r})")
 
     def _plan_balanced(self):
         "The cost-balanced grouping of the train dataset's bins over this run's ranks and accumulation steps."
@@ -259,7 +264,8 @@ class PackedMixin:
         a = self.args
         attention = attention_work(getattr(config, "_attn_implementation", None) or "sdpa", a.device.type)  # private: the attention the model runs
         return plan_balanced(self.train_dataset, self.max_tokens, a.world_size, config, a.gradient_accumulation_steps, attention,
-                             Levers(checkpointing=bool(a.gradient_checkpointing)), overlong=self.overlong, seed=a.seed)
+                             Levers(checkpointing=bool(a.gradient_checkpointing)), overlong=self.overlong, seed=a.seed,
+                             untrained=self.untrained)
 
     def compute_loss(self, model, inputs, *args, **kwargs):
         # a cache built in training turns off packed-example detection (sdpa/eager/flex attend across examples)
@@ -283,7 +289,7 @@ class PackedMixin:
         else: collate = self._get_collator_with_removed_columns(collate, description="training")
         if self.plan is None:  # a stream: packed online as it is read, each rank every world_size-th bin
             self.stream = PackedStream(ds, self.max_tokens, self.buffer_size, self.overlong, collate_fn=collate,
-                                       num_replicas=args.world_size, rank=args.process_index)  # .report counts its bins
+                                       num_replicas=args.world_size, rank=args.process_index, untrained=self.untrained)  # .report counts its bins
             return _BudgetLoader(self.stream, batch_size=None, pin_memory=args.dataloader_pin_memory)
         seed = args.data_seed if args.data_seed is not None else args.seed
         sampler = (self.balanced.sampler(args.process_index, seed=seed) if self.balanced else

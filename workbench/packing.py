@@ -19,10 +19,10 @@ import torch
 from .core import IGNORE_INDEX, cu_seq_lens, example_ids, lengths_from_positions, restart_positions
 
 # %% auto #0
-__all__ = ['LOSS_MASKS', 'OVERLONG', 'Flat', 'flatten_features', 'FlatteningCollator', 'PaddingCollator', 'NaiveConcatCollator',
-           'per_example_logits', 'lengths_of', 'Plan', 'plan_bins', 'PlannedFeatures', 'TokenBudgetSampler',
-           'ResumableLoader', 'synthetic_lengths', 'PackingReport', 'packing_report', 'OnlineBestFit', 'StreamReport',
-           'PackedStream']
+__all__ = ['LOSS_MASKS', 'OVERLONG', 'UNTRAINED', 'Flat', 'flatten_features', 'FlatteningCollator', 'PaddingCollator',
+           'NaiveConcatCollator', 'per_example_logits', 'lengths_of', 'Plan', 'plan_bins', 'PlannedFeatures',
+           'TokenBudgetSampler', 'ResumableLoader', 'synthetic_lengths', 'PackingReport', 'packing_report',
+           'OnlineBestFit', 'StreamReport', 'PackedStream']
 
 # %% ../nbs/01_packing.ipynb #269dc2db
 def _lengths(cols: list) -> np.ndarray:
@@ -346,6 +346,63 @@ def _bfd(lengths: np.ndarray, capacity: int, rng: np.random.Generator) -> np.nda
 
 # %% ../nbs/01_packing.ipynb #c34437d0
 OVERLONG = ("error", "truncate", "split", "drop")
+UNTRAINED = ("drop", "keep")  # a piece with no trained target: left out (counted), or kept
+
+def _target_row(f: Mapping, i: int, column: str = "input_ids") -> np.ndarray:
+    """Which tokens of example `i` are trained targets, as `FlatteningCollator` labels them: the label is not -100 (the
+    token itself where there are no labels), every loss mask is 1, and the token does not start a document."""
+    n = len(_as_row(f[column], i, column))
+    t = np.ones(n, dtype=bool)
+    for key in ("labels", *LOSS_MASKS):
+        if f.get(key) is None: continue
+        v = np.asarray(_as_row(f[key], i, key))
+        if len(v) != n: raise ValueError(f"example {i}: {key} has {len(v)} entries but {column} has {n} tokens; "
+                                         f"per-token columns must align with {column}")
+        t &= v != (IGNORE_INDEX if key == "labels" else 0)
+    try: docs = _documents([f], [n], f)
+    except ValueError as e: raise ValueError(str(e).replace("example 0:", f"example {i}:", 1)) from None
+    t[np.cumsum([0, *docs])[:-1]] = False  # a document's first token is no one's target
+    return t
+
+_TARGET_KEYS = ("labels", *LOSS_MASKS, *_BOUNDARIES)  # columns that change which tokens are targets
+
+def _arrow_targets(ds, lengths: np.ndarray) -> np.ndarray | None:
+    """`_target_row` of every row of a `datasets.Dataset` without document columns, laid end to end and computed in
+    Arrow (no row read into Python); None where a row is missing or does not align: the row-by-row path names it."""
+    import pyarrow as pa, pyarrow.compute as pc
+    cols = [c for c in ("labels", *LOSS_MASKS) if c in ds.column_names]
+    table, t = ds.select_columns(cols).with_format("arrow")[:], np.ones(int(lengths.sum()), dtype=bool)
+    for c in cols:
+        col = table[c]
+        if col.null_count or not (pa.types.is_list(col.type) or pa.types.is_large_list(col.type)): return None
+        if pa.types.is_list(col.type.value_type) or pa.types.is_large_list(col.type.value_type):  # [1, T] rows
+            if (pc.list_value_length(col).to_numpy(zero_copy_only=False) != 1).any(): return None
+            col = pc.list_flatten(col)
+        if not np.array_equal(pc.list_value_length(col).to_numpy(zero_copy_only=False), lengths): return None
+        flat = pc.list_flatten(col)
+        if flat.null_count: return None
+        t &= flat.to_numpy(zero_copy_only=False) != (IGNORE_INDEX if c == "labels" else 0)
+    t[np.cumsum(lengths)[:-1]] = False  # every example's first token (the first of all is cleared just below)
+    if len(t): t[0] = False
+    return t
+
+def _piece_targets(data, lengths: np.ndarray, example: np.ndarray, offset: np.ndarray, length: np.ndarray,
+                   column: str = "input_ids") -> np.ndarray | None:
+    """Trained targets of every piece (`lengths[e]` tokens of example `e`, piece `[offset, offset + length)`): the
+    targets of its tokens but its first, whose label a packed row clears. None for bare lengths, which carry no labels."""
+    import datasets
+    if isinstance(data, datasets.Dataset): rows = data.select_columns([c for c in (column, *_TARGET_KEYS) if c in data.column_names])
+    elif isinstance(data, (list, tuple)) and len(data) and isinstance(data[0], Mapping): rows = data
+    else: return None  # lengths, token rows, a column: nothing says which tokens train
+    if not any(k in _TARGET_KEYS for k in (rows.column_names if isinstance(rows, datasets.Dataset) else
+                                            set(chain.from_iterable(rows)))):
+        return length - 1  # every token trains (`FlatteningCollator` without labels or masks) but a piece's first
+    t = (_arrow_targets(rows, lengths) if isinstance(rows, datasets.Dataset) and column == "input_ids" and
+         not any(k in rows.column_names for k in _BOUNDARIES) else None)
+    if t is None: t = np.concatenate([_target_row(f, i, column) for i, f in enumerate(rows)]) if len(rows) else np.zeros(0, bool)
+    cs = np.concatenate([[0], np.cumsum(t, dtype=np.int64)])
+    start = np.concatenate([[0], np.cumsum(lengths)])[example] + offset
+    return cs[start + length] - cs[start + np.minimum(length, 1)]
 
 @dataclass
 class Plan:
@@ -360,26 +417,40 @@ class Plan:
     split: int = 0        # examples split into several pieces
     dropped: int = 0      # examples left out
     lost_tokens: int = 0  # tokens removed by truncate or drop
+    untrained: int = 0    # pieces left out because they train no token (untrained='drop'): prompt-only pieces of split or truncated examples
+    untrained_tokens: int = 0  # the tokens of those pieces (no trained target among them: nothing the loss sees is lost)
+    trained: np.ndarray | None = None  # trained targets of every piece (None: planned from bare lengths, which carry no labels)
 
     @property
     def bin_tokens(self) -> np.ndarray: return np.array([self.length[b].sum() for b in self.bins], dtype=np.int64)
     @property
     def fill(self) -> float: return float(self.length.sum() / (len(self.bins) * self.capacity)) if self.bins else 0.0
+    @property
+    def bin_trained(self) -> np.ndarray | None:
+        "Trained targets of every bin (what one step's loss averages over); None where the plan has no labels."
+        return None if self.trained is None else np.array([self.trained[b].sum() for b in self.bins], dtype=np.int64)
 
     def __repr__(self):
-        return (f"Plan({len(self.bins)} bins of {self.capacity} tokens, fill {self.fill:.4f}, {len(self.length)} pieces "
-                f"from {self.n_examples} examples; truncated {self.truncated}, split {self.split}, dropped {self.dropped}, "
-                f"tokens lost {self.lost_tokens})")
+        s = (f"Plan({len(self.bins)} bins of {self.capacity} tokens, fill {self.fill:.4f}, {len(self.length)} pieces "
+             f"from {self.n_examples} examples; truncated {self.truncated}, split {self.split}, dropped {self.dropped}, "
+             f"tokens lost {self.lost_tokens}")
+        if self.trained is None: return s + "; trained targets unknown: planned from bare lengths)"
+        return (s + f"; untrained pieces dropped {self.untrained} ({self.untrained_tokens} tokens); trained targets "
+                    f"{int(self.trained.sum())}, bins training none {int((self.bin_trained == 0).sum())})")
 
     def dataset(self, features) -> "PlannedFeatures":
         "A map-style dataset of this plan's pieces over `features` (what `TokenBudgetSampler` indexes)."
         return PlannedFeatures(features, self)
 
 def plan_bins(lengths,  # per-example token counts, or anything `lengths_of` reads (a `Dataset`, feature dicts)
-              capacity: int, overlong: str = "error", seed: int = 0) -> Plan:
+              capacity: int, overlong: str = "error", seed: int = 0,
+              untrained: str = "drop",  # a piece that trains no token (feature dicts or a Dataset only): "drop" (counted) or "keep"
+             ) -> Plan:
     "Pack examples of `lengths` into bins of at most `capacity` tokens with global best-fit decreasing."
     if overlong not in OVERLONG: raise ValueError(f"overlong must be one of {OVERLONG}, got {overlong!r}")
-    lengths = lengths_of(lengths)
+    if untrained not in UNTRAINED:
+        raise ValueError(f"untrained must be one of {UNTRAINED} (what to do with a piece that trains no token), got {untrained!r}")
+    data, lengths = lengths, lengths_of(lengths)
     if capacity < 1: raise ValueError(f"capacity must be a positive token count, got {capacity}")
     if (lengths <= 0).any():
         i = int(np.flatnonzero(lengths <= 0)[0])
@@ -403,10 +474,15 @@ def plan_bins(lengths,  # per-example token counts, or anything `lengths_of` rea
         offset = (np.arange(len(example)) - np.repeat(cu_seq_lens(pieces)[:-1], pieces)) * capacity
         length = np.minimum(lengths[example] - offset, capacity)
         counts = dict(split=over.size)
+    trained = _piece_targets(data, lengths, example, offset, length)
+    if trained is not None and untrained == "drop" and (trained == 0).any():  # zero loss and zero gradient wherever placed
+        keep = trained > 0
+        counts.update(untrained=int((~keep).sum()), untrained_tokens=int(length[~keep].sum()))
+        example, offset, length, trained = example[keep], offset[keep], length[keep], trained[keep]
     bin_of = _bfd(length, capacity, np.random.default_rng(seed))
     order = np.argsort(bin_of, kind="stable")
     bins = np.split(order, np.flatnonzero(np.diff(bin_of[order])) + 1) if len(order) else []
-    return Plan(bins, example, offset, length, capacity, len(lengths), **counts)
+    return Plan(bins, example, offset, length, capacity, len(lengths), trained=trained, **counts)
 
 # %% ../nbs/01_packing.ipynb #e2c301fe
 def _cut_documents(seq_lengths, lo: int, n: int) -> list[int]:
@@ -480,7 +556,7 @@ class TokenBudgetSampler(torch.utils.data.Sampler):
                  group: int = 1):       # with `steps`: consecutive rows that form one optimizer step (kept together by the shuffle)
         if num_replicas < 1 or not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} is outside num_replicas={num_replicas}: need 0 <= rank < num_replicas")
-        if not plan.bins: raise ValueError("the plan has no bins: nothing to sample (is the dataset empty?)")
+        if not plan.bins: raise ValueError("the plan has no bins: nothing to sample (is the dataset empty, or does none of it train?)")
         self.plan, self.shuffle, self.seed, self.num_replicas, self.rank = plan, shuffle, seed, num_replicas, rank
         self.epoch, self.consumed, self.given, self.group = 0, 0, steps is not None, group
         if steps is None:
@@ -674,6 +750,8 @@ class StreamReport:
     split: int = 0        # examples split into several pieces
     dropped: int = 0      # examples left out
     lost_tokens: int = 0  # tokens removed by truncate or drop
+    untrained: int = 0    # pieces left out because they train no token (untrained='drop')
+    untrained_tokens: int = 0  # the tokens of those pieces
     repeated: int = 0     # bins served a second time at the end so every rank takes the same number of steps
     piece_counts: np.ndarray = None  # how many pieces had each length 0..capacity (memory: capacity + 1 counters)
 
@@ -689,13 +767,13 @@ class StreamReport:
         return (f"StreamReport({self.examples} examples, {self.bins} bins of {self.capacity} tokens, fill {self.fill:.4f} "
                 f"vs {g:.4f} for the global plan ({self.fill / g if g else 0:.2%}), buffer {self.buffer_size}; truncated "
                 f"{self.truncated}, split {self.split}, dropped {self.dropped}, tokens lost {self.lost_tokens}, "
-                f"bins repeated {self.repeated})")
+                f"untrained pieces dropped {self.untrained} ({self.untrained_tokens} tokens), bins repeated {self.repeated})")
 
 class PackedStream(torch.utils.data.IterableDataset):
     """Bins of at most `capacity` tokens packed as a stream of feature dicts is read (`OnlineBestFit` over a buffer of
     `buffer_size` examples), each bin a list of features for `FlatteningCollator` (or `collate_fn(bin)`).
 
-    Every token is kept once unless `overlong` says otherwise, and the report counts it. Under data parallelism every
+    Every token is kept once unless `overlong` or `untrained` says otherwise, and the report counts it. Under data parallelism every
     rank packs the whole stream (the same bins on every rank, no communication) and serves every `num_replicas`-th bin;
     when the bins do not divide evenly, the ranks short of one at the end repeat a bin of the last round (counted in
     `report.repeated`), so all ranks take the same number of steps. One pass over the source is one epoch.
@@ -707,13 +785,16 @@ class PackedStream(torch.utils.data.IterableDataset):
                  column: str = "input_ids",  # the token column whose length counts
                  collate_fn=None,          # applied to each bin (e.g. a FlatteningCollator); None yields the bin itself
                  num_replicas: int = 1,    # data-parallel ranks
-                 rank: int = 0):           # this process's rank in [0, num_replicas)
+                 rank: int = 0,            # this process's rank in [0, num_replicas)
+                 untrained: str = "drop"): # a piece that trains no token: "drop" (counted in the report) or "keep"
         if overlong not in OVERLONG: raise ValueError(f"overlong must be one of {OVERLONG}, got {overlong!r}")
+        if untrained not in UNTRAINED:
+            raise ValueError(f"untrained must be one of {UNTRAINED} (what to do with a piece that trains no token), got {untrained!r}")
         if num_replicas < 1 or not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} is outside num_replicas={num_replicas}: need 0 <= rank < num_replicas")
         OnlineBestFit(capacity, buffer_size)  # refuses a bad capacity or buffer before any data is read
         self.source, self.capacity, self.buffer_size, self.overlong, self.column = source, capacity, buffer_size, overlong, column
-        self.collate_fn, self.num_replicas, self.rank = collate_fn, num_replicas, rank
+        self.collate_fn, self.num_replicas, self.rank, self.untrained = collate_fn, num_replicas, rank, untrained
         self.epoch, self._saved, self._live, self._passes = 0, None, None, 0
         self.report = StreamReport(capacity, buffer_size)
 
@@ -727,14 +808,21 @@ class PackedStream(torch.utils.data.IterableDataset):
             raise ValueError(f"example {i}: {self.column} is text ({v[:30]!r}): tokenize it into token ids first")
         n, cap, r = len(_as_row(v, i, self.column)), self.capacity, self.report
         if n == 0: raise ValueError(f"example {i} has no tokens: remove empty examples before packing")
-        if n <= cap: return [(n, f)]
-        if self.overlong == "error":
+        if n <= cap: spans = [(0, n)]
+        elif self.overlong == "error":
             raise ValueError(f"example {i} has {n} tokens, more than capacity={cap}: pass overlong='truncate', 'split' "
                              f"or 'drop', or raise the capacity")
-        if self.overlong == "drop": r.dropped += 1; r.lost_tokens += n; return []
-        if self.overlong == "truncate": r.truncated += 1; r.lost_tokens += n - cap; return [(cap, _cut_example(f, 0, cap, n))]
-        r.split += 1
-        return [(min(cap, n - lo), _cut_example(f, lo, min(cap, n - lo), n)) for lo in range(0, n, cap)]
+        elif self.overlong == "drop": r.dropped += 1; r.lost_tokens += n; return []
+        elif self.overlong == "truncate": r.truncated += 1; r.lost_tokens += n - cap; spans = [(0, cap)]
+        else: r.split += 1; spans = [(lo, min(cap, n - lo)) for lo in range(0, n, cap)]
+        if self.untrained == "drop":  # as plan_bins: a piece with no trained target adds nothing to a step but its cost
+            if any(k in f and f[k] is not None for k in _TARGET_KEYS):
+                cs = np.concatenate([[0], np.cumsum(_target_row(f, i, self.column), dtype=np.int64)])
+                kept = [(lo, k) for lo, k in spans if cs[lo + k] - cs[lo + 1] > 0]
+            else: kept = [(lo, k) for lo, k in spans if k > 1]  # every token trains but a piece's first
+            r.untrained += len(spans) - len(kept); r.untrained_tokens += sum(k for _, k in spans) - sum(k for _, k in kept)
+            spans = kept
+        return [(k, f if k == n else _cut_example(f, lo, k, n)) for lo, k in spans]
 
     def _serve(self, s: dict):
         "Yield the bins ready in `s` that belong to this rank (each counted when handed over)."
@@ -791,7 +879,7 @@ class PackedStream(torch.utils.data.IterableDataset):
     def state_dict(self) -> dict:
         "Where the pass stands after the last bin handed over: examples read, bins held, counts (the next pass if none runs)."
         cfg = {"capacity": self.capacity, "buffer_size": self.buffer_size, "overlong": self.overlong,
-               "num_replicas": self.num_replicas, "rank": self.rank}
+               "num_replicas": self.num_replicas, "rank": self.rank, "untrained": self.untrained}
         if self._live is None: return {**cfg, "epoch": self.epoch, "pass": None}
         s, packer = self._live
         r = self.report
@@ -800,9 +888,10 @@ class PackedStream(torch.utils.data.IterableDataset):
 
     def load_state_dict(self, state: dict):
         "Resume: the next iteration skips the examples already read and continues from the saved buffer."
-        for k in ("capacity", "buffer_size", "overlong", "num_replicas", "rank"):
-            if state.get(k) != getattr(self, k):
-                raise ValueError(f"state was saved with {k}={state.get(k)!r} but this stream has {k}={getattr(self, k)!r}: "
+        for k in ("capacity", "buffer_size", "overlong", "num_replicas", "rank", "untrained"):
+            saved = state.get(k, "keep" if k == "untrained" else None)  # a state from before the policy kept every piece
+            if saved != getattr(self, k):
+                raise ValueError(f"state was saved with {k}={saved!r} but this stream has {k}={getattr(self, k)!r}: "
                                  f"rebuild it as the run that saved it")
         self.epoch, p = state["epoch"], state["pass"]
         if p is not None:

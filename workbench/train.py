@@ -52,8 +52,9 @@ __all__ = ['DTYPES', 'BALANCES', 'PRESETS', 'TOKENIZER_FILES', 'PROJECT', 'CHECK
            'truncate_metrics', 'hparams', 'open_trackers', 'TrackerSink', 'reporting', 'plan_id', 'save_model_dir',
            'checkpoints', 'latest_checkpoint', 'commit_checkpoint', 'check_resume', 'check_out', 'save_checkpoint',
            'load_checkpoint', 'attention_key', 'plan_readout', 'cost_modelled', 'token_imbalance', 'plan_run',
-           'balance_readout', 'step_bytes', 'step_shards', 'forward_backward', 'optimizer_step', 'shard_tokens',
-           'row_tokens', 'step_metrics', 'train_rank', 'preflight_run', 'run', 'memory_comparison', 'main']
+           'balance_readout', 'check_trained', 'step_bytes', 'step_shards', 'forward_backward', 'step_totals',
+           'optimizer_step', 'shard_tokens', 'row_tokens', 'step_metrics', 'train_rank', 'preflight_run', 'run',
+           'memory_comparison', 'main']
 
 # %% ../nbs/08_train.ipynb #aa8d263e
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}  # besides "auto"
@@ -656,12 +657,15 @@ def attention_key(cfg: TrainConfig) -> str:
     return register_ulysses(cfg.attn) if cfg.sp > 1 else cfg.attn
 
 def plan_readout(plan) -> str:
-    "One line on the plan a run trains: steps, fill, and every example split because it exceeds max_tokens."
+    "One line on the plan a run trains: steps, fill, every example split because it exceeds max_tokens, and the pieces left out because they train nothing."
     line = f"plan: {len(plan.bins)} bins of at most {plan.capacity} tokens from {plan.n_examples} examples, fill {plan.fill:.1%}"
-    if not plan.split: return line
-    return (f"{line}; {plan.split} examples longer than max_tokens (--max-tokens) are split into "
-            f"{len(plan.length) - plan.n_examples + plan.split} pieces, each trained without the tokens before it: "
-            f"raise --max-tokens to keep them whole")
+    if plan.split:
+        line = (f"{line}; {plan.split} examples longer than max_tokens (--max-tokens) are split into "
+                f"{len(plan.length) + plan.untrained - plan.n_examples + plan.split} pieces, each trained without the "
+                f"tokens before it: raise --max-tokens to keep them whole")
+    if not plan.untrained: return line
+    return (f"{line}; {plan.untrained} pieces ({plan.untrained_tokens} tokens) train no token (prompt only) and are left "
+            f"out: they would add nothing to the loss or the gradient")
 
 def cost_modelled(cfg: TrainConfig, config) -> bool:
     "Whether `workbench.cost` models this architecture's steps; where `cfg.balance` is 'cost' and it does not, an error naming the fix."
@@ -677,7 +681,9 @@ def token_imbalance(cfg: TrainConfig, config, plan) -> float:
     served = served_steps(plan, cfg.dp, cfg.grad_accum, cfg.seed)
     return BalancedPlan.imbalance(bin_costs(config, plan, opts["attention"], opts["levers"])[served].sum(1))
 
-def plan_run(cfg: TrainConfig, config, lengths, rank: int = 0):
+def plan_run(cfg: TrainConfig, config,
+             lengths,  # the run's features (their masks say which pieces train: those that train nothing are left out), or bare lengths
+             rank: int = 0):
     "The run's plan, `rank`'s sampler grouped as `cfg.balance` says, and the predicted max/mean rank cost of the groupings computed: `tokens` (both with `balance='cost'`; None: an architecture `workbench.cost` does not model)."
     if cfg.balance == "cost" and cost_modelled(cfg, config):  # only this balance deals the bins by cost (a loop per bin)
         opts = run_options(cfg)  # the attention work and levers of this run: what a bin costs
@@ -694,6 +700,14 @@ def balance_readout(cfg: TrainConfig, imbalance: dict | None) -> str:
     line = f"balance: {cfg.balance}; predicted max/mean rank cost per optimizer step: token-balanced {imbalance['tokens']:.3f}"
     if "cost" in imbalance: return f"{line}, cost-balanced {imbalance['cost']:.3f}"
     return line + (" (--balance cost groups each step's bins by predicted cost)" if cfg.dp > 1 else " (one data-parallel rank)")
+
+def check_trained(trained: int, step: int, rows) -> None:
+    "Refuse an optimizer step whose bins train no token on any rank: its loss would read 0.0 and AdamW would still move the weights."
+    if trained: return
+    raise ValueError(f"step {step}: its bins (this rank's: {[list(map(int, b)) for b in rows]}) train no token on any rank: "
+                     f"every piece is prompt only (a loss-masked slice of a split example), so the loss would read 0.0 and "
+                     f"the optimizer would still step on momentum and weight decay alone. Plan the features with "
+                     f"plan_bins(features, ..., untrained='drop') (the default; bare lengths cannot tell which pieces train)")
 
 def step_bytes(config,            # the model config
                rows: list[int],   # tokens of every micro-step's (padded) row
@@ -732,6 +746,15 @@ def forward_backward(model, shards: list[dict], grid, cfg: TrainConfig, device: 
         step_loss += loss.detach()
     return step_loss
 
+def step_totals(bins: list, shards: list[dict], plan, grid, device: torch.device) -> torch.Tensor:
+    "The plan's tokens and the trained targets of the whole step, over every replica: `[real, trained]` (one all-reduce)."
+    real = sum(int(plan.length[b].sum()) for b in bins)
+    trained = sum(shard["num_items_in_batch"] for shard in shards)
+    replica = [float(real), float(trained)] if grid.sp_rank == 0 else [0.0, 0.0]  # once per replica
+    totals = torch.tensor(replica, device=device)
+    if dist.is_initialized(): dist.all_reduce(totals)
+    return totals
+
 def optimizer_step(model, opt, grid):
     "Sum the gradients over the grid (FSDP2 already reduce-scattered a sharded model's), step, and clear them."
     reduce_gradients(model, grid)
@@ -750,7 +773,9 @@ def row_tokens(shard: dict, cfg: TrainConfig) -> int:
     if cfg.ring > 1: return shard["ring_index"].numel()
     return shard["input_ids"].shape[1] * cfg.sp
 
-def step_metrics(step: int, loss: float, bins: list, shards: list[dict], plan, grid, cfg: TrainConfig, model,
+def step_metrics(step: int, loss: float, bins: list, shards: list[dict],
+                 totals: torch.Tensor,  # the step's `[real, trained]` over every replica (`step_totals`)
+                 plan, grid, cfg: TrainConfig, model,
                  device: torch.device,
                  seconds: float,   # this step's wall time
                  a2a_s: float,     # of which in the all-to-alls
@@ -760,15 +785,11 @@ def step_metrics(step: int, loss: float, bins: list, shards: list[dict], plan, g
                 ) -> dict:
     "The metrics row of one step (what `metrics.jsonl`, the dashboard and the trackers read)."
     real = [int(plan.length[b].sum()) for b in bins]  # the plan's tokens of each micro-step's row
-    trained = sum(shard["num_items_in_batch"] for shard in shards)
     mine = sum(shard_tokens(shard, n, grid, cfg) for shard, n in zip(shards, real))
-    replica = [float(sum(real)), float(trained)] if grid.sp_rank == 0 else [0.0, 0.0]  # once per replica
-    everyone = torch.tensor(replica, device=device)
-    if dist.is_initialized(): dist.all_reduce(everyone)  # real tokens and trained targets of every replica
     sent = step_bytes(model.config, [row_tokens(shard, cfg) for shard in shards], cfg, model.dtype.itemsize)
     mfu = measured_mfu(model.config, [plan.length[b] for b in bins], cfg, seconds, predicted)
-    return dict(step=step, rank=_rank(), loss=loss, tokens=mine, trained=int(everyone[1]),
-                tokens_per_s=everyone[0].item() / seconds, peak_mem_bytes=peak_memory_bytes(device),
+    return dict(step=step, rank=_rank(), loss=loss, tokens=mine, trained=int(totals[1]),
+                tokens_per_s=totals[0].item() / seconds, peak_mem_bytes=peak_memory_bytes(device),
                 a2a_share=a2a_s / seconds, ring_share=ring_s / seconds, **sent,
                 time=elapsed, step_s=seconds, **mfu)
 
@@ -790,7 +811,7 @@ def train_rank(cfg: TrainConfig) -> list[float]:
     if cfg.shard: model = shard_model(model, grid, cpu_offload=cfg.cpu_offload)  # before the optimizer sees the parameters
     features, tokenizer = run_features(cfg)  # the model directory's tokenizer (or --tokenizer); saved in every checkpoint
     check_token_ids(features, model.config.vocab_size, cfg.data)
-    plan, sampler, imbalance = plan_run(cfg, model.config, [len(f["input_ids"]) for f in features], grid.rank("dp"))
+    plan, sampler, imbalance = plan_run(cfg, model.config, features, grid.rank("dp"))  # its masks: pieces that train nothing are left out
     predicted = run_prediction(cfg, model.config, plan, sampler=sampler)  # workbench.cost's roofline (None: a run it does not model)
     if _rank() == 0:
         print(plan_readout(plan)); print(balance_readout(cfg, imbalance))
@@ -813,11 +834,13 @@ def train_rank(cfg: TrainConfig) -> list[float]:
             t0, a2a0, ring0 = time.perf_counter(), grid.clock.seconds, grid.stats.seconds
             bins = [next(bin_stream) for _ in range(cfg.grad_accum)]
             shards = step_shards(bins, pieces, collate, grid, cfg)
+            totals = step_totals(bins, shards, plan, grid, device)
+            check_trained(int(totals[1]), step, bins)  # before any forward: no step is taken on nothing
             step_loss = forward_backward(model, shards, grid, cfg, device)
             optimizer_step(model, opt, grid)
             losses.append(global_loss(step_loss, grid))
             seconds = time.perf_counter() - t0
-            row = step_metrics(step, losses[-1], bins, shards, plan, grid, cfg, model, device, seconds, grid.clock.seconds - a2a0,
+            row = step_metrics(step, losses[-1], bins, shards, totals, plan, grid, cfg, model, device, seconds, grid.clock.seconds - a2a0,
                                grid.stats.seconds - ring0, time.perf_counter() - t_run, predicted)
             write_metrics(out, **row)
             sink.log(row)
