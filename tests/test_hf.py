@@ -211,6 +211,7 @@ def _metrics(p):
 
 
 @pytest.mark.parametrize("cls", [PackedTrainer, PackedSFTTrainer])
+@pytest.mark.filterwarnings("ignore:`return_outputs=True`:FutureWarning")  # TRL's notice on the logits this test compares
 def test_packed_eval_split_equals_unpacked(flan, tmp_path, cls):
     "PackedSFTTrainer: TRL's prediction_step recomputes the logits its fused loss head does not build; split the same."
     from workbench.core import load_tokenizer

@@ -27,7 +27,7 @@ def test_flattening_properties(exs, multiple, start, with_labels):
         feats.append(f)
     if len({"completion_mask" in f for f in feats}) > 1:  # a batch has one schema
         for f, (ids, mask, _) in zip(feats, exs): f["completion_mask"] = mask
-    b = FlatteningCollator(pad_to_multiple_of=multiple, position_ids_start=start, return_seq_idx=True)(feats)
+    b = FlatteningCollator(pad_to_multiple_of=multiple, position_ids_start=start, return_seq_idx=True, train_all_tokens=True)(feats)
     lens = [len(f["input_ids"]) for f in feats]
     total, T = sum(lens), b["input_ids"].shape[1]
     # every token of every example exactly once, in order; padding only after them
@@ -69,7 +69,7 @@ def test_bad_input_names_example_and_fix():
 
 def test_no_silent_drop_of_columns():
     with pytest.warns(UserWarning, match="source"):
-        b = FlatteningCollator()([{"input_ids": [1, 2], "source": "x"}, {"input_ids": [3], "source": "y"}])
+        b = FlatteningCollator(train_all_tokens=True)([{"input_ids": [1, 2], "source": "x"}, {"input_ids": [3], "source": "y"}])
     assert b["input_ids"].tolist() == [[1, 2, 3]]
 
 # ---------------------------------------------------------------- properties of the planner and sampler

@@ -52,7 +52,7 @@ def build(ex):
 @given(st.lists(example, min_size=1, max_size=8), st.sampled_from([None, 1, 8]))
 def test_collators_read_every_example(exs, multiple):
     feats, docs = zip(*map(build, exs))
-    b = FlatteningCollator(pad_to_multiple_of=multiple, return_seq_idx=True)(list(feats))
+    b = FlatteningCollator(pad_to_multiple_of=multiple, return_seq_idx=True, train_all_tokens=True)(list(feats))
     lens = [d for ds in docs for d in ds]
     total = sum(lens)
     assert b["input_ids"][0, :total].tolist() == [t for ex in exs for t in ex["ids"]]  # every token once, in order
@@ -101,8 +101,8 @@ def test_bad_input_names_example_column_and_shape(feats, msg):
 
 def test_position_ids_restarts_are_documents():
     "Rows carrying restarting position_ids (what some packers emit instead of seq_lengths) are unpacked the same way."
-    a = FlatteningCollator()([{"input_ids": [5, 6, 7, 8], "position_ids": [0, 1, 0, 1]}])
-    b = FlatteningCollator()([{"input_ids": [5, 6, 7, 8], "seq_lengths": [2, 2]}])
+    a = FlatteningCollator(train_all_tokens=True)([{"input_ids": [5, 6, 7, 8], "position_ids": [0, 1, 0, 1]}])
+    b = FlatteningCollator(train_all_tokens=True)([{"input_ids": [5, 6, 7, 8], "seq_lengths": [2, 2]}])
     assert all(torch.equal(a[k], b[k]) for k in ("input_ids", "labels", "position_ids", "cu_seq_lens_q"))
     assert a["labels"].tolist() == [[IGNORE_INDEX, 6, IGNORE_INDEX, 8]]
 
@@ -147,7 +147,7 @@ def test_trl_pack_dataset_rows_equal_their_documents(flan):
 
 def test_trl_rows_of_one_token_documents():
     "Every document of length 1: seq_lengths has as many entries as tokens and must still be read as boundaries."
-    b = FlatteningCollator()([{"input_ids": [4, 5, 6], "seq_lengths": [1, 1, 1]}])
+    b = FlatteningCollator(train_all_tokens=True)([{"input_ids": [4, 5, 6], "seq_lengths": [1, 1, 1]}])
     assert b["position_ids"].tolist() == [[0, 0, 0]] and b["labels"].tolist() == [[IGNORE_INDEX] * 3]
     assert b["cu_seq_lens_q"].tolist() == [0, 1, 2, 3] and "seq_lengths" not in b
 
@@ -158,7 +158,7 @@ def test_planned_trl_rows_split_their_documents():
     plan = plan_bins([10], 4, overlong="split")
     pieces = plan.dataset(feats)
     assert [pieces[i]["seq_lengths"] for i in range(len(pieces))] == [[3, 1], [4], [2]]
-    assert FlatteningCollator()([pieces[1]])["position_ids"].tolist() == [[0, 1, 2, 3]]
+    assert FlatteningCollator(train_all_tokens=True)([pieces[1]])["position_ids"].tolist() == [[0, 1, 2, 3]]
 
 
 def test_planned_features_refuse_other_lengths():
@@ -175,7 +175,7 @@ def test_planned_features_refuse_other_lengths():
 
 def _loader(plan, feats, workers, replicas, rank):
     sampler = TokenBudgetSampler(plan, seed=3, num_replicas=replicas, rank=rank)
-    return sampler, ResumableLoader(plan.dataset(feats), sampler, collate_fn=FlatteningCollator(), num_workers=workers)
+    return sampler, ResumableLoader(plan.dataset(feats), sampler, collate_fn=FlatteningCollator(train_all_tokens=True), num_workers=workers)
 
 
 def _bin_of(batch) -> tuple:
@@ -221,12 +221,12 @@ def test_plain_dataloader_with_workers_runs_ahead_resumable_does_not():
     feats = [{"input_ids": [e] * 10} for e in range(40)]
     plan = plan_bins(lengths, 20)
     s = TokenBudgetSampler(plan, seed=0)
-    it = iter(DataLoader(plan.dataset(feats), batch_sampler=s, collate_fn=FlatteningCollator(), num_workers=2))
+    it = iter(DataLoader(plan.dataset(feats), batch_sampler=s, collate_fn=FlatteningCollator(train_all_tokens=True), num_workers=2))
     next(it)
     assert s.state_dict()["consumed"] > 1  # prefetched
     del it
     s = TokenBudgetSampler(plan, seed=0)
-    it = iter(ResumableLoader(plan.dataset(feats), s, collate_fn=FlatteningCollator(), num_workers=2))
+    it = iter(ResumableLoader(plan.dataset(feats), s, collate_fn=FlatteningCollator(train_all_tokens=True), num_workers=2))
     next(it)
     assert s.state_dict()["consumed"] == 1
     del it
@@ -237,7 +237,7 @@ def test_break_and_continue_with_persistent_workers():
     lengths = np.random.default_rng(0).integers(1, 50, 100)
     feats = [{"input_ids": [e] * int(n)} for e, n in enumerate(lengths)]
     plan = plan_bins(lengths, 100)
-    make = lambda **kw: ResumableLoader(plan.dataset(feats), TokenBudgetSampler(plan, seed=1), collate_fn=FlatteningCollator(), **kw)
+    make = lambda **kw: ResumableLoader(plan.dataset(feats), TokenBudgetSampler(plan, seed=1), collate_fn=FlatteningCollator(train_all_tokens=True), **kw)
     ref = make()
     epochs = [[_bin_of(b) for b in ref] for _ in range(2)]
     loader = make(num_workers=2, persistent_workers=True)

@@ -188,6 +188,8 @@ def test_train_lora_sp2_sharded_equals_one_process_and_saves_a_peft_adapter(tmp_
 
 
 @pytest.mark.parametrize("method", ["prefix", "prompt"])
+@pytest.mark.filterwarnings("ignore:Position ids are not supported:UserWarning",  # peft's own words on what the doctor fails
+                            "ignore:`past_key_values` is deprecated:FutureWarning")  # peft's prefix -> transformers
 def test_prompt_learning_adapters_are_refused_with_the_reason(packed, method):
     "Prefix / prompt tuning add virtual tokens per row, not per packed example: the doctor fails them and names the fix."
     config = (peft.PrefixTuningConfig if method == "prefix" else peft.PromptTuningConfig)(num_virtual_tokens=4, task_type="CAUSAL_LM")

@@ -23,7 +23,7 @@ from trl import SFTTrainer
 
 # %% auto #0
 __all__ = ['fold_example', 'FoldedDataset', 'prepare_dataset', 'LabelGuard', 'split_packed', 'raw_kind', 'tokenize_dataset',
-           'PackedMixin', 'PackedTrainer', 'PackedSFTTrainer', 'TrainerReport', 'check_trainer']
+           'checkpointing', 'PackedMixin', 'PackedTrainer', 'PackedSFTTrainer', 'TrainerReport', 'check_trainer']
 
 # %% ../nbs/15_hf.ipynb #851f4ce9
 def _dataset_columns(ds) -> list[str]:
@@ -202,6 +202,12 @@ def tokenize_dataset(ds,                        # a datasets.Dataset / IterableD
     return tokenize_rows(list(ds), tokenizer, name)
 
 # %% ../nbs/15_hf.ipynb #3d317c47
+def checkpointing(args) -> tuple[bool, bool]:
+    "Whether `TrainingArguments` turn activation checkpointing on, and whether it recomputes reentrantly (transformers 5.24 renamed gradient_checkpointing; the 5.23 floor has only the old names)."
+    if hasattr(args, "activation_checkpointing"): on, kwargs = args.activation_checkpointing, args.activation_checkpointing_kwargs
+    else: on, kwargs = args.gradient_checkpointing, args.gradient_checkpointing_kwargs
+    return bool(on), (kwargs or {}).get("use_reentrant", False)
+
 class PackedMixin:
     """Padding-free training inside `Trainer` / `SFTTrainer` with nothing lost: raw rows tokenized as `workbench.train`
     does, masks folded into labels at construction, `FlatteningCollator` by default, `use_cache=False` on every forward,
@@ -264,7 +270,7 @@ class PackedMixin:
         a = self.args
         attention = attention_work(getattr(config, "_attn_implementation", None) or "sdpa", a.device.type)  # private: the attention the model runs
         return plan_balanced(self.train_dataset, self.max_tokens, a.world_size, config, a.gradient_accumulation_steps, attention,
-                             Levers(checkpointing=bool(a.gradient_checkpointing)), overlong=self.overlong, seed=a.seed,
+                             Levers(checkpointing=checkpointing(a)[0]), overlong=self.overlong, seed=a.seed,
                              untrained=self.untrained)
 
     def compute_loss(self, model, inputs, *args, **kwargs):
@@ -450,8 +456,7 @@ def check_trainer(trainer,            # a configured transformers Trainer or TRL
     if extra and not _takes_kwargs(inner) and not all(k in inspect.signature(inner.forward).parameters for k in extra):
         add(Finding("forward takes the varlen keys", "fail", f"the batch carries {extra} but {type(inner).__name__}.forward "
                     "has no **kwargs: it raises", "FlatteningCollator(return_flash_attn_kwargs=False)"))
-    gc = getattr(args, "activation_checkpointing", args.gradient_checkpointing)  # transformers 5.24 renamed it
-    reentrant = (getattr(args, "activation_checkpointing_kwargs", None) or args.gradient_checkpointing_kwargs or {}).get("use_reentrant", False)
+    gc, reentrant = checkpointing(args)
     frozen = not inner.get_input_embeddings().weight.requires_grad
     risky = gc and reentrant and frozen
     add(Finding("activation checkpointing", "warn" if risky else "pass",
