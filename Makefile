@@ -17,7 +17,7 @@ export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test test-fast test-floors bench docs lab export clean-nbs
+.PHONY: demo test test-fast test-floors bench docs serve-docs lab export clean-nbs
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -55,8 +55,13 @@ bench: $(STAMP)  ## benchmarks behind BENCHMARKS.md
 # `make docs` prints a line per notebook as it finishes (cached or executed, seconds); after `make test` every notebook
 # is cached. No cell has a time limit unless TIMEOUT sets one (seconds per cell, e.g. `make docs TIMEOUT=1800`, for CI).
 TIMEOUT ?=
-docs: $(STAMP)  ## the site in site/ from the executed notebooks (docs/build.py; open site/index.html); TIMEOUT=s: per-cell limit
+docs: $(STAMP)  ## the site in site/ from the executed notebooks (docs/build.py; then make serve-docs); TIMEOUT=s: per-cell limit
 	$(PY) docs/build.py $(if $(TIMEOUT),--timeout $(TIMEOUT))
+
+SITE_PORT ?= 8000
+serve-docs:  ## serve site/ (after make docs) at http://127.0.0.1:$(SITE_PORT): search needs it (a file:// page cannot read its index)
+	@test -f site/index.html || { echo "no site yet: run make docs first"; exit 2; }
+	python3 -m http.server $(SITE_PORT) --bind 127.0.0.1 -d site
 
 # JupyterLab listens on 127.0.0.1 unless told otherwise (`make lab IP=0.0.0.0 PORT=9000`, only behind a firewall: the
 # token is then all that guards a Python shell); the URL with its token is printed. Root (containers, GPU boxes) needs

@@ -8,7 +8,8 @@
    is printed per notebook as it finishes (cached or executed, seconds). No cell has a time limit unless `--timeout`
    (`make docs TIMEOUT=seconds`) sets one: a slow machine is not failed, and the pytest path has pytest-timeout.
    Kernels talk to this process over CurveZMQ-encrypted sockets where pyzmq and the kernelspec support it.
-2. The executed notebooks become pages: `#| hide` cells are dropped, directive lines are stripped from the code shown,
+2. The executed notebooks become pages: `#| hide` cells are dropped, directive lines and top-level checks (`assert`,
+   fastcore's `test_*`: they run in the suite) are stripped from the code shown, long lines wrap,
    plotly figures (also those inside widgets, as they were when the notebook ended) become interactive divs that draw
    with the site's one copy of plotly.js (a widget's controls need a kernel and are not shown), and links to notebooks point at their pages.
 3. An API reference is written from the docments of every name in each module's `__all__` (fastcore.docments).
@@ -16,6 +17,7 @@
 Nothing is loaded from a network at build or view time: plotly.js and MathJax are copied from installed packages.
 """
 import argparse
+import ast
 import hashlib
 import html
 import importlib
@@ -176,6 +178,27 @@ def link_pages(md: str) -> str:
     return re.sub(r"\]\((?!https?:)([^)#\s]+)\.(?:ipynb|md)(#[^)]*)?\)", lambda m: f"]({m[1]}.html{m[2] or ''})", md)
 
 
+def _is_check(node: ast.stmt) -> bool:
+    "An `assert` or a call of fastcore's `test_*` at a cell's top level."
+    if isinstance(node, ast.Assert): return True
+    call = node.value if isinstance(node, ast.Expr) else None
+    return isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id.startswith("test_")
+
+
+def shown_code(source: str) -> str:
+    "The code a page shows: the cell without its top-level checks, which stay in the notebook and run in the suite."
+    try: tree = ast.parse(source)
+    except SyntaxError: return source  # IPython syntax (a magic, a shell line): shown as written
+    checks, code = set(), set()
+    for node in tree.body:
+        lines = range(node.lineno - 1, node.end_lineno)
+        if _is_check(node): checks.update(lines)
+        else: code.update(lines)
+    drop = checks - code  # a line that also holds other code (`x = f(); assert x`) stays
+    kept = [line for i, line in enumerate(source.splitlines()) if i not in drop]
+    return "\n".join(kept).strip("\n")
+
+
 def page(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
     "The executed notebook as a page: hidden cells dropped, directives stripped, figures drawable, links to pages."
     state = nb.metadata.pop("widgets", {}).get(WIDGET_STATE, {}).get("state", {})  # no CDN widget manager on the page
@@ -186,10 +209,11 @@ def page(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
         if cell.cell_type != "code": cells.append(cell); continue
         d = directives(cell)
         if HIDE_CELLS & d.keys(): continue
-        cell.source = DIRECTIVE_LINES.sub("", cell.source)
+        cell.source = shown_code(DIRECTIVE_LINES.sub("", cell.source))
         if d.get("output:", [""])[0].lower() == "false": cell.outputs = []
         cell.outputs = [page_output(o, state, figures) for o in cell.outputs]
-        if d.get("echo:", [""])[0].lower() == "false": cell.metadata.setdefault("tags", []).append("hide-input")
+        if d.get("echo:", [""])[0].lower() == "false" or not cell.source.strip():
+            cell.metadata.setdefault("tags", []).append("hide-input")
         if not cell.source.strip() and not cell.outputs: continue  # a `default_exp` cell is only its directive
         cells.append(cell)
     heading = next((c for c in cells if c.cell_type == "markdown" and c.source.startswith("# ")), None)

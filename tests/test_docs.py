@@ -67,13 +67,15 @@ def test_site_reads_offline_in_chromium(site):
     pages = sorted(str(p.relative_to(SITE)) for p in SITE.rglob("*.html") if p.name != "404.html")
     for rel in ["index.html", *FIGURE_PAGES, "api/workbench.packing.html"]:
         assert rel in pages, f"{rel} is missing from the site: {pages}"
-    src = ROOT / ".docs-build" / "src"
+    src, build = ROOT / ".docs-build" / "src", load_build()
     for nb in NOTEBOOKS:  # every notebook has its page, and nothing a page cannot draw was left in it
         if nb.name.startswith("_"): continue
         rel = nb.relative_to(ROOT)
         assert str(rel.with_suffix(".html")) in pages, f"{rel} has no page"
         text = (src / rel).read_text()
         assert "application/vnd.plotly.v1+json" not in text and "widget-view+json" not in text, f"{rel}: an undrawn figure"
+        shown = [c.source for c in nbformat.reads(text, as_version=4).cells if c.cell_type == "code"]
+        assert all(build.shown_code(s) == s for s in shown), f"{rel}: a page shows a check (assert / test_*)"
     problems, visited = [], {}
     with browser_page() as page:
         refused = []
@@ -205,3 +207,18 @@ def test_make_docs_timeout_is_optional():
     assert "docs/build.py" in out and "--timeout" not in out, out
     out = subprocess.run([*make, "TIMEOUT=900"], capture_output=True, text=True, timeout=30, check=True).stdout
     assert "docs/build.py --timeout 900" in out, out
+
+
+def test_pages_show_the_example_not_its_checks():
+    "A page shows a cell's code and output without its top-level checks (they run in the suite); magics are left as written."
+    build = load_build()
+    code = "x = [1, 2]\ntest_eq(len(x),\n        2)  # a check over two lines\nassert x, 'empty'\ny = sum(x); assert y == 3\nprint(y)"
+    assert build.shown_code(code) == "x = [1, 2]\ny = sum(x); assert y == 3\nprint(y)"  # a line shared with code stays
+    assert build.shown_code("%time f()\nassert True") == "%time f()\nassert True"
+    out = nbformat.v4.new_output("stream", text="3\n")
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(code, outputs=[out]),
+                                         nbformat.v4.new_code_cell("test_eq(1, 1)"),  # nothing left to show: dropped
+                                         nbformat.v4.new_code_cell("assert f() == 1", outputs=[out])])  # its output only
+    cells = build.page(nb).cells
+    assert [c.source for c in cells] == ["x = [1, 2]\ny = sum(x); assert y == 3\nprint(y)", ""]
+    assert "hide-input" in cells[1].metadata["tags"] and "hide-input" not in cells[0].metadata.get("tags", [])
