@@ -359,6 +359,9 @@ def execute_all(paths: list[Path], flags: set[str], jobs: int = 2, timeout: floa
     print(f"{len(paths)} notebook{'s' * (len(paths) != 1)}: {len(paths) - fresh} cached, {fresh} to execute ({jobs} at a time, "
           f"{limit})", flush=True)
     results, failed, width = {}, [], max((len(str(p.relative_to(ROOT))) for p in paths), default=0)
+    # each kernel its share of the cores (an explicit OMP_NUM_THREADS is kept): `jobs` kernels with every core's threads
+    # each oversubscribe the machine, as two pytest workers did (tests/conftest.py)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // jobs)))
     with ProcessPoolExecutor(jobs) as pool:  # the slowest notebooks first, so two workers finish together
         futures = {pool.submit(_run_one, p, flags, timeout): p for p in sorted(paths, key=lambda p: -p.stat().st_size)}
         for i, done in enumerate(as_completed(futures), 1):
