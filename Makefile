@@ -69,7 +69,7 @@ serve-docs:  ## serve site/ (after make docs) at http://127.0.0.1:$(SITE_PORT): 
 IP ?= 127.0.0.1
 PORT ?= 8888
 ALLOW_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
-lab: $(STAMP)  ## JupyterLab on nbs/ at http://$(IP):$(PORT); open the printed URL with its token (README: remote use)
+lab: $(STAMP)  ## JupyterLab on nbs/ at http://$(IP):$(PORT); open the printed URL with its token (docs/site_and_lab.md: remote use)
 	$(VENV)/bin/jupyter lab nbs --no-browser --ServerApp.ip=$(IP) --ServerApp.port=$(PORT) $(ALLOW_ROOT)
 
 export: $(STAMP)  ## notebooks -> workbench/ and clean notebooks

@@ -324,7 +324,7 @@ def write_sources(pages: dict[Path, nbformat.NotebookNode]):
         {"Tutorials": [{title(p): rel(p)} for p in sorted((p for p in pages if p.parent != NBS), key=reading_order)]},
         {"Modules": [{title(p): rel(p)} for p in pages if p.parent == NBS]},
         {"API reference": [{m: f"api/{m}.md"} for m in mods]},
-        {"Notes": [{"Benchmarks": "BENCHMARKS.md"}, *({title_md(p): rel(p)} for p in sorted((ROOT / "docs").glob("*.md")))]},
+        {"Notes": [{"Benchmarks": "BENCHMARKS.md"}, *({title_md(p): rel(p)} for p in sorted((ROOT / "docs").glob("*.md"), key=notes_order))]},
     ])
     cfg["theme"]["custom_dir"] = str(ROOT / cfg["theme"]["custom_dir"])  # paths of mkdocs.yml are relative to the repo
     cfg["hooks"] = [str(ROOT / h) for h in cfg.get("hooks", [])]
@@ -337,6 +337,16 @@ TUTORIALS = ["pack_a_dataset", "explore_masks", "doctor_your_model", "launch_sp"
 def reading_order(p: Path) -> tuple:
     "Tutorials in reading order; one not listed in TUTORIALS comes after them, by name."
     return (TUTORIALS.index(p.stem), "") if p.stem in TUTORIALS else (len(TUTORIALS), p.stem)
+
+
+# docs/*.md in the order of the README's chapter lines, then the notes that are not chapters
+NOTES = ["packing", "trainer", "training", "memory", "cost", "ring", "engines", "cluster", "inside", "site_and_lab",
+         "floors", "family_matrix"]
+
+
+def notes_order(p: Path) -> tuple:
+    "docs/*.md in NOTES order; one not listed there comes after them, by name."
+    return (NOTES.index(p.stem), "") if p.stem in NOTES else (len(NOTES), p.stem)
 
 
 def title_md(p: Path) -> str:
