@@ -123,6 +123,12 @@ def _rank_env(layout: Layout, port: int, mixed_precision: str) -> dict[str, str]
         if not check_cuda_p2p_ib_support(): env.update(NCCL_P2P_DISABLE="1", NCCL_IB_DISABLE="1")  # RTX 40 and old drivers
     return env
 
+def _no_hub_progress_bars():
+    "No transformers / hub progress bars in a rank: from a kernel's fork a widget bar only makes ipykernel warn (a message from a fork is dropped), from a script every rank would draw its own."
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # read when transformers is first imported
+    if "transformers.utils.logging" in sys.modules:  # imported before the fork: its switch was read already
+        sys.modules["transformers.utils.logging"].disable_progress_bar()
+
 def _rank_main(fn, args, rank: int, layout: Layout, env: dict, listener_fd: int, exchange: Path, timeout_s: float):
     "One forked rank: torchrun's environment, a process group over loopback only, then `fn`'s result or failure in `exchange`."
     os.close(listener_fd)  # the parent's rendezvous socket, inherited by the fork: the parent alone serves it
@@ -133,6 +139,7 @@ def _rank_main(fn, args, rank: int, layout: Layout, env: dict, listener_fd: int,
     faulthandler.register(signal.SIGUSR1, stack)  # and so does the parent's request at a deadline
     os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank))
     torch.set_num_threads(1)  # the parent's OpenMP pool does not survive fork: more threads hang
+    _no_hub_progress_bars()
     if "accelerate.state" in sys.modules:  # the kernel's accelerate state (a Trainer's), forked along, says "1 process"
         from accelerate.state import AcceleratorState, GradientState, PartialState
         for cls in (AcceleratorState, PartialState, GradientState): cls._shared_state.clear()  # its only reset
