@@ -30,7 +30,7 @@ from fastcore.docments import docments
 from tqdm import tqdm  # the text bar: forked ranks cannot draw notebook widgets
 
 from .attention import KEY as VARLEN_KEY, register as register_varlen
-from .cost import BalancedPlan, Dims, bin_costs, measured_mfu, plan_balanced, ring_blocks, run_device, run_options, run_prediction, served_steps
+from .cost import BalancedPlan, Dims, bin_costs, measured_mfu, plan_balanced, ring_blocks, run_device, run_efficiency, run_options, run_prediction, served_steps
 from .core import SAMPLES, bos_eos, data_dir, load_sample, load_tokenizer, model_families, tiny_config, tokenize_records
 from .launch import launch
 from .memory import Levers, estimate
@@ -766,7 +766,7 @@ def run(cfg: TrainConfig) -> list[float]:
     "Train `cfg` on `cfg.sp * cfg.dp` forked processes (from a notebook or a script); return the per-step losses."
     preflight_run(cfg)
     print(memory_readout(cfg)[1])
-    run_device()  # measured once here (cached), so that every forked rank divides by the same peak
+    run_device(); run_efficiency()  # measured once here (cached), so that every forked rank uses the same peak and factors
     results = launch(train_rank, cfg, num_processes=cfg.world, sp_size=cfg.sp, ring=cfg.ring, model_config=model_config(cfg),
                      timeout_s=cfg.timeout_s)
     peaks = {r["rank"]: r["peak_mem_bytes"] / 2**30 for r in read_metrics(Path(cfg.out))}
