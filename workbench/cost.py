@@ -779,7 +779,7 @@ class Layouts:
                              "levers": f.levers.to_numpy(), "offload": np.where(f.optimizer_offload, "optimizer", "-"),
                              "tokens/s": [f"{v:,.0f}" for v in f.tokens_per_s], "step s": [f"{v:.3g}" for v in f.step_s],
                              "peak GiB": [f"{v:.1f}" for v in f.peak_gib], "max context": [f"{v:,}" for v in f.max_context]},
-                            index=pd.RangeIndex(1, len(f) + 1, name="#"))
+                            index=pd.RangeIndex(1, len(f) + 1))
     def __repr__(self):
         head = (f"{len(self.table)} layouts fit {self.gpus} x {self.device} ({len(self.refused)} refused); "
                 f"frontier of {len(self.frontier)}, ranked by {self.rank_by}")
