@@ -686,8 +686,8 @@ def cpu_efficiency(threads: int = RANK_THREADS,  # threads of the process (a ran
                    lengths: tuple = (512, 256, 128, 128),  # its documents, packed in one row as training packs them
                   ) -> Efficiency:
     "This CPU's compute efficiency, fitted on one reference training step measured here: a tiny model's forward, backward and AdamW step on a row packed by training's collator, at `threads` threads (median of 3). A CPU reaches far less of its matmul peak in a small model's step than a GPU's default factors assume; runs are held out of it."
-    from .core import tiny_model
-    from .packing import FlatteningCollator
+    from workbench.core import tiny_model
+    from workbench.packing import FlatteningCollator
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
