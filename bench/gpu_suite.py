@@ -336,7 +336,12 @@ def version(dist: str) -> str:
     except importlib.metadata.PackageNotFoundError: return "absent"
 
 
-def environment(install_note: str) -> dict:
+def environment(install_note: str, dry: bool = False) -> dict:
+    "Versions of what ran; a dry run does not import torch here (seconds on a loaded box: its parts import it anyway)."
+    if dry:
+        return dict(gpu="absent", driver="absent", cuda="not checked (dry run)", torch=version("torch"),
+                    transformers=version("transformers"), flash_attn=version("flash-attn"),
+                    flash_attn_install=install_note, python=sys.version.split()[0])
     import torch
     gpu = driver = "absent"
     if torch.cuda.is_available():  # nvidia-smi, not torch: no CUDA context held by the suite while the parts run
@@ -442,12 +447,13 @@ def main(argv=None) -> dict:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)  # the mask supervise held while starting it was inherited
         return run_part(args.child, args.dry_run, args.out, args.fail)
     for s in STOPS: signal.signal(s, stop)  # a kill or Ctrl-C ends the running part's session too (supervise)
-    import torch
-    if not args.dry_run and not torch.cuda.is_available(): raise SystemExit("no CUDA GPU: use --dry-run on a CPU")
+    if not args.dry_run:
+        import torch
+        if not torch.cuda.is_available(): raise SystemExit("no CUDA GPU: use --dry-run on a CPU")
     for stale in args.out.glob("part*.json"): stale.unlink()  # a reused directory: never report an old part's result
     t0 = time.perf_counter()
     note = install_flash_attn() if args.install_flash_attn else "not tried (--install-flash-attn)"
-    env = environment(note)
+    env = environment(note, args.dry_run)
     print("gpu_suite:", json.dumps(env), flush=True)
     records = [supervise(part, args, args.cap_s or (part.dry_cap_s if args.dry_run else part.cap_s))
                for part in PARTS if part.number in args.parts]
