@@ -518,8 +518,8 @@ class Prediction:
     def trust(self) -> str:
         "One line: the tokens/s the held-out errors make of this prediction, and each point with its error; or that none was measured."
         if not self.held_out: return "trust: " + held_out_errors(self.held_out, self.device)
-        lo, hi = self.band
-        return (f"trust: measured {self.tokens_per_s / (1 + hi):,.0f}-{self.tokens_per_s / (1 + lo):,.0f} tokens/s if it errs as "
+        lo, hi = (f"{self.tokens_per_s / (1 + e):,.0f}" for e in reversed(self.band))
+        return (f"trust: measured {lo if lo == hi else f'{lo}-{hi}'} tokens/s if it errs as "
                 + held_out_errors(self.held_out, self.device))
     def __repr__(self):
         return (f"predicted on {self.device}: {self.step_s:.4g} s/step, {self.tokens_per_s:,.0f} tokens/s, MFU {self.mfu:.1%} "
