@@ -179,6 +179,13 @@ def test_a_rank_is_predicted_at_the_threads_it_has():
         dev = run_device() if not torch.cuda.is_available() else cpu_device(RANK_THREADS)
         assert RANK_THREADS == 1 and dev.name.startswith("cpu (1 thread per process"), dev.name
     finally: torch.set_num_threads(before)
+    if torch.cuda.is_available(): return
+    from types import SimpleNamespace
+    from workbench.cost import run_prediction
+    cfg = SimpleNamespace(sp=2, ring=1, dp=1, world=2, attn="sdpa", checkpointing=True, offload_checkpoints=False, loss_chunk=0,
+                          mlp_chunk=0, lean_kernels=False, shard=False, cpu_offload=False, dtype="auto", seed=0, grad_accum=1)
+    p = run_prediction(cfg, tiny_config("llama"), plan_bins(synthetic_lengths("flan", 64), 1024), steps=2)
+    assert p.device.startswith("cpu (1 thread per process, 2 processes at once"), p.device  # its two ranks share the cores
 
 
 def _run_dir(tmp_path, rows, predicted=True):

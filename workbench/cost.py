@@ -423,23 +423,31 @@ RANK_THREADS = 1  # threads each training process computes with: `workbench.laun
 
 @functools.lru_cache(maxsize=None)
 def cpu_device(threads: int | None = None,  # threads of the process to model (None: this process's, now)
+               processes: int = 1,           # processes computing at once (a run's ranks), each measured while the others run
               ) -> Device:
-    "This machine's CPU as a `Device` for one process of `threads` threads: FLOP/s and memory bandwidth measured at that thread count (the median of 7 fp32 1024² matmuls / 64 MiB copies, so a busy box is measured as busy, not at a lucky best); links are estimates."
+    "This machine's CPU as a `Device` for one of `processes` processes of `threads` threads each: FLOP/s and memory bandwidth measured that way (the median of 7 fp32 1024² matmuls / 64 MiB copies in each process's stand-in, concurrently, so that cores shared between ranks, or a busy box, are measured as shared and busy); links are estimates."
     threads = int(threads or torch.get_num_threads())
-    if threads < 1: raise ValueError(f"threads must be a positive integer, got {threads!r}")
-    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-    x = torch.empty(16 * 2**20 // 4); y = torch.empty_like(x)
-    def median(fn, n=7):
-        fn(); out = []
-        for _ in range(n): t = time.perf_counter(); fn(); out.append(time.perf_counter() - t)
-        return float(np.median(out))
+    if threads < 1 or processes < 1: raise ValueError(f"threads and processes must be positive, got {threads!r}, {processes!r}")
+    def one(_=None) -> tuple[float, float]:  # one process's stand-in: its own tensors, its own thread count
+        torch.set_num_threads(threads)
+        a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+        x = torch.empty(16 * 2**20 // 4); y = torch.empty_like(x)
+        def median(fn, n=7):
+            fn(); out = []
+            for _ in range(n): t = time.perf_counter(); fn(); out.append(time.perf_counter() - t)
+            return float(np.median(out))
+        return 2 * 1024**3 / median(lambda: a @ b), 2 * x.numel() * 4 / median(lambda: y.copy_(x))
     before = torch.get_num_threads()
-    torch.set_num_threads(threads)  # what a rank runs with, not what this (parent) process happens to have
-    try: flops, hbm = 2 * 1024**3 / median(lambda: a @ b), 2 * x.numel() * 4 / median(lambda: y.copy_(x))
+    try:
+        if processes == 1: flops, hbm = one()
+        else:  # threads stand in for the processes: torch releases the GIL inside a matmul or a copy
+            from concurrent.futures import ThreadPoolExecutor
+            with ThreadPoolExecutor(processes) as pool: flops, hbm = np.mean(list(pool.map(one, range(processes))), axis=0)
     finally: torch.set_num_threads(before)
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return Device(f"cpu ({threads} thread{'s' * (threads > 1)} per process, measured fp32 matmul)", flops, hbm, 5e8, 5e8,
-                  pages / 2**30, per_node=1, host=hbm, pcie=hbm)
+    shared = f", {processes} processes at once" if processes > 1 else ""
+    return Device(f"cpu ({threads} thread{'s' * (threads > 1)} per process{shared}, measured fp32 matmul)", float(flops),
+                  float(hbm), 5e8, 5e8, pages / 2**30, per_node=1, host=float(hbm), pcie=float(hbm))
 
 def device(name) -> Device:
     "A `Device` by name (`DEVICES`, or \"cpu\" for this machine measured), or the `Device` given."
@@ -448,13 +456,14 @@ def device(name) -> Device:
     if name not in DEVICES: raise ValueError(f"unknown device {name!r}: choose one of {[*DEVICES, 'cpu']} or pass a `Device`")
     return DEVICES[name]
 
-def run_device() -> Device:
-    "The device a training rank runs on: the CUDA GPU by its name when it is in `DEVICES`, else this CPU at `RANK_THREADS` threads (what every rank really has)."
+def run_device(processes: int = 1,  # the run's processes (ranks), computing at once on this machine
+              ) -> Device:
+    "The device a training rank runs on: the CUDA GPU by its name when it is in `DEVICES`, else this CPU at `RANK_THREADS` threads (what every rank really has), measured while `processes` ranks compute at once."
     if torch.cuda.is_available():
         gpu = torch.cuda.get_device_name()
         hit = [d for k, d in DEVICES.items() if k.split()[0] in gpu]
         if hit: return hit[0]
-    return cpu_device(RANK_THREADS)
+    return cpu_device(RANK_THREADS, processes)
 
 # %% ../nbs/17_cost.ipynb #6366b898
 @dataclass(frozen=True)
@@ -716,7 +725,8 @@ def run_prediction(cfg, config, plan: Plan, efficiency: Efficiency | None = None
     except ValueError: return None  # mixture of experts, no decoder layers: `Dims.of(config)` says why
     served = (sampler or TokenBudgetSampler(plan, seed=cfg.seed, num_replicas=cfg.dp)).epoch_steps()
     served = np.resize(served, (-(-len(served) // cfg.grad_accum) * cfg.grad_accum, cfg.dp)).reshape(-1, cfg.grad_accum, cfg.dp)
-    opts, dev, efficiency = run_options(cfg), run_device(), efficiency or run_efficiency()
+    world = getattr(cfg, "world", cfg.sp * getattr(cfg, "ring", 1) * cfg.dp)  # its ranks, computing at once
+    opts, dev, efficiency = run_options(cfg), run_device(world), efficiency or run_efficiency()
     slowest = [max((_predict_step(config, [plan.length[plan.bins[b]] for b in step[:, r]], dev, efficiency, **opts)
                     for r in range(cfg.dp)), key=lambda p: p.step_s) for step in served[:steps]]
     step_s = float(np.mean([p.step_s for p in slowest]))

@@ -766,7 +766,7 @@ def run(cfg: TrainConfig) -> list[float]:
     "Train `cfg` on `cfg.sp * cfg.dp` forked processes (from a notebook or a script); return the per-step losses."
     preflight_run(cfg)
     print(memory_readout(cfg)[1])
-    run_device(); run_efficiency()  # measured once here (cached), so that every forked rank uses the same peak and factors
+    run_device(cfg.world); run_efficiency()  # measured once here (cached; its ranks computing at once), so that every forked rank uses the same peak and factors
     results = launch(train_rank, cfg, num_processes=cfg.world, sp_size=cfg.sp, ring=cfg.ring, model_config=model_config(cfg),
                      timeout_s=cfg.timeout_s)
     peaks = {r["rank"]: r["peak_mem_bytes"] / 2**30 for r in read_metrics(Path(cfg.out))}
