@@ -63,8 +63,8 @@ class Part:
 
 
 # GPU caps, most valuable first: 150 + 40 + 40 + 100 + 60 + 25 = 415 s, plus at most 60 s for --install-flash-attn:
-# 475 s, under 8 min in the worst case. Dry caps catch a hang: a dry part takes ~15 s on an idle 2-core box, mostly
-# imports, and ~7x that at a load average of 15 on 2 cores; 150 s each keeps a loaded box from failing it.
+# 475 s, under 8 min in the worst case. Dry caps catch a hang: a dry part took 5-11 s on the 2-core build box at a load
+# average of 2-5 (mostly imports) and 7-23 s beside 15 busy loops (load 15-19); 150 s each is ~6x the slowest of those.
 PARTS = (Part(1, "packing", 150, 150), Part(2, "kernels", 40, 150), Part(3, "sp_kernels", 40, 150),
          Part(4, "long_context", 100, 150), Part(5, "memory", 60, 150), Part(6, "step_time", 25, 150))
 TRAIN_DRY_TIMEOUT_S = 120  # part 5's train run in a dry run: under its part's cap, with room for a loaded box
