@@ -35,7 +35,7 @@ __all__ = ['ATTENTION_WORK', 'ADAMW_BYTES', 'CPU_FLOP_FORMULAS', 'DEVICES', 'RAN
            'served_steps', 'plan_balanced', 'Device', 'cpu_device', 'device', 'run_device', 'Efficiency', 'HeldOut',
            'held_out', 'held_out_errors', 'Prediction', 'predict_step', 'calibrate', 'run_source', 'calibrate_run',
            'check_run', 'hf_blog_prediction', 'blog_source', 'hf_blog_table', 'run_options', 'cpu_efficiency',
-           'run_efficiency', 'run_prediction', 'measured_mfu', 'layout_name', 'Layouts', 'plan_layout']
+           'fresh_cpu', 'run_efficiency', 'run_prediction', 'measured_mfu', 'layout_name', 'Layouts', 'plan_layout']
 
 # %% ../nbs/17_cost.ipynb #64bb0f7a
 ATTENTION_WORK = {  # how much of each document's query x key square an attention implementation computes
@@ -421,29 +421,41 @@ DEVICES = {  # public specifications (SXM parts); memory as the driver reports i
 
 RANK_THREADS = 1  # threads each training process computes with: `workbench.launch` (and torchrun) set OMP_NUM_THREADS=1 per rank
 
+def _cpu_rates(threads: int) -> tuple[float, float]:
+    "FLOP/s and copy bytes/s of this process at `threads` threads: the median of 7 fp32 1024² matmuls / 64 MiB copies."
+    torch.set_num_threads(threads)
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    x = torch.empty(16 * 2**20 // 4); y = torch.empty_like(x)
+    def median(fn, n=7):
+        fn(); out = []
+        for _ in range(n): t = time.perf_counter(); fn(); out.append(time.perf_counter() - t)
+        return float(np.median(out))
+    return 2 * 1024**3 / median(lambda: a @ b), 2 * x.numel() * 4 / median(lambda: y.copy_(x))
+
+def _rates_child(conn, threads: int):
+    try: conn.send(_cpu_rates(threads))
+    finally: conn.close()
+
 @functools.lru_cache(maxsize=None)
 def cpu_device(threads: int | None = None,  # threads of the process to model (None: this process's, now)
                processes: int = 1,           # processes computing at once (a run's ranks), each measured while the others run
               ) -> Device:
-    "This machine's CPU as a `Device` for one of `processes` processes of `threads` threads each: FLOP/s and memory bandwidth measured that way (the median of 7 fp32 1024² matmuls / 64 MiB copies in each process's stand-in, concurrently, so that cores shared between ranks, or a busy box, are measured as shared and busy); links are estimates."
+    "This machine's CPU as a `Device` for one of `processes` processes of `threads` threads each: FLOP/s and memory bandwidth measured that way (`processes` > 1: as many forked processes, as `workbench.launch` forks ranks, measuring at once), so that cores shared between ranks, or a busy box, are measured as shared and busy; links are estimates."
     threads = int(threads or torch.get_num_threads())
     if threads < 1 or processes < 1: raise ValueError(f"threads and processes must be positive, got {threads!r}, {processes!r}")
-    def one(_=None) -> tuple[float, float]:  # one process's stand-in: its own tensors, its own thread count
-        torch.set_num_threads(threads)
-        a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-        x = torch.empty(16 * 2**20 // 4); y = torch.empty_like(x)
-        def median(fn, n=7):
-            fn(); out = []
-            for _ in range(n): t = time.perf_counter(); fn(); out.append(time.perf_counter() - t)
-            return float(np.median(out))
-        return 2 * 1024**3 / median(lambda: a @ b), 2 * x.numel() * 4 / median(lambda: y.copy_(x))
-    before = torch.get_num_threads()
-    try:
-        if processes == 1: flops, hbm = one()
-        else:  # threads stand in for the processes: torch releases the GIL inside a matmul or a copy
-            from concurrent.futures import ThreadPoolExecutor
-            with ThreadPoolExecutor(processes) as pool: flops, hbm = np.mean(list(pool.map(one, range(processes))), axis=0)
-    finally: torch.set_num_threads(before)
+    if processes == 1:
+        before = torch.get_num_threads()
+        try: flops, hbm = _cpu_rates(threads)
+        finally: torch.set_num_threads(before)
+    else:  # forked, like the ranks: threads in this process would leave state behind that a later fork inherits
+        import multiprocessing as mp
+        ctx = mp.get_context("fork")
+        pipes = [ctx.Pipe(duplex=False) for _ in range(processes)]
+        procs = [ctx.Process(target=_rates_child, args=(w, threads), daemon=True) for _, w in pipes]
+        for q in procs: q.start()
+        try: flops, hbm = np.mean([r.recv() for r, _ in pipes], axis=0)
+        finally:
+            for q in procs: q.join(timeout=60)
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     shared = f", {processes} processes at once" if processes > 1 else ""
     return Device(f"cpu ({threads} thread{'s' * (threads > 1)} per process{shared}, measured fp32 matmul)", float(flops),
@@ -712,6 +724,14 @@ def cpu_efficiency(threads: int = RANK_THREADS,  # threads of the process (a ran
     p = _predict_step(model.config, [list(lengths)], cpu_device(threads), attention=attention_work("sdpa", "cpu"), dtype_bytes=4)
     return calibrate([(p, float(np.median(times)))], ("compute",),
                      fitted_on=(f"cpu reference step ({family}, documents {list(lengths)}, {threads} thread{'s' * (threads > 1)})",))
+
+_CPU_MEASURED = [0.0]  # when `fresh_cpu` last let the CPU measurements stand (time.monotonic())
+
+def fresh_cpu(max_age_s: float = 60.0):
+    "Measure the CPU afresh (`cpu_device`, `cpu_efficiency`) when the last measurement is older than `max_age_s`: a shared box's load changes, and a run's prediction should see the load it runs under; runs in quick succession share one measurement."
+    now = time.monotonic()
+    if now - _CPU_MEASURED[0] > max_age_s: cpu_device.cache_clear(); cpu_efficiency.cache_clear()
+    _CPU_MEASURED[0] = now if now - _CPU_MEASURED[0] > max_age_s else _CPU_MEASURED[0]
 
 def run_efficiency() -> Efficiency:
     "The factors a run's prediction uses: the defaults on a GPU, `cpu_efficiency` (measured at a rank's threads) on a CPU."

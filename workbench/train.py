@@ -30,7 +30,7 @@ from fastcore.docments import docments
 from tqdm import tqdm  # the text bar: forked ranks cannot draw notebook widgets
 
 from .attention import KEY as VARLEN_KEY, register as register_varlen
-from .cost import BalancedPlan, Dims, bin_costs, measured_mfu, plan_balanced, ring_blocks, run_device, run_efficiency, run_options, run_prediction, served_steps
+from .cost import BalancedPlan, Dims, bin_costs, check_run, fresh_cpu, measured_mfu, plan_balanced, ring_blocks, run_device, run_efficiency, run_options, run_prediction, served_steps
 from .core import SAMPLES, bos_eos, data_dir, load_sample, load_tokenizer, model_families, tiny_config, tokenize_records
 from .launch import launch
 from .memory import Levers, estimate
@@ -766,11 +766,16 @@ def run(cfg: TrainConfig) -> list[float]:
     "Train `cfg` on `cfg.sp * cfg.dp` forked processes (from a notebook or a script); return the per-step losses."
     preflight_run(cfg)
     print(memory_readout(cfg)[1])
+    fresh_cpu()  # a CPU measured more than a minute ago is measured again: the box's load may have changed
     run_device(cfg.world); run_efficiency()  # measured once here (cached; its ranks computing at once), so that every forked rank uses the same peak and factors
     results = launch(train_rank, cfg, num_processes=cfg.world, sp_size=cfg.sp, ring=cfg.ring, model_config=model_config(cfg),
                      timeout_s=cfg.timeout_s)
     peaks = {r["rank"]: r["peak_mem_bytes"] / 2**30 for r in read_metrics(Path(cfg.out))}
     print("measured per-rank peak: " + ", ".join(f"rank {k} {v:.3f} GiB" for k, v in sorted(peaks.items())))
+    try: checked = check_run(cfg.out)  # recorded: every later prediction in this process carries it as a held-out error
+    except ValueError: checked = None  # no prediction (LoRA, an unmodelled architecture) or no step past the first
+    if checked: print(f"step time: predicted {checked.predicted_s:.4g} s/step, measured {checked.measured_s:.4g} s/step "
+                      f"(median past step 0), predicted / measured {checked.predicted_s / checked.measured_s:.2f}")
     return results[0]
 
 def _parser() -> argparse.ArgumentParser:
