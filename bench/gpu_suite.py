@@ -21,10 +21,17 @@ part is recorded as "timed out" or "failed" with its stderr tail and the suite g
                  peak memory, loss checked against padded (CONTAMINATED when it differs)
   2 kernels      workbench_varlen against sdpa (block-diagonal mask) and flex on one packed batch, forward + backward:
                  median time over N runs and max |Δ| of output and grads against an fp32 reference
-  3 long_context bench/gpu_long_context.py: longest context under a memory cap, planned vs measured
-  4 memory       planner vs measured peak: part 3's rows, and one `python -m workbench.train` run (nccl on a GPU,
+  3 sp_kernels   sequence parallelism's kernels on one GPU, on part 2's packed 16K row: the ring's block-pair kernel
+                 (workbench.sp.ring.ring_attend, one block, as shipped) against workbench_varlen (flash / torch varlen),
+                 and Ulysses's local attention on its head shard (H/4 heads over the whole row); time, max |Δ| vs fp32
+  4 long_context bench/gpu_long_context.py: longest context under a memory cap, planned vs measured
+  5 memory       planner vs measured peak: part 4's rows, and one `python -m workbench.train` run (nccl on a GPU,
                  gloo on CPU) whose memory readout lines are parsed
-  5 step_time    skipped: no step-time predictor exists yet (issue 17)
+  6 step_time    workbench.cost.predict_step against the measured step times of parts 1 and 4 and of part 5's train
+                 run (check_run), the error per row; then calibrate on those rows and calibrate_run on the train run,
+                 the refitted errors recorded beside the first ones
+
+Every part records what it could not run and why ("not run" in its result).
 """
 from __future__ import annotations
 
@@ -55,28 +62,32 @@ class Part:
     skipped: str = "" # why the part cannot run yet ("" when it runs)
 
 
-# GPU caps: 180 + 45 + 130 + 60 = 415 s, plus at most 60 s for --install-flash-attn: under 8 min in the worst case
-# dry caps only catch a hang: a shared 2-core CI box under a parallel test run was seen 10x slower than an idle one
-PARTS = (Part(1, "packing", 180, 120), Part(2, "kernels", 45, 120), Part(3, "long_context", 130, 120),
-         Part(4, "memory", 60, 120), Part(5, "step_time", 0, 0, skipped="skipped: no predictor (issue 17)"))
+# GPU caps, most valuable first: 150 + 40 + 40 + 100 + 60 + 25 = 415 s, plus at most 60 s for --install-flash-attn:
+# 475 s, under 8 min in the worst case. Dry caps catch a hang: a dry part took 5-11 s on the 2-core build box at a load
+# average of 2-5 (mostly imports) and 7-23 s beside 15 busy loops (load 15-19); 150 s each is ~6x the slowest of those.
+PARTS = (Part(1, "packing", 150, 150), Part(2, "kernels", 40, 150), Part(3, "sp_kernels", 40, 150),
+         Part(4, "long_context", 100, 150), Part(5, "memory", 60, 150), Part(6, "step_time", 25, 150))
+TRAIN_DRY_TIMEOUT_S = 120  # part 5's train run in a dry run: under its part's cap, with room for a loaded box
 
 
 # ---- the parts (each runs inside its own child process) ----
 
+def packing_argv(dry: bool) -> list[str]: return ["--dry-run"] if dry else ["--steps", "4"]  # part 1's (part 6 rebuilds its steps)
+
+
 def part_packing(dry: bool) -> dict:
     import gpu_packing
-    argv = ["--dry-run"] if dry else ["--steps", "4"]
-    rows = gpu_packing.run(gpu_packing.parse_args(argv))  # annotated: share of the padding bound, loss verdict
-    return dict(rows=rows, trap=gpu_packing.TRAP, table=gpu_packing.table(rows))
+    rows = gpu_packing.run(gpu_packing.parse_args(packing_argv(dry)))  # annotated: share of the padding bound, loss verdict
+    not_run = [f"{r['dataset']} {r['mode']}: {r['error']}" for r in rows if "error" in r]
+    return dict(rows=rows, trap=gpu_packing.TRAP, table=gpu_packing.table(rows), not_run=not_run)
 
 
-def part_kernels(dry: bool, repeats: int = 10, warmup: int = 3) -> dict:
+def packed_row(dry: bool):
+    "Part 2's packed row `[T, H, D]` (16K tokens of FLAN-like documents on a GPU, 256 on CPU): q, k, v, grad (fp32), cu, doc."
     import numpy as np
     import torch
-    from workbench.attention import pick_kernel, reference_varlen, varlen_attention
     from workbench.packing import synthetic_lengths
     device = torch.device("cpu" if dry else "cuda")
-    dtype = torch.float32 if dry else torch.bfloat16
     T, H, D = (256, 4, 32) if dry else (16384, 32, 128)
     lengths = synthetic_lengths("flan", 4096, seed=0)
     lengths = lengths[np.cumsum(lengths) <= T]
@@ -85,19 +96,13 @@ def part_kernels(dry: bool, repeats: int = 10, warmup: int = 3) -> dict:
     gen = torch.Generator(device="cpu").manual_seed(0)
     q32, k32, v32, g32 = (torch.randn(T, H, D, generator=gen).to(device) for _ in range(4))
     doc = torch.repeat_interleave(torch.arange(len(lengths), device=device), torch.as_tensor(lengths, device=device))
+    return device, lengths, (q32, k32, v32, g32), cu, doc
 
-    def sdpa(q, k, v):  # one dense block-diagonal causal mask over the packed row
-        mask = (doc[:, None] == doc[None, :]) & torch.ones(T, T, dtype=torch.bool, device=device).tril()
-        o = torch.nn.functional.scaled_dot_product_attention(*(x.transpose(0, 1)[None] for x in (q, k, v)), attn_mask=mask)
-        return o[0].transpose(0, 1)
 
-    impls = {"workbench_varlen": lambda q, k, v: varlen_attention(q, k, v, cu, int(lengths.max())), "sdpa": sdpa}
-    if device.type == "cuda":
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-        block = create_block_mask(lambda b, h, i, j: (doc[i] == doc[j]) & (i >= j), None, None, T, T, device=device)
-        flex = torch.compile(flex_attention)
-        impls["flex"] = lambda q, k, v: flex(*(x.transpose(0, 1)[None].contiguous() for x in (q, k, v)),
-                                             block_mask=block)[0].transpose(0, 1)
+def compare(impls: dict, reference, tensors, dtype, device, repeats: int, warmup: int, heads=slice(None)) -> list[dict]:
+    "Each implementation `[T, h, D] -> [T, h, D]` on `heads` of the row: median fwd+bwd ms and max |Δ| of output and grads vs `reference` in fp32."
+    import torch
+    q32, k32, v32, g32 = (x[:, heads] for x in tensors)
 
     def grads(fn, dt):
         q, k, v = (x.detach().to(dt, copy=True).requires_grad_() for x in (q32, k32, v32))  # fresh leaves every call
@@ -117,26 +122,85 @@ def part_kernels(dry: bool, repeats: int = 10, warmup: int = 3) -> dict:
                 t0 = time.perf_counter(); grads(fn, dtype); times.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(times)
 
-    ref = grads(lambda q, k, v: reference_varlen(q, k, v, cu), torch.float32)
+    ref = grads(reference, torch.float32)
     rows = []
     for name, fn in impls.items():
         got = grads(fn, dtype)
         rows.append(dict(impl=name, fwd_bwd_ms=timed(fn),
                          **{f"max_abs_d_{t}": (a - b).abs().max().item() for t, a, b in zip(("out", "dq", "dk", "dv"), got, ref)}))
+    return rows
+
+
+def kernel_table(rows: list[dict]) -> list[str]:
     table = ["| impl | fwd+bwd ms (median) | max abs d out | d dq | d dk | d dv |", "|---|---|---|---|---|---|"]
-    table += [f"| {r['impl']} | {r['fwd_bwd_ms']:.2f} | {r['max_abs_d_out']:.1e} | {r['max_abs_d_dq']:.1e} | "
-              f"{r['max_abs_d_dk']:.1e} | {r['max_abs_d_dv']:.1e} |" for r in rows]
+    return table + [f"| {r['impl']} | {r['fwd_bwd_ms']:.2f} | {r['max_abs_d_out']:.1e} | {r['max_abs_d_dq']:.1e} | "
+                    f"{r['max_abs_d_dk']:.1e} | {r['max_abs_d_dv']:.1e} |" for r in rows]
+
+
+def part_kernels(dry: bool, repeats: int = 10, warmup: int = 3) -> dict:
+    import torch
+    from workbench.attention import pick_kernel, reference_varlen, varlen_attention
+    device, lengths, tensors, cu, doc = packed_row(dry)
+    dtype = torch.float32 if dry else torch.bfloat16
+    T, H, D = tensors[0].shape
+
+    def sdpa(q, k, v):  # one dense block-diagonal causal mask over the packed row
+        mask = (doc[:, None] == doc[None, :]) & torch.ones(T, T, dtype=torch.bool, device=device).tril()
+        o = torch.nn.functional.scaled_dot_product_attention(*(x.transpose(0, 1)[None] for x in (q, k, v)), attn_mask=mask)
+        return o[0].transpose(0, 1)
+
+    impls = {"workbench_varlen": lambda q, k, v: varlen_attention(q, k, v, cu, int(lengths.max())), "sdpa": sdpa}
+    not_run = []
+    if device.type == "cuda":
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        block = create_block_mask(lambda b, h, i, j: (doc[i] == doc[j]) & (i >= j), None, None, T, T, device=device)
+        flex = torch.compile(flex_attention)
+        impls["flex"] = lambda q, k, v: flex(*(x.transpose(0, 1)[None].contiguous() for x in (q, k, v)),
+                                             block_mask=block)[0].transpose(0, 1)
+    else: not_run.append("flex: flex_attention has no CPU backward")
+    rows = compare(impls, lambda q, k, v: reference_varlen(q, k, v, cu), tensors, dtype, device, repeats, warmup)
+    table = kernel_table(rows)
     if device.type == "cpu": table.append("on CPU workbench_varlen runs its reference kernel (Δ 0 by construction); "
                                           "flex is not run (flex_attention has no CPU backward)")
     return dict(tokens=T, heads=H, head_dim=D, examples=len(lengths), dtype=str(dtype),
-                varlen_kernel=pick_kernel(q32.to(dtype)), repeats=repeats, rows=rows, table="\n".join(table))
+                varlen_kernel=pick_kernel(tensors[0].to(dtype)), repeats=repeats, rows=rows, table="\n".join(table),
+                not_run=not_run)
+
+
+ULYSSES = 4  # the Ulysses degree whose head shard part 3 times (H/4 heads over the whole row)
+
+
+def part_sp_kernels(dry: bool, repeats: int = 10, warmup: int = 3) -> dict:
+    import torch
+    from workbench.attention import pick_kernel, reference_varlen, varlen_attention
+    from workbench.sp.ring import QUERY_TILE, ring_attend
+    device, lengths, tensors, cu, doc = packed_row(dry)
+    dtype = torch.float32 if dry else torch.bfloat16
+    T, H, D = tensors[0].shape
+    ring_index = torch.arange(T, device=device)[None]  # one ring block holding the whole row: the block pair with itself
+    to_bhtd = lambda x: x.transpose(0, 1)[None]
+    varlen = lambda q, k, v: varlen_attention(q, k, v, cu, int(lengths.max()))
+    impls = {f"ring block pair (ring_attend, tile {QUERY_TILE})":
+                 lambda q, k, v: ring_attend(to_bhtd(q), to_bhtd(k), to_bhtd(v), ring_index, doc)[0].transpose(0, 1),
+             f"workbench_varlen ({pick_kernel(tensors[0].to(dtype))})": varlen}
+    rows = compare(impls, lambda q, k, v: reference_varlen(q, k, v, cu), tensors, dtype, device, repeats, warmup)
+    shard = slice(0, H // ULYSSES)  # the heads one of ULYSSES ranks holds after the all-to-all, over the whole row
+    rows += [dict(r, impl=f"Ulysses local, head shard {H // ULYSSES}/{H}: {r['impl']}")
+             for r in compare({"workbench_varlen": varlen}, lambda q, k, v: reference_varlen(q, k, v, cu), tensors, dtype,
+                              device, repeats, warmup, heads=shard)]
+    not_run = ["the ring's exchange between GPUs (one GPU here: its compute only)",
+               "Ulysses's all-to-alls (one GPU here: its local attention only)"]
+    if device.type == "cpu": not_run.append("flash / torch varlen: on CPU workbench_varlen runs its reference kernel")
+    return dict(tokens=T, heads=H, head_dim=D, ulysses=ULYSSES, examples=len(lengths), dtype=str(dtype), rows=rows,
+                table="\n".join(kernel_table(rows)), not_run=not_run)
 
 
 def part_long_context(dry: bool) -> dict:
     import gpu_long_context
     rows = gpu_long_context.run(gpu_long_context.parse_args(["--dry-run", "--max-trials", "3"] if dry
                                                             else ["--cap-gib", "16", "--max-trials", "8"]))
-    return dict(rows=rows, table=gpu_long_context.table(rows))
+    not_run = [f"cap {r['cap_gib']} GiB, {r['levers']}: no length fitted" for r in rows if not r["measured_tokens"]]
+    return dict(rows=rows, table=gpu_long_context.table(rows), not_run=not_run)
 
 
 EXPECTED = re.compile(r"expected per-rank peak \(planner, bf16\): ([\d.]+) GiB")
@@ -145,7 +209,7 @@ MEASURED = re.compile(r"rank (\d+) ([\d.]+) GiB")
 
 def part_memory(dry: bool, out: Path) -> dict:
     points = []
-    long_context = out / "part3.json"
+    long_context = out / "part4.json"
     if long_context.exists():  # part 3's rows carry the planned and measured peak at the longest fit
         for r in json.loads(long_context.read_text())["result"]["rows"]:
             if r["measured_peak_gib"] is not None:
@@ -153,8 +217,9 @@ def part_memory(dry: bool, out: Path) -> dict:
                                    planned_gib=r["planned_peak_gib"], measured_gib=r["measured_peak_gib"]))
     run_dir = tempfile.mkdtemp(prefix="train_", dir=out)
     cmd = [sys.executable, "-m", "workbench.train", "--attn", "workbench_varlen", "--steps", "3" if not dry else "2",
-           "--out", run_dir] + (["--max-tokens", "256"] if dry else ["--preset", "gpu-long", "--max-tokens", "16384"])
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=45 if dry else 50)
+           "--out", run_dir] + (["--max-tokens", "256", "--dtype", "bfloat16"]  # the planner models bf16 (fp32, a CPU's auto, it does not)
+                                if dry else ["--preset", "gpu-long", "--max-tokens", "16384"])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TRAIN_DRY_TIMEOUT_S if dry else 50)
     if proc.returncode: raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr[-1500:]}")
     expected = EXPECTED.search(proc.stdout)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("measured per-rank peak")), "")
@@ -165,13 +230,103 @@ def part_memory(dry: bool, out: Path) -> dict:
     table = ["| point | planned GiB | measured GiB | measured / planned |", "|---|---|---|---|"]
     table += [f"| {p['source']} | {p['planned_gib']:.3f} | {p['measured_gib']:.3f} | "
               f"{p['measured_gib'] / p['planned_gib']:.2f} |" for p in points]
-    return dict(points=points, train_cmd=" ".join(cmd[1:]), table="\n".join(table))
+    return dict(points=points, train_cmd=" ".join(cmd[1:]), run_dir=run_dir, table="\n".join(table),
+                not_run=[] if long_context.exists() else ["part 4's rows: part 4 did not finish"])
+
+
+def _result(out: Path, number: int) -> dict | None:
+    f = out / f"part{number}.json"
+    return json.loads(f.read_text())["result"] if f.exists() else None
+
+
+def part_step_time(dry: bool, out: Path) -> dict:
+    "predict_step against parts 1 and 4's measured steps and part 5's train run; then the factors refitted on them."
+    import numpy as np
+    import torch
+    import gpu_long_context
+    import gpu_packing
+    from workbench.core import tiny_config
+    from workbench.cost import (DEVICES, Efficiency, _run_record, _seconds, attention_work, calibrate, calibrate_run, check_run,
+                                cpu_device, predict_step)
+    from workbench.memory import Levers, preset_config
+    not_run, points = [], []  # points: (source, terms, predicted_s, measured_s)
+    if dry: dev = cpu_device(1)  # a dry part runs at one thread (OMP_NUM_THREADS=1)
+    else:
+        gpu = torch.cuda.get_device_name()
+        hit = [d for k, d in DEVICES.items() if k.split()[0] in gpu]
+        if not hit: return dict(rows=[], not_run=[f"every row: {gpu} has no workbench.cost.DEVICES entry (peak figures)"],
+                                table=f"no prediction: {gpu} is not in workbench.cost.DEVICES")
+        dev = hit[0]
+    kind, dtype_bytes = ("cpu", 4) if dry else ("cuda", 2)
+    packing = _result(out, 1)
+    if packing is None: not_run.append("part 1's rows: part 1 did not finish")
+    else:
+        args = gpu_packing.parse_args(packing_argv(dry))
+        vocab = tiny_config("llama").vocab_size if dry else gpu_packing.LLAMA_7B["vocab_size"]
+        cfg = tiny_config("llama", **({} if dry else gpu_packing.LLAMA_7B), num_hidden_layers=args.layers)
+        for r in packing["rows"]:
+            if "tok_s" not in r: not_run.append(f"part 1 {r['dataset']} {r['mode']}: not measured ({r.get('error')})"); continue
+            mode = gpu_packing.MODES[r["mode"]]
+            steps = gpu_packing.make_steps(r["dataset"], args.warmup + args.steps, args.batch_size, vocab, args.seed,
+                                           64 if dry else None)  # as part 1 built them (same seed)
+            if mode.layout == "budget": steps = gpu_packing.budget_steps(steps)
+            timed = steps[args.warmup:]
+            try:
+                ps = [predict_step(cfg, gpu_packing.collate(mode, feats, "cpu"), dev, attention=attention_work(mode.attn, kind),
+                                   dtype_bytes=dtype_bytes) for feats in timed]
+            except ValueError as e: not_run.append(f"part 1 {r['dataset']} {r['mode']}: {e}"); continue
+            tokens = sum(len(f["input_ids"]) for feats in timed for f in feats)
+            terms = {k: float(np.mean([p.terms[k] for p in ps])) for k in ps[0].terms}
+            points.append((f"part 1 {r['dataset']} {r['mode']}", terms, float(np.mean([p.step_s for p in ps])),
+                           tokens / r["tok_s"] / len(timed)))
+    long_context = _result(out, 4)
+    if long_context is None: not_run.append("part 4's rows: part 4 did not finish")
+    else:
+        lc = gpu_long_context.parse_args(["--dry-run"] if dry else [])
+        cfg = preset_config("qwen3-4b", num_hidden_layers=lc.layers, **(gpu_long_context.TINY if dry else {}))
+        for r in long_context["rows"]:
+            ran = [t for t in r["trials"][1:] if t["fits"]]  # the first trial of a row builds kernels: warm-up
+            if not ran: not_run.append(f"part 4 cap {r['cap_gib']} GiB {r['levers']}: no fitting trial past the first"); continue
+            t = max(ran, key=lambda t: t["tokens"])
+            p = predict_step(cfg, [[t["tokens"]]], dev, attention=attention_work("sdpa", kind),
+                             levers=gpu_long_context.LEVER_SETS[r["levers"]], dtype_bytes=dtype_bytes)
+            terms = dict(p.terms, memory=0.0)  # a trial is one forward + backward: no optimizer step
+            points.append((f"part 4 {r['levers']}, {t['tokens']:,} tokens (one fwd+bwd)", terms, _seconds(terms, Efficiency()), t["seconds"]))
+    rows = [dict(source=src, predicted_s=pred, measured_s=meas, error=meas / pred - 1) for src, _, pred, meas in points]
+    refit = None
+    if points:
+        refit = calibrate([(terms, meas) for _, terms, _, meas in points], ("compute",))
+        for row, (_, terms, _, meas) in zip(rows, points):
+            row.update(refit_predicted_s=_seconds(terms, refit), refit_error=meas / _seconds(terms, refit) - 1)
+    memory = _result(out, 5)
+    run_refit = None
+    if memory is None or not memory.get("run_dir"): not_run.append("part 5's train run: part 5 did not finish")
+    else:
+        h = check_run(memory["run_dir"], record=False)  # the run's own prediction (its device, its factors), one basis
+        run_refit = calibrate_run(memory["run_dir"])
+        _, run_rows = _run_record(memory["run_dir"], 1)
+        refit_s = np.mean([r["mfu"] * r["step_s"] / run_refit.matmul + run_refit.overhead_s for r in run_rows])
+        rows.append(dict(source=f"part 5 train run ({h.device})", predicted_s=h.predicted_s, measured_s=h.measured_s,
+                         error=h.error, refit_predicted_s=float(refit_s),
+                         refit_error=float(np.mean([r["step_s"] for r in run_rows]) / refit_s - 1)))
+    table = ["| measured step | predicted s | measured s | error | refitted predicted s | refitted error |",
+             "|---|---|---|---|---|---|"]
+    table += [f"| {r['source']} | {r['predicted_s']:.4g} | {r['measured_s']:.4g} | {r['error']:+.0%} | "
+              f"{r.get('refit_predicted_s', float('nan')):.4g} | {r.get('refit_error', float('nan')):+.0%} |" for r in rows]
+    table.append(f"error = measured / predicted - 1 (+: predicted too fast). Refitted: compute efficiency fitted by "
+                 f"calibrate on the part 1 and 4 rows ({refit.matmul:.3g} of peak)" if refit else "no part 1 or 4 rows to refit on")
+    if run_refit: table.append(f"and by calibrate_run on the train run ({run_refit.matmul:.3g} of peak, "
+                               f"overhead {run_refit.overhead_s:.3g} s) on {dev.name}.")
+    return dict(device=dev.name, rows=rows, refit=None if refit is None else refit.matmul,
+                run_refit=None if run_refit is None else dict(matmul=run_refit.matmul, overhead_s=run_refit.overhead_s),
+                table="\n".join(table), not_run=not_run)
 
 
 def run_part(number: int, dry: bool, out: Path, fail: bool) -> None:
     "Child side: run one part and write `out/partN.json`."
     if fail: raise RuntimeError(f"part {number} failed on purpose (--fail-part {number})")
-    fn = {1: part_packing, 2: part_kernels, 3: part_long_context, 4: lambda d: part_memory(d, out)}[number]
+    fn = {1: part_packing, 2: part_kernels, 3: part_sp_kernels, 4: part_long_context, 5: lambda d: part_memory(d, out),
+          6: lambda d: part_step_time(d, out)}[number]
     (out / f"part{number}.json").write_text(json.dumps(dict(result=fn(dry)), indent=1, default=str))
 
 
@@ -182,7 +337,12 @@ def version(dist: str) -> str:
     except importlib.metadata.PackageNotFoundError: return "absent"
 
 
-def environment(install_note: str) -> dict:
+def environment(install_note: str, dry: bool = False) -> dict:
+    "Versions of what ran; a dry run does not import torch here (seconds on a loaded box: its parts import it anyway)."
+    if dry:
+        return dict(gpu="absent", driver="absent", cuda="not checked (dry run)", torch=version("torch"),
+                    transformers=version("transformers"), flash_attn=version("flash-attn"),
+                    flash_attn_install=install_note, python=sys.version.split()[0])
     import torch
     gpu = driver = "absent"
     if torch.cuda.is_available():  # nvidia-smi, not torch: no CUDA context held by the suite while the parts run
@@ -255,7 +415,9 @@ def markdown(env: dict, records: list[dict], dry: bool) -> str:
     lines += [f"| {r['part']} | {r['name']} | {r['status']} | {r.get('seconds', '')} | {r['cap_s']:g} |" for r in records]
     for r in records:
         lines += ["", f"## {r['part']} {r['name']}: {r['status']}", ""]
-        if "result" in r: lines.append(r["result"]["table"])
+        if "result" in r:
+            lines.append(r["result"]["table"])
+            if r["result"].get("not_run"): lines += ["", "Not run: " + "; ".join(r["result"]["not_run"]) + "."]
         elif "stderr_tail" in r: lines += ["```", r["stdout_tail"][-800:], r["stderr_tail"][-800:], "```"]
     return "\n".join(lines) + "\n"
 
@@ -286,12 +448,13 @@ def main(argv=None) -> dict:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)  # the mask supervise held while starting it was inherited
         return run_part(args.child, args.dry_run, args.out, args.fail)
     for s in STOPS: signal.signal(s, stop)  # a kill or Ctrl-C ends the running part's session too (supervise)
-    import torch
-    if not args.dry_run and not torch.cuda.is_available(): raise SystemExit("no CUDA GPU: use --dry-run on a CPU")
+    if not args.dry_run:
+        import torch
+        if not torch.cuda.is_available(): raise SystemExit("no CUDA GPU: use --dry-run on a CPU")
     for stale in args.out.glob("part*.json"): stale.unlink()  # a reused directory: never report an old part's result
     t0 = time.perf_counter()
     note = install_flash_attn() if args.install_flash_attn else "not tried (--install-flash-attn)"
-    env = environment(note)
+    env = environment(note, args.dry_run)
     print("gpu_suite:", json.dumps(env), flush=True)
     records = [supervise(part, args, args.cap_s or (part.dry_cap_s if args.dry_run else part.cap_s))
                for part in PARTS if part.number in args.parts]

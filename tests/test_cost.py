@@ -8,9 +8,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from workbench.attention import register as register_varlen
 from workbench.core import cu_seq_lens, restart_positions, tiny_config, tiny_model
-from workbench.cost import (CPU_FLOP_FORMULAS, DEVICES, LAYOUT_LEVERS, Dims, Efficiency, attention_work, calibrate,
-                            calibrate_run, device, hf_blog_table, measured_flops, plan_balanced, plan_layout, predict_step,
-                            step_cost)
+from workbench.cost import (CPU_FLOP_FORMULAS, DEVICES, LAYOUT_LEVERS, MEASURED, RANK_THREADS, Dims, Efficiency,
+                            attention_work, blog_source, calibrate, calibrate_run, check_run, cpu_device, device,
+                            hf_blog_prediction, hf_blog_table, measured_flops, plan_balanced, plan_layout, predict_step,
+                            run_device, run_source, step_cost)
 from workbench.memory import Levers, estimate, preset_config
 from workbench.packing import plan_bins, synthetic_lengths
 from workbench.tiling import checkpoint_layers, tile_mlp
@@ -136,6 +137,57 @@ def test_blog_points():
     assert 0 < eff.matmul <= 1 and 0 < eff.memory <= 1
 
 
+def test_a_prediction_carries_its_held_out_errors():
+    "Fitted on the blog's two points, a prediction carries the other two with their errors; unfitted, all four."
+    _, eff = hf_blog_table()
+    p = hf_blog_prediction(4, 65536, eff)
+    assert {h.source: round(h.error, 3) for h in p.held_out} == {blog_source(*k): e for k, e in HELD_OUT_ERRORS.items()}
+    assert p.band == (min(HELD_OUT_ERRORS.values()), max(HELD_OUT_ERRORS.values())) or np.allclose(
+        p.band, (0.416, 0.719), atol=5e-4)
+    assert "+42%" in repr(p) and "+72%" in repr(p) and "tokens/s if it errs" in repr(p)  # printed with the number
+    assert len(hf_blog_prediction(4, 65536).held_out) == 4  # the default factors were fitted on none of them
+    assert predict_step("qwen3-4b", [[8192]], "cpu").held_out == () or all(  # GPU points never speak for a CPU
+        h.device.startswith("cpu") for h in predict_step("qwen3-4b", [[8192]], "cpu").held_out)
+
+
+def test_check_run_is_held_out_until_fitted_on(tmp_path):
+    "A checked run is carried by later CPU predictions, and dropped from those whose factors were fitted on it."
+    peak, lines = 1e12, []
+    for step in range(4):  # predicted 1 s for 1e11 FLOPs; measured 1.25 s: the prediction was 25% too fast
+        lines.append(json.dumps(dict(step=step, step_s=1.25, mfu=1e11 / 1.25 / peak)))
+    out = _run_dir(tmp_path, "\n".join(lines) + "\n")
+    (out / "config.json").write_text(json.dumps({"predicted": dict(step_s=1.0, mfu=0.1, flops_per_step=1e11,
+                                                                   peak_flops=peak, device="cpu (1 thread per process)")}))
+    before = list(MEASURED)
+    try:
+        h = check_run(out)
+        assert abs(h.predicted_s - 1.0) < 1e-9 and abs(h.measured_s - 1.25) < 1e-9 and abs(h.error - 0.25) < 1e-9
+        cpu = cpu_device(RANK_THREADS)
+        assert h in predict_step(tiny_config("llama"), [[64]], cpu).held_out
+        assert h not in predict_step(tiny_config("llama"), [[64]], "H100 SXM").held_out  # a CPU run says nothing of a GPU
+        fitted = calibrate_run(out)
+        assert run_source(out) in fitted.fitted_on and h not in predict_step(tiny_config("llama"), [[64]], cpu, fitted).held_out
+    finally: MEASURED[:] = before
+
+
+def test_a_rank_is_predicted_at_the_threads_it_has():
+    "The parent may run 2 threads; every rank runs 1 (workbench.launch): the run's device is measured at 1."
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        cpu_device.cache_clear()  # measured afresh while this process has 2 threads
+        dev = run_device() if not torch.cuda.is_available() else cpu_device(RANK_THREADS)
+        assert RANK_THREADS == 1 and dev.name.startswith("cpu (1 thread per process"), dev.name
+    finally: torch.set_num_threads(before)
+    if torch.cuda.is_available(): return
+    from types import SimpleNamespace
+    from workbench.cost import run_prediction
+    cfg = SimpleNamespace(sp=2, ring=1, dp=1, world=2, attn="sdpa", checkpointing=True, offload_checkpoints=False, loss_chunk=0,
+                          mlp_chunk=0, lean_kernels=False, shard=False, cpu_offload=False, dtype="auto", seed=0, grad_accum=1)
+    p = run_prediction(cfg, tiny_config("llama"), plan_bins(synthetic_lengths("flan", 64), 1024), steps=2)
+    assert p.device.startswith("cpu (1 thread per process, 2 processes at once"), p.device  # its two ranks share the cores
+
+
 def _run_dir(tmp_path, rows, predicted=True):
     (tmp_path / "config.json").write_text(json.dumps({"predicted": dict(step_s=1, mfu=0.1, flops_per_step=1e9,
                                                                         peak_flops=1e12, device="x")} if predicted else {}))
@@ -183,6 +235,24 @@ def test_plan_layout_never_refused(model):
         assert seen == {(u, r) for u, r in sp_layouts(config, gpus) if split == "hybrid" or r == 1}  # kept, or refused with why
 
 
+def test_plan_layout_ranks_by_tokens_per_s_and_prints_short():
+    "The frontier is ranked by tokens/s on the fixed GPUs (not by step time, which orders these layouts differently)."
+    lengths = np.r_[synthetic_lengths("flan", 2000), [65536]]
+    _, eff = hf_blog_table()  # the blog's factors: where the issue saw DP 8 ranked below a slower SP 8
+    layouts = plan_layout("qwen3-4b", lengths, 8, efficiency=eff)
+    f = layouts.frontier
+    assert (np.diff(f.tokens_per_s.to_numpy()) <= 0).all()  # best throughput first
+    by_step = plan_layout("qwen3-4b", lengths, 8, efficiency=eff, rank_by="step_s").frontier
+    assert (np.diff(by_step.step_s.to_numpy()) >= 0).all()
+    assert list(by_step.index) != list(f.index)  # the two rankings differ here: ranking by step time is caught
+    text = repr(layouts)
+    lines = text.splitlines()
+    assert len(lines) <= 14 and max(map(len, lines)) <= 110, text  # short and readable, not a wall of columns
+    assert "ranked by tokens_per_s" in lines[0] and "trust:" in lines[-1] and "layout" in lines[1]
+    assert lines[2].lstrip().startswith("1 ") and f"{f.tokens_per_s.iloc[0]:,.0f}" in lines[2]  # the best layout is row 1
+    with pytest.raises(ValueError, match="cannot rank by"): plan_layout("qwen3-4b", [100], 4, rank_by="speed")
+
+
 def test_plan_layout_bad_inputs():
     for kw, err, msg in [(dict(split="x"), ValueError, "unknown split"),
                          (dict(gpus=0), ValueError, "gpus"), (dict(gpu_memory=-1), ValueError, "gpu_memory"),
@@ -196,12 +266,18 @@ def test_run_records_prediction(tmp_path):
     "A real run: config.json['predicted'] as the dashboard contract says, every row with step_s and mfu, calibration from it."
     from workbench.train import TrainConfig, read_metrics, run
     out = tmp_path / "run"
-    run(TrainConfig(steps=4, max_tokens=256, out=str(out)))
+    run(TrainConfig(steps=6, max_tokens=256, out=str(out)))
     predicted = json.loads((out / "config.json").read_text())["predicted"]
     assert set(predicted) == {"step_s", "mfu", "flops_per_step", "peak_flops", "device"} and predicted["step_s"] > 0
     rows = read_metrics(out)
     assert all(r["step_s"] > 0 and 0 < r["mfu"] < 1 for r in rows)
     assert calibrate_run(out).matmul > 0
+    before = list(MEASURED)
+    try: h = check_run(out)  # the prediction against the measured steps, on one basis (each step's FLOPs)
+    finally: MEASURED[:] = before
+    print(f"CPU run: predicted {h.predicted_s:.4f} s/step, measured {h.measured_s:.4f} s/step, "
+          f"predicted / measured {h.predicted_s / h.measured_s:.2f}")
+    assert 0.75 <= h.predicted_s / h.measured_s <= 1.25, h  # within 25% (the threads a rank has, the CPU's own factors)
 
 
 def test_unmodelled_runs_get_no_prediction():

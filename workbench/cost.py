@@ -28,13 +28,14 @@ from .sp.ring import comm_bytes
 from .sp.shard import contiguous_plan
 
 # %% auto #0
-__all__ = ['ATTENTION_WORK', 'ADAMW_BYTES', 'CPU_FLOP_FORMULAS', 'DEVICES', 'FACTORS', 'device_of', 'FIT_GROUPS',
-           'HF_BLOG_QWEN3_4B', 'HF_BLOG_FIT', 'HF_BLOG_RUN', 'SPLITS', 'LAYOUT_LEVERS', 'attention_work', 'Dims',
-           'rows_of', 'document_pairs', 'ring_blocks', 'interacting_blocks', 'StepCost', 'step_cost', 'FlopCount',
-           'measured_flops', 'bin_costs', 'BalancedPlan', 'served_steps', 'plan_balanced', 'Device', 'cpu_device',
-           'device', 'run_device', 'Efficiency', 'Prediction', 'predict_step', 'calibrate', 'calibrate_run',
-           'hf_blog_prediction', 'hf_blog_table', 'run_options', 'run_prediction', 'measured_mfu', 'Layouts',
-           'plan_layout']
+__all__ = ['ATTENTION_WORK', 'ADAMW_BYTES', 'CPU_FLOP_FORMULAS', 'DEVICES', 'RANK_THREADS', 'FACTORS', 'MEASURED',
+           'HELD_OUT_SOURCES', 'device_of', 'FIT_GROUPS', 'HF_BLOG_QWEN3_4B', 'HF_BLOG_FIT', 'HF_BLOG_RUN', 'SPLITS',
+           'LAYOUT_LEVERS', 'RANK_BY', 'attention_work', 'Dims', 'rows_of', 'document_pairs', 'ring_blocks',
+           'interacting_blocks', 'StepCost', 'step_cost', 'FlopCount', 'measured_flops', 'bin_costs', 'BalancedPlan',
+           'served_steps', 'plan_balanced', 'Device', 'cpu_device', 'device', 'run_device', 'Efficiency', 'HeldOut',
+           'held_out', 'held_out_errors', 'Prediction', 'predict_step', 'calibrate', 'run_source', 'calibrate_run',
+           'check_run', 'hf_blog_prediction', 'blog_source', 'hf_blog_table', 'run_options', 'cpu_efficiency',
+           'fresh_cpu', 'run_efficiency', 'run_prediction', 'measured_mfu', 'layout_name', 'Layouts', 'plan_layout']
 
 # %% ../nbs/17_cost.ipynb #64bb0f7a
 ATTENTION_WORK = {  # how much of each document's query x key square an attention implementation computes
@@ -419,20 +420,47 @@ DEVICES = {  # public specifications (SXM parts); memory as the driver reports i
     "A100 80GB": Device("A100 80GB", 312e12, 2.039e12, 300e9, 25e9, 81920 / 1024, pcie=2.5e10),
 }
 
-@functools.lru_cache(maxsize=1)
-def cpu_device() -> Device:
-    "This machine's CPU as a `Device`: FLOP/s and memory bandwidth measured once (best of 5 fp32 matmuls / copies); links are estimates."
+RANK_THREADS = 1  # threads each training process computes with: `workbench.launch` (and torchrun) set OMP_NUM_THREADS=1 per rank
+
+def _cpu_rates(threads: int) -> tuple[float, float]:
+    "FLOP/s and copy bytes/s of this process at `threads` threads: the median of 7 fp32 1024² matmuls / 64 MiB copies."
+    torch.set_num_threads(threads)
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
     x = torch.empty(16 * 2**20 // 4); y = torch.empty_like(x)
-    def best(fn, n=5):
+    def median(fn, n=7):
         fn(); out = []
         for _ in range(n): t = time.perf_counter(); fn(); out.append(time.perf_counter() - t)
-        return min(out)
-    flops = 2 * 1024**3 / best(lambda: a @ b)
-    hbm = 2 * x.numel() * 4 / best(lambda: y.copy_(x))
+        return float(np.median(out))
+    return 2 * 1024**3 / median(lambda: a @ b), 2 * x.numel() * 4 / median(lambda: y.copy_(x))
+
+def _rates_child(conn, threads: int):
+    try: conn.send(_cpu_rates(threads))
+    finally: conn.close()
+
+@functools.lru_cache(maxsize=None)
+def cpu_device(threads: int | None = None,  # threads of the process to model (None: this process's, now)
+               processes: int = 1,           # processes computing at once (a run's ranks), each measured while the others run
+              ) -> Device:
+    "This machine's CPU as a `Device` for one of `processes` processes of `threads` threads each: FLOP/s and memory bandwidth measured that way (`processes` > 1: as many forked processes, as `workbench.launch` forks ranks, measuring at once), so that cores shared between ranks, or a busy box, are measured as shared and busy; links are estimates."
+    threads = int(threads or torch.get_num_threads())
+    if threads < 1 or processes < 1: raise ValueError(f"threads and processes must be positive, got {threads!r}, {processes!r}")
+    if processes == 1:
+        before = torch.get_num_threads()
+        try: flops, hbm = _cpu_rates(threads)
+        finally: torch.set_num_threads(before)
+    else:  # forked, like the ranks: threads in this process would leave state behind that a later fork inherits
+        import multiprocessing as mp
+        ctx = mp.get_context("fork")
+        pipes = [ctx.Pipe(duplex=False) for _ in range(processes)]
+        procs = [ctx.Process(target=_rates_child, args=(w, threads), daemon=True) for _, w in pipes]
+        for q in procs: q.start()
+        try: flops, hbm = np.mean([r.recv() for r, _ in pipes], axis=0)
+        finally:
+            for q in procs: q.join(timeout=60)
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return Device(f"cpu ({torch.get_num_threads()} threads, measured fp32 matmul)", flops, hbm, 5e8, 5e8, pages / 2**30,
-                  per_node=1, host=hbm, pcie=hbm)
+    shared = f", {processes} processes at once" if processes > 1 else ""
+    return Device(f"cpu ({threads} thread{'s' * (threads > 1)} per process{shared}, measured fp32 matmul)", float(flops),
+                  float(hbm), 5e8, 5e8, pages / 2**30, per_node=1, host=float(hbm), pcie=float(hbm))
 
 def device(name) -> Device:
     "A `Device` by name (`DEVICES`, or \"cpu\" for this machine measured), or the `Device` given."
@@ -441,13 +469,14 @@ def device(name) -> Device:
     if name not in DEVICES: raise ValueError(f"unknown device {name!r}: choose one of {[*DEVICES, 'cpu']} or pass a `Device`")
     return DEVICES[name]
 
-def run_device() -> Device:
-    "The device this process trains on: the CUDA GPU by its name when it is in `DEVICES`, else this CPU."
+def run_device(processes: int = 1,  # the run's processes (ranks), computing at once on this machine
+              ) -> Device:
+    "The device a training rank runs on: the CUDA GPU by its name when it is in `DEVICES`, else this CPU at `RANK_THREADS` threads (what every rank really has), measured while `processes` ranks compute at once."
     if torch.cuda.is_available():
         gpu = torch.cuda.get_device_name()
         hit = [d for k, d in DEVICES.items() if k.split()[0] in gpu]
         if hit: return hit[0]
-    return cpu_device()
+    return cpu_device(RANK_THREADS, processes)
 
 # %% ../nbs/17_cost.ipynb #6366b898
 @dataclass(frozen=True)
@@ -459,23 +488,64 @@ class Efficiency:
     memory: float = 0.7      # of memory / host / PCIe bandwidth reached by the optimizer step and offloads
     overlap: float = 0.0     # share of communication hidden behind compute
     overhead_s: float = 0.0  # seconds per step nothing above explains (launches, Python, data)
+    fitted_on: tuple = ()    # `HeldOut.source` names of the measured points these factors were fitted on: never held out
 
 FACTORS = ("matmul", "attention", "comm", "memory", "overhead")  # the terms of a predicted step, in seconds
 
+@dataclass(frozen=True)
+class HeldOut:
+    "One measured step that a prediction's factors were not fitted on: where it came from, predicted and measured seconds."
+    source: str          # what was measured ("HF blog Qwen3-4B SP=4 8K", "run /path/to/run")
+    device: str          # the `Device.name` it ran on (CPU points speak for CPU predictions, GPU points for GPU ones)
+    predicted_s: float   # seconds per step the predictor gave for it
+    measured_s: float    # seconds per step measured
+    @property
+    def error(self) -> float:
+        "Predicted throughput over measured, minus 1: +0.42 says the prediction was 42% too fast."
+        return self.measured_s / self.predicted_s - 1
+
+MEASURED: list = []  # `HeldOut` points recorded by `check_run` (CPU runs, GPU runs), as each was predicted when it ran
+HELD_OUT_SOURCES = [lambda dev, eff: MEASURED]  # (device, efficiency) -> `HeldOut` points; the HF blog's is added below
+
+def _kind(device_name: str) -> str: return "cpu" if device_name.startswith("cpu") else "gpu"
+
+def held_out(device, efficiency: Efficiency = Efficiency()) -> tuple:
+    "The measured points on `device`'s kind (CPU or GPU) that `efficiency` was not fitted on: the error a prediction carries."
+    dev = device_of(device)
+    return tuple(h for source in HELD_OUT_SOURCES for h in source(dev, efficiency)
+                 if _kind(h.device) == _kind(dev.name) and h.source not in efficiency.fitted_on)
+
+def held_out_errors(points: tuple, device: str) -> str:
+    "The held-out points and their errors in words (or that none was measured on `device`'s kind)."
+    if not points: return (f"no held-out point measured on {_kind(device)} yet (`check_run` records a run), so this is a "
+                           f"roofline's guess with no error band")
+    return f"the {len(points)} held-out point(s) did: " + ", ".join(f"{h.source} {h.error:+.0%}" for h in points)
+
 @dataclass
 class Prediction:
-    "A predicted step on one rank: its seconds by term, and what that makes of throughput and MFU."
+    "A predicted step on one rank: its seconds by term, what that makes of throughput and MFU, and how far to trust it."
     step_s: float; mfu: float; flops_per_step: float; peak_flops: float; device: str
     tokens_per_s: float      # all ranks together
     terms: dict              # factor -> seconds at 100% of the peak (before the efficiencies)
     cost: StepCost
+    held_out: tuple = ()     # `HeldOut` points on this device's kind that the factors were not fitted on
     def as_dict(self) -> dict:
         "The `config.json[\"predicted\"]` record (the contract the dashboard reads)."
         return dict(step_s=self.step_s, mfu=self.mfu, flops_per_step=self.flops_per_step, peak_flops=self.peak_flops,
                     device=self.device)
+    @property
+    def band(self) -> tuple | None:
+        "(lowest, highest) error measured on the held-out points (`HeldOut.error`); None when none was measured."
+        return (min(h.error for h in self.held_out), max(h.error for h in self.held_out)) if self.held_out else None
+    def trust(self) -> str:
+        "One line: the tokens/s the held-out errors make of this prediction, and each point with its error; or that none was measured."
+        if not self.held_out: return "trust: " + held_out_errors(self.held_out, self.device)
+        lo, hi = (f"{self.tokens_per_s / (1 + e):,.0f}" for e in reversed(self.band))
+        return (f"trust: measured {lo if lo == hi else f'{lo}-{hi}'} tokens/s if it errs as "
+                + held_out_errors(self.held_out, self.device))
     def __repr__(self):
         return (f"predicted on {self.device}: {self.step_s:.4g} s/step, {self.tokens_per_s:,.0f} tokens/s, MFU {self.mfu:.1%} "
-                f"({self.flops_per_step:.3g} model FLOPs per rank per step)")
+                f"({self.flops_per_step:.3g} model FLOPs per rank per step)\n{self.trust()}")
 
 def _terms(cost: StepCost, dev: Device, ulysses: int, ring: int, dp: int) -> dict:
     "Seconds of each `FACTORS` term at 100% of `dev`'s peaks; each group's bytes over its own link."
@@ -493,19 +563,24 @@ def _seconds(terms: dict, e: Efficiency) -> float:
     return (terms["matmul"] / e.matmul + terms["attention"] / e.attention + (1 - e.overlap) * terms["comm"] / e.comm
             + terms["memory"] / e.memory + e.overhead_s)
 
-def predict_step(config,                  # a transformers config or a preset name
-                 batch,                   # this replica's rows of one optimizer step (as `step_cost` reads them)
-                 device="H100 SXM",       # a `DEVICES` name, "cpu", or a `Device`
-                 efficiency: Efficiency = Efficiency(),  # the factors (fit them with `calibrate`)
-                 **options,               # `step_cost`'s: sp, ring, dp, attention, levers, zero_stage, optimizer_offload, dtype_bytes
-                ) -> Prediction:
-    "Predicted seconds, throughput and MFU of one step: a roofline over `step_cost` with the named `efficiency` factors."
+def _predict_step(config, batch, device="H100 SXM", efficiency: Efficiency = Efficiency(), **options) -> Prediction:
+    "`predict_step` without the held-out points."
     dev, cost = device_of(device), step_cost(config, batch, **options)
     terms = _terms(cost, dev, options.get("sp", 1), options.get("ring", 1), options.get("dp", 1))
     step = _seconds(terms, efficiency)
     tokens = sum(int(r.sum()) for r in rows_of(batch)) * options.get("dp", 1)
     return Prediction(step, cost.model_flops / step / dev.flops, cost.model_flops, dev.flops, dev.name, tokens / step,
                       terms, cost)
+
+def predict_step(config,                  # a transformers config or a preset name
+                 batch,                   # this replica's rows of one optimizer step (as `step_cost` reads them)
+                 device="H100 SXM",       # a `DEVICES` name, "cpu", or a `Device`
+                 efficiency: Efficiency = Efficiency(),  # the factors (fit them with `calibrate`)
+                 **options,               # `step_cost`'s: sp, ring, dp, attention, levers, zero_stage, optimizer_offload, dtype_bytes
+                ) -> Prediction:
+    "Predicted seconds, throughput and MFU of one step (a roofline over `step_cost` with the named `efficiency` factors), with the error measured on the points those factors were not fitted on (`held_out`)."
+    p = _predict_step(config, batch, device, efficiency, **options)
+    return replace(p, held_out=held_out(device, efficiency))
 
 device_of = device  # `predict_step` takes an argument named `device`
 
@@ -516,6 +591,7 @@ FIT_GROUPS = {"compute": ("matmul", "attention"), "matmul": ("matmul",), "attent
 def calibrate(points,                     # (`Prediction` or its `terms`, measured seconds per step) pairs
               fit=("compute", "memory"),  # `FIT_GROUPS` to fit; a group shares one factor
               efficiency: Efficiency = Efficiency(),  # the factors not fitted
+              fitted_on: tuple = (),      # names of the measured points (`HeldOut.source`): never held out of this fit
              ) -> Efficiency:
     "Fit the named factors to measured step times by least squares (a step's seconds are linear in the inverse factors)."
     unknown = [g for g in fit if g not in FIT_GROUPS]
@@ -537,13 +613,10 @@ def calibrate(points,                     # (`Prediction` or its `terms`, measur
         if not v > 0: raise ValueError(f"the measured steps leave no time for {g} (fitted inverse factor {v:.3g}): the model "
                                        f"of these runs is wrong (device, levers, offload?) or a factor should stay fixed")
         for k in FIT_GROUPS[g]: new[k] = float(1 / v)
-    return replace(efficiency, **new)
+    return replace(efficiency, **new, fitted_on=efficiency.fitted_on + tuple(fitted_on))
 
-def calibrate_run(out,                    # a run directory with config.json and metrics.jsonl
-                  skip: int = 1,          # first steps left out (warm-up)
-                  efficiency: Efficiency = Efficiency(),  # the factors not fitted
-                 ) -> Efficiency:
-    "Fit compute efficiency (and a per-step overhead when the steps differ in work) to a measured run's `step_s` and `mfu`."
+def _run_record(out, skip: int) -> tuple[dict, list[dict]]:
+    "A run directory's `predicted` record and its metrics rows with step_s and mfu past `skip`."
     out = Path(out)
     try: predicted = json.loads((out / "config.json").read_text())["predicted"]
     except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError):
@@ -555,29 +628,64 @@ def calibrate_run(out,                    # a run directory with config.json and
         if isinstance(r, dict) and r.get("step_s") and r.get("mfu") is not None: rows.append(r)
     rows = [r for r in rows if r["step"] >= skip]
     if not rows: raise ValueError(f"{out}/metrics.jsonl has no rows with step_s and mfu past step {skip}: run more steps")
-    peak = predicted["peak_flops"]
+    return predicted, rows
+
+def run_source(out) -> str: return f"run {Path(out)}"  # a run's `HeldOut.source` and `Efficiency.fitted_on` name
+
+def calibrate_run(out,                    # a run directory with config.json and metrics.jsonl
+                  skip: int = 1,          # first steps left out (warm-up)
+                  efficiency: Efficiency = Efficiency(),  # the factors not fitted
+                 ) -> Efficiency:
+    "Fit compute efficiency (and a per-step overhead when the steps differ in work) to a measured run's `step_s` and `mfu`."
+    predicted, rows = _run_record(out, skip)
     points = [({"matmul": r["mfu"] * r["step_s"], "attention": 0.0, "comm": 0.0, "memory": 0.0, "overhead": 1.0}, r["step_s"])
               for r in rows]  # mfu * step_s: the step's model FLOPs over the peak, in seconds
     varied = np.ptp([t["matmul"] for t, _ in points]) > 0.05 * np.mean([t["matmul"] for t, _ in points])
     return calibrate(points, ("compute", "overhead") if varied and len(points) > 1 else ("compute",),
-                     replace(efficiency, overhead_s=0.0) if not varied else efficiency)
+                     replace(efficiency, overhead_s=0.0) if not varied else efficiency, fitted_on=(run_source(out),))
+
+def check_run(out,                        # a run directory with config.json and metrics.jsonl
+              skip: int = 1,              # first steps left out (warm-up)
+              record: bool = True,        # add it to `MEASURED`: every later prediction on this device kind carries it
+             ) -> HeldOut:
+    "A run's prediction against its measured steps on one basis: each measured step's model FLOPs at the predicted FLOP rate (the prediction's seconds for that very step) against the step's measured seconds, each the median over the steps past `skip`."
+    predicted, rows = _run_record(out, skip)
+    rate = predicted["flops_per_step"] / predicted["step_s"]  # model FLOP/s the prediction expects
+    flops = [r["mfu"] * r["step_s"] * predicted["peak_flops"] for r in rows]  # measured_mfu's numerator: the step's model FLOPs
+    point = HeldOut(run_source(out), predicted["device"], float(np.median(flops)) / rate,
+                    float(np.median([r["step_s"] for r in rows])))  # medians: a step slowed by a busy neighbour moves neither
+    if record:
+        MEASURED[:] = [h for h in MEASURED if h.source != point.source] + [point]  # a rerun in the same directory replaces it
+    return point
+
 
 # %% ../nbs/17_cost.ipynb #178b246b
 HF_BLOG_QWEN3_4B = {(1, 8192): 3633, (4, 8192): 3933, (4, 32768): 7733, (4, 65536): 13396}  # (sp, seq_len) -> tokens/s, H100
 HF_BLOG_FIT = ((1, 8192), (4, 65536))  # the points `hf_blog_table` calibrates on; the others are predicted
 HF_BLOG_RUN = dict(zero_stage=3, optimizer_offload=True, levers=Levers(), attention="causal")  # ZeRO-3, CPU Adam, checkpointing, FA2
 
-def hf_blog_prediction(sp: int, seq_len: int, efficiency: Efficiency = Efficiency()) -> Prediction:
+def hf_blog_prediction(sp: int, seq_len: int, efficiency: Efficiency = Efficiency(), trust: bool = True) -> Prediction:
     "The predicted step of the HF blog's Qwen3-4B run: one row of `seq_len` tokens (one document) over `sp` H100s."
-    return predict_step("qwen3-4b", [[seq_len]], "H100 SXM", efficiency, sp=sp, dp=1, **HF_BLOG_RUN)
+    return (predict_step if trust else _predict_step)("qwen3-4b", [[seq_len]], "H100 SXM", efficiency, sp=sp, dp=1, **HF_BLOG_RUN)
+
+def blog_source(sp: int, seq_len: int) -> str: return f"HF blog Qwen3-4B SP={sp} {seq_len // 1024}K"  # its `HeldOut.source`
+
+@functools.lru_cache(maxsize=64)
+def _blog_points(efficiency: Efficiency) -> tuple:
+    "Every HF blog point predicted with `efficiency`, as `HeldOut` (`held_out` drops the ones `efficiency` was fitted on)."
+    return tuple(HeldOut(blog_source(sp, n), "H100 SXM", hf_blog_prediction(sp, n, efficiency, trust=False).step_s, n / pub)
+                 for (sp, n), pub in HF_BLOG_QWEN3_4B.items())
+
+HELD_OUT_SOURCES.append(lambda dev, eff: _blog_points(eff))  # GPU predictions carry the blog points they were not fitted on
 
 def hf_blog_table(fit=("compute", "memory")) -> "tuple[pd.DataFrame, Efficiency]":
     "Published against predicted tokens/s for every HF blog point, the factors fitted on `HF_BLOG_FIT`."
     import pandas as pd
-    eff = calibrate([(hf_blog_prediction(sp, n), n / HF_BLOG_QWEN3_4B[sp, n]) for sp, n in HF_BLOG_FIT], fit)
+    eff = calibrate([(hf_blog_prediction(sp, n, trust=False), n / HF_BLOG_QWEN3_4B[sp, n]) for sp, n in HF_BLOG_FIT], fit,
+                    fitted_on=tuple(blog_source(sp, n) for sp, n in HF_BLOG_FIT))
     rows = []
     for (sp, n), pub in HF_BLOG_QWEN3_4B.items():
-        p = hf_blog_prediction(sp, n, eff)
+        p = hf_blog_prediction(sp, n, eff, trust=False)
         rows.append(dict(sp=sp, seq_len=n, fitted=(sp, n) in HF_BLOG_FIT, published=pub, predicted=round(p.tokens_per_s),
                          error=p.tokens_per_s / pub - 1, mfu=p.mfu, step_s=p.step_s))
     return pd.DataFrame(rows), eff
@@ -594,7 +702,43 @@ def run_options(cfg) -> dict:
                 zero_stage=3 if cfg.shard else 0, optimizer_offload=cfg.cpu_offload,
                 dtype_bytes={"bfloat16": 2, "float32": 4, "float64": 8}[dtype])
 
-def run_prediction(cfg, config, plan: Plan, efficiency: Efficiency = Efficiency(), steps: int = 64,
+@functools.lru_cache(maxsize=None)
+def cpu_efficiency(threads: int = RANK_THREADS,  # threads of the process (a rank's: `RANK_THREADS`)
+                   family: str = "llama",        # the shipped tiny family of the reference step
+                   lengths: tuple = (512, 256, 128, 128),  # its documents, packed in one row as training packs them
+                  ) -> Efficiency:
+    "This CPU's compute efficiency, fitted on one reference training step measured here: a tiny model's forward, backward and AdamW step on a row packed by training's collator, at `threads` threads (median of 3). A CPU reaches far less of its matmul peak in a small model's step than a GPU's default factors assume; runs are held out of it."
+    from workbench.core import tiny_model
+    from workbench.packing import FlatteningCollator
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        model = tiny_model(family).train(); opt = torch.optim.AdamW(model.parameters())
+        g = torch.Generator().manual_seed(0)
+        batch = FlatteningCollator(train_all_tokens=True)(
+            [{"input_ids": torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()} for n in lengths])
+        def step():
+            model(**batch, use_cache=False).loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
+        step(); times = []  # the first step allocates the optimizer state: warm-up
+        for _ in range(3): t = time.perf_counter(); step(); times.append(time.perf_counter() - t)
+    finally: torch.set_num_threads(before)
+    p = _predict_step(model.config, [list(lengths)], cpu_device(threads), attention=attention_work("sdpa", "cpu"), dtype_bytes=4)
+    return calibrate([(p, float(np.median(times)))], ("compute",),
+                     fitted_on=(f"cpu reference step ({family}, documents {list(lengths)}, {threads} thread{'s' * (threads > 1)})",))
+
+_CPU_MEASURED = [0.0]  # when `fresh_cpu` last let the CPU measurements stand (time.monotonic())
+
+def fresh_cpu(max_age_s: float = 60.0):
+    "Measure the CPU afresh (`cpu_device`, `cpu_efficiency`) when the last measurement is older than `max_age_s`: a shared box's load changes, and a run's prediction should see the load it runs under; runs in quick succession share one measurement."
+    now = time.monotonic()
+    if now - _CPU_MEASURED[0] > max_age_s: cpu_device.cache_clear(); cpu_efficiency.cache_clear()
+    _CPU_MEASURED[0] = now if now - _CPU_MEASURED[0] > max_age_s else _CPU_MEASURED[0]
+
+def run_efficiency() -> Efficiency:
+    "The factors a run's prediction uses: the defaults on a GPU, `cpu_efficiency` (measured at a rank's threads) on a CPU."
+    return cpu_efficiency(RANK_THREADS) if _kind(run_device().name) == "cpu" else Efficiency()
+
+def run_prediction(cfg, config, plan: Plan, efficiency: Efficiency | None = None, steps: int = 64,  # efficiency None: `run_efficiency()`
                    sampler: TokenBudgetSampler | None = None) -> Prediction | None:  # sampler: the run's (None: the token-balanced one)
     "A run's predicted step: its first `steps` optimizer steps as the sampler serves them, each at its slowest rank, averaged (None for a LoRA run or an architecture `Dims` refuses: training goes on without)."
     if getattr(cfg, "lora_r", 0): return None  # frozen weights take no weight gradients: not modelled, so no MFU claimed
@@ -602,14 +746,15 @@ def run_prediction(cfg, config, plan: Plan, efficiency: Efficiency = Efficiency(
     except ValueError: return None  # mixture of experts, no decoder layers: `Dims.of(config)` says why
     served = (sampler or TokenBudgetSampler(plan, seed=cfg.seed, num_replicas=cfg.dp)).epoch_steps()
     served = np.resize(served, (-(-len(served) // cfg.grad_accum) * cfg.grad_accum, cfg.dp)).reshape(-1, cfg.grad_accum, cfg.dp)
-    opts, dev = run_options(cfg), run_device()
-    slowest = [max((predict_step(config, [plan.length[plan.bins[b]] for b in step[:, r]], dev, efficiency, **opts)
+    world = getattr(cfg, "world", cfg.sp * getattr(cfg, "ring", 1) * cfg.dp)  # its ranks, computing at once
+    opts, dev, efficiency = run_options(cfg), run_device(world), efficiency or run_efficiency()
+    slowest = [max((_predict_step(config, [plan.length[plan.bins[b]] for b in step[:, r]], dev, efficiency, **opts)
                     for r in range(cfg.dp)), key=lambda p: p.step_s) for step in served[:steps]]
     step_s = float(np.mean([p.step_s for p in slowest]))
     flops = float(np.mean([p.flops_per_step for p in slowest]))
     tokens = float(np.mean([p.tokens_per_s * p.step_s for p in slowest]))
     return Prediction(step_s, flops / step_s / dev.flops, flops, dev.flops, dev.name, tokens / step_s, slowest[0].terms,
-                      slowest[0].cost)
+                      slowest[0].cost, held_out(dev, efficiency))
 
 def measured_mfu(config, rows, cfg, seconds: float, predicted: Prediction | None) -> dict:
     "`{\"mfu\": ...}` of a step of `rows` (document lengths) that took `seconds`: model FLOPs / seconds / the predicted peak; `{}` without a prediction."
@@ -630,20 +775,50 @@ def _representative(plan: Plan, costs: np.ndarray, k: int) -> list[np.ndarray]:
     order = np.argsort(costs, kind="stable")
     return [plan.length[plan.bins[order[int((i + 0.5) * len(order) / k)]]] for i in range(k)]
 
+RANK_BY = {"tokens_per_s": False, "step_s": True, "mfu": False, "peak_gib": True, "max_context": False}  # column -> ascending
+
 def _pareto(df) -> np.ndarray:
-    "Rows no other row beats on all of (step_s lower, peak_gib lower, max_context higher) while strictly better on one."
-    v = df[["step_s", "peak_gib"]].to_numpy(); c = df["max_context"].to_numpy()
+    "Rows no other row beats on all of (tokens_per_s higher, peak_gib lower, max_context higher) while strictly better on one."
+    v = np.c_[-df["tokens_per_s"].to_numpy(), df["peak_gib"].to_numpy()]; c = df["max_context"].to_numpy()
     better = lambda j, i: (v[j] <= v[i]).all() and c[j] >= c[i] and ((v[j] < v[i]).any() or c[j] > c[i])
     return np.array([not any(better(j, i) for j in range(len(df)) if j != i) for i in range(len(df))], dtype=bool)
+
+def layout_name(ulysses: int, ring: int, dp: int) -> str:
+    "A layout in words: \"DP 8\", \"SP 4 x DP 2\" (Ulysses), \"ring 4\", \"SP 2 x ring 2 x DP 2\"."
+    parts = ([f"SP {ulysses}"] if ulysses > 1 else []) + ([f"ring {ring}"] if ring > 1 else []) + ([f"DP {dp}"] if dp > 1 else [])
+    return " x ".join(parts) or "1 GPU"
 
 @dataclass
 class Layouts:
     "Every layout `plan_layout` found possible (with its predicted step, memory and longest context), and the refused ones."
     table: "pd.DataFrame"  # one row per layout; `frontier` marks the Pareto frontier
     refused: list          # (layout, why) for every layout the memory planner or the preflight refused
+    gpus: int = 0          # the GPUs every layout uses
+    device: str = ""       # the device predicted on
+    rank_by: str = "tokens_per_s"  # the `RANK_BY` column the frontier is ranked by
+    trust: str = ""        # the predictor's held-out error (`Prediction.trust`)
     @property
-    def frontier(self) -> "pd.DataFrame": return self.table[self.table.frontier]
-    def _repr_html_(self): return self.frontier.to_html(index=False)
+    def frontier(self) -> "pd.DataFrame":
+        "The Pareto frontier, best first by `rank_by` (tokens/s: the most throughput from these GPUs)."
+        f = self.table[self.table.frontier] if len(self.table) else self.table
+        return f.sort_values(self.rank_by, ascending=RANK_BY[self.rank_by], kind="stable") if len(f) else f
+    def summary(self, top: int = 10) -> "pd.DataFrame":
+        "The frontier as a short readable table: rank, layout, levers, offload, tokens/s, step, peak memory, longest context."
+        import pandas as pd
+        f = self.frontier.head(top)
+        return pd.DataFrame({"layout": [layout_name(r.ulysses, r.ring, r.dp) for r in f.itertuples()],
+                             "levers": f.levers.to_numpy(), "offload": np.where(f.optimizer_offload, "optimizer", "-"),
+                             "tokens/s": [f"{v:,.0f}" for v in f.tokens_per_s], "step s": [f"{v:.3g}" for v in f.step_s],
+                             "peak GiB": [f"{v:.1f}" for v in f.peak_gib], "max context": [f"{v:,}" for v in f.max_context]},
+                            index=pd.RangeIndex(1, len(f) + 1))
+    def __repr__(self):
+        head = (f"{len(self.table)} layouts fit {self.gpus} x {self.device} ({len(self.refused)} refused); "
+                f"frontier of {len(self.frontier)}, ranked by {self.rank_by}")
+        if not len(self.table): return head + ": none fits (see .refused)"
+        more = len(self.frontier) - 10
+        return "\n".join([head + ":", self.summary().to_string(), *([f"... {more} more in .frontier"] if more > 0 else []),
+                          self.trust])
+    def _repr_html_(self): return f"<p>{repr(self).splitlines()[0]}</p>" + self.summary().to_html() + f"<p>{self.trust}</p>"
     def figure(self, title: str = "Layouts: predicted step time against peak memory"):
         "Plotly figure: every layout, the frontier marked, each lever rung joined to the one before it."
         import plotly.graph_objects as go
@@ -675,10 +850,12 @@ def plan_layout(model,                     # a transformers config or a preset n
                 host_gib: float | None = None,  # host memory per GPU for the offloads (None: not checked)
                 efficiency: Efficiency = Efficiency(),  # the predictor's factors
                 attention: str = "causal", # an `ATTENTION_WORK` key
+                rank_by: str = "tokens_per_s",  # the `RANK_BY` column the frontier is ranked by (all layouts use `gpus`)
                ) -> Layouts:
     "Search the (Ulysses, ring) split, DP, checkpointing, offload and memory levers; keep what the memory planner and the preflight accept."
     config = preset_config(model) if isinstance(model, str) else model
     dev = device_of(device)
+    if rank_by not in RANK_BY: raise ValueError(f"cannot rank by {rank_by!r}: choose one of {list(RANK_BY)}")
     if not isinstance(gpus, int) or gpus < 1: raise ValueError(f"gpus must be a positive integer, got {gpus!r}")
     memory = dev.memory_gib if gpu_memory is None else gpu_memory
     if not memory > 0: raise ValueError(f"gpu_memory must be positive GiB, got {gpu_memory!r}")
@@ -710,7 +887,7 @@ def plan_layout(model,                     # a transformers config or a preset n
                     refused.append((layout, f"memory: {est.gib:.1f} GiB > {memory:.1f} GiB")); continue
                 if host_gib is not None and est.host_gib > host_gib:
                     refused.append((layout, f"host memory: {est.host_gib:.1f} GiB > {host_gib:.1f} GiB")); continue
-                p = predict_step(config, mine, dev, efficiency, sp=u, ring=r, dp=dp, attention=attention, levers=lv,
+                p = _predict_step(config, mine, dev, efficiency, sp=u, ring=r, dp=dp, attention=attention, levers=lv,
                                  zero_stage=zero_stage, optimizer_offload=off)
                 limit = max_context(shape, memory, u, dp, host_gib, ring=r, levers=lv, zero_stage=zero_stage,
                                     optimizer_offload=off)
@@ -723,4 +900,4 @@ def plan_layout(model,                     # a transformers config or a preset n
     import pandas as pd
     table = pd.DataFrame(rows)
     if len(table): table["frontier"] = _pareto(table)
-    return Layouts(table, refused)
+    return Layouts(table, refused, gpus, dev.name, rank_by, "trust: " + held_out_errors(held_out(dev, efficiency), dev.name))

@@ -26,6 +26,7 @@ from .core import SAMPLES, load_sample, load_tokenizer, tiny_model
 from .dashboard import Dashboard
 from .doctor import check_packing
 from .packing import FlatteningCollator, packing_report
+from .cost import check_run
 from .train import TrainConfig, run
 from .viz import mask_figures, plot_lengths, plot_step_tokens
 
@@ -193,6 +194,10 @@ def sp_section(report: HtmlReport, out: Path, steps: int = 6):
     for sp in (1, 2): shutil.rmtree(out / f"sp{sp}", ignore_errors=True)  # the demo's own runs start afresh each time
     cfgs = [TrainConfig(sp=sp, steps=steps, max_tokens=1024, out=str(out / f"sp{sp}"), name=f"SP={sp}") for sp in (1, 2)]
     one, two = (run(c) for c in cfgs)
+    checks = [check_run(c.out, record=False) for c in cfgs]  # each run's prediction against its own steps, one basis
+    timing = [(c.name, f"{h.predicted_s:.3f}", f"{h.measured_s:.3f}", f"{h.predicted_s / h.measured_s:.2f}") for c, h in zip(cfgs, checks)]
+    print("step time, predicted (workbench.cost, at the one thread each rank runs) against measured (median past step 0):\n"
+          + "\n".join(f"  {n}: predicted {p} s/step, measured {m} s/step, predicted / measured {r}" for n, p, m, r in timing), end="\n\n")
     diff = max(abs(a - b) for a, b in zip(one, two))
     rows = [(i, f"{a:.6f}", f"{b:.6f}", f"{abs(a - b):.1e}") for i, (a, b) in enumerate(zip(one, two))]
     print("loss, one process against sequence parallelism over two:\n"
@@ -205,6 +210,10 @@ def sp_section(report: HtmlReport, out: Path, steps: int = 6):
                 "in the loss figure the two curves coincide: SP=1 is the thick solid line with circles, SP=2 the thin "
                 "dashed line with crosses drawn over it.")
     report.table(rows, header=("step", "SP=1 loss", "SP=2 loss", "|difference|"))
+    report.text("The step time workbench.cost predicted before each run (a roofline at the one thread each rank runs, "
+                "with this CPU's factors measured on a reference step) against the measured step time, on one basis: "
+                "each measured step's FLOPs at the predicted rate.")
+    report.table(timing, header=("run", "predicted s/step", "measured s/step", "predicted / measured"))
     figs = Dashboard(*cfgs).figures()
     for pair in range(0, len(figs), 2): report.figures(*figs[pair:pair + 2], height=380)
     return one, two

@@ -30,7 +30,7 @@ from fastcore.docments import docments
 from tqdm import tqdm  # the text bar: forked ranks cannot draw notebook widgets
 
 from .attention import KEY as VARLEN_KEY, register as register_varlen
-from .cost import BalancedPlan, Dims, bin_costs, measured_mfu, plan_balanced, ring_blocks, run_device, run_options, run_prediction, served_steps
+from .cost import BalancedPlan, Dims, bin_costs, check_run, fresh_cpu, measured_mfu, plan_balanced, ring_blocks, run_device, run_efficiency, run_options, run_prediction, served_steps
 from .core import SAMPLES, bos_eos, data_dir, load_sample, load_tokenizer, model_families, tiny_config, tokenize_records
 from .launch import launch
 from .memory import Levers, estimate
@@ -870,10 +870,15 @@ def run(cfg: TrainConfig) -> list[float]:
     dtype = run_dtype(cfg, _device().type)
     planned, line = memory_readout(cfg, dtype)
     print(line)
-    run_device()  # measured once here (cached), so that every forked rank divides by the same peak
+    fresh_cpu()  # a CPU measured more than a minute ago is measured again: the box's load may have changed
+    run_device(cfg.world); run_efficiency()  # measured once here (cached; its ranks computing at once), so that every forked rank uses the same peak and factors
     results = launch(train_rank, cfg, num_processes=cfg.world, sp_size=cfg.sp, ring=cfg.ring, model_config=model_config(cfg),
                      timeout_s=cfg.timeout_s)
     print(memory_comparison(read_metrics(Path(cfg.out)), planned, _device().type))
+    try: checked = check_run(cfg.out)  # recorded: every later prediction in this process carries it as a held-out error
+    except ValueError: checked = None  # no prediction (LoRA, an unmodelled architecture) or no step past the first
+    if checked: print(f"step time: predicted {checked.predicted_s:.4g} s/step, measured {checked.measured_s:.4g} s/step "
+                      f"(median past step 0), predicted / measured {checked.predicted_s / checked.measured_s:.2f}")
     return results[0]
 
 def memory_comparison(rows: list[dict],       # the run's metrics rows (`read_metrics`)
