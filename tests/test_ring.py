@@ -257,7 +257,8 @@ def test_train_ring_from_the_notebook_launcher_torchrun_nodes_and_accelerate_equ
         assert mine == sum(m["tokens"] for m in (json.loads(l) for l in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines())
                            if m["step"] == step)
     saved = json.loads((tmp_path / "hybrid" / "config.json").read_text())
-    assert saved["ring"] == 2 and saved["expected_peak_bytes"] > 0 and saved["predicted"]["step_s"] > 0  # planned and predicted (workbench.memory / cost)
+    assert saved["ring"] == 2 and saved["predicted"]["step_s"] > 0  # predicted (workbench.cost)
+    assert "expected_peak_bytes" in saved and saved["expected_peak_bytes"] is None  # fp32: the planner models bf16/fp16 only
     assert TrainConfig(sp=2, ring=2, dp=2).world == 8
     for bad, words in ((dict(ring=2, loss_chunk=64), "ring (--ring) > 1"), (dict(ring=2, attn="eager"), "ring (--ring) > 1"),
                        (dict(ring=2, shard=True), "ring (--ring) > 1"), (dict(ring=0), "ring (--ring) must be an integer >= 1")):

@@ -253,7 +253,7 @@ def test_kill_9_at_seeded_points_then_resume_equals_uninterrupted(tmp_path, refe
 
 
 def _ranks(p: subprocess.Popen, n: int, deadline: float) -> list[psutil.Process]:
-    "The rank processes, once all `n` exist: the launcher forks them in rank order, so by pid they are ranks 0, 1, ..."
+    "The rank processes, once all `n` exist: the launcher forks them in rank order, so by pid they are ranks 0, 1, ... (call it once the ranks train: `workbench.cost` measures the CPU in forks of the launcher before it launches them)"
     while time.time() < deadline:
         mine = psutil.Process(p.pid).cmdline()
         found = [c for c in psutil.Process(p.pid).children(recursive=True) if c.cmdline() == mine]
@@ -287,8 +287,8 @@ def _interrupt_two_ranks(out: Path, fault: str, rows: int, resume: bool, extra=(
     p = _ZYGOTE[0].start([*ARGS_2, *extra, "--out", str(out), *(["--resume"] if resume else [])])  # its own session
     try:
         deadline = time.time() + TIMEOUT
-        ranks = _ranks(p, 2, deadline)
         _wait_rows(out, before + rows, deadline)
+        ranks = _ranks(p, 2, deadline)  # once training runs: before it, the launcher's CPU measurement forks look alike
         if fault == "SIGINT": os.killpg(p.pid, signal.SIGINT)  # Ctrl-C in a terminal reaches every process of the group
         else: ranks[int(fault[-1])].kill()
         code = p.wait(timeout=60)  # the launcher notices and stops every rank

@@ -102,8 +102,8 @@ def run_progress(name: str,              # the run's label
 # %% ../nbs/09_dashboard.ipynb #25658473
 _COLORS = ("#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2")
 _RANK_DASH = ("solid", "dot", "dash", "dashdot")
-CPU_CAVEAT = ("CPU run: measured = the process's peak RSS (libraries, pages<br>"
-              "inherited at fork); planned (dashed) = GPU bf16 tensors: not comparable")
+CPU_CAVEAT = ("CPU run: measured = the process's peak RSS (Python, libraries,<br>"
+              "data); planned (dashed, bf16 runs only) = device tensors: not comparable")
 _SYMBOLS = ("circle", "x", "diamond", "square", "triangle-up", "cross")
 _RUN_DASH = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
 COMM_TITLE = "time in communication (solid: all-to-all, dashed: ring)"
