@@ -301,3 +301,81 @@ def test_trl_sft_trainer_three_steps(flan, tmp_path):
         assert labels[lo:hi] == [IGNORE_INDEX] + [t if m else IGNORE_INDEX for t, m in zip(ids[lo + 1:hi], mask[1:])]
     out = trainer.train()
     assert out.global_step == 3
+
+
+# ---------------------------------------------------------------- the fast path equals the general path (issue 31)
+
+from unittest import mock
+
+import workbench.packing as packing_mod
+
+_OPTIONS = st.fixed_dictionaries({"pad_to_multiple_of": st.sampled_from([None, 1, 8, 64]), "position_ids_start": st.integers(0, 2),
+                                  "return_seq_idx": st.booleans(), "return_flash_attn_kwargs": st.booleans(),
+                                  "separator_id": st.sampled_from([IGNORE_INDEX, 0]), "return_tensors": st.sampled_from(["pt", "np"])})
+_COLUMNS = st.sets(st.sampled_from(["labels", "completion_mask", "assistant_masks", "attention_mask", "token_type_ids"]))
+
+
+def _column(key, ids, draw):
+    if key == "labels": return [draw(st.sampled_from([i, IGNORE_INDEX])) for i in ids]
+    if key == "attention_mask": return [1] * len(ids)
+    return draw(st.lists(st.integers(0, 1), min_size=len(ids), max_size=len(ids)))
+
+
+@st.composite
+def list_batches(draw):
+    "Batches of dicts of flat lists; `uniform` says whether every example carries the same columns (the fast path's batch)."
+    lens = draw(st.lists(st.integers(1, 30), min_size=1, max_size=10))
+    columns, uniform = draw(_COLUMNS), draw(st.booleans())
+    feats = []
+    for n in lens:
+        ids = draw(st.lists(st.integers(1, 999), min_size=n, max_size=n))
+        f = {"input_ids": ids}
+        for key in sorted(columns):
+            if uniform or key == "token_type_ids" or draw(st.booleans()): f[key] = _column(key, ids, draw)
+        feats.append(f)
+    return feats
+
+
+def _collate(feats, options, fast: bool):
+    "The collator's batch with the fast path on, or forced off (the general path alone)."
+    collate = FlatteningCollator(train_all_tokens=True, **options)
+    if fast: return collate([dict(f) for f in feats])
+    with mock.patch.object(packing_mod, "_flatten_lists", lambda *a, **k: None):
+        return collate([dict(f) for f in feats])
+
+
+def _same_batch(a: dict, b: dict):
+    assert list(a) == list(b)
+    for k in a:
+        x, y = a[k], b[k]
+        assert type(x) is type(y), k
+        if isinstance(x, (torch.Tensor, np.ndarray)):
+            assert x.dtype == y.dtype and x.shape == y.shape and (x == y).all(), k
+        else: assert x == y, k
+
+
+@settings(max_examples=200, deadline=None)
+@given(list_batches(), _OPTIONS)
+def test_fast_path_equals_general_path(feats, options):
+    taken = packing_mod._flatten_lists(feats) is not None
+    uniform = all(f.keys() == feats[0].keys() for f in feats)
+    assert taken == uniform  # every list batch with one set of columns is the fast path's, no other
+    _same_batch(_collate(feats, options, fast=True), _collate(feats, options, fast=False))
+
+
+def test_fast_path_taken_and_refused():
+    "The comparison above is not vacuous: the fast path answers a Dataset-like batch and leaves every other to the general path."
+    same = [{"input_ids": [5, 6, 7], "labels": [5, 6, 7], "completion_mask": [0, 1, 1]},
+            {"input_ids": [8, 9], "labels": [8, -100], "completion_mask": [1, 1]}]
+    assert packing_mod._flatten_lists(same) is not None
+    b = FlatteningCollator(pad_to_multiple_of=4)(same)
+    assert b["labels"].tolist() == [[IGNORE_INDEX, 6, 7, IGNORE_INDEX, -100, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX]]
+    _same_batch(b, _collate(same, {"pad_to_multiple_of": 4}, fast=False))
+    refused = [[{"input_ids": torch.tensor([[5, 6, 7]])}, {"input_ids": [8, 9]}],
+               [{"input_ids": [5, 6, 7], "labels": [5, 6, 7]}, {"input_ids": [8, 9]}],
+               [{"input_ids": [5, 6, 7, 8], "seq_lengths": [2, 2]}],
+               [{"input_ids": [5, 6], "attention_mask": [1, 0]}]]
+    for feats in refused: assert packing_mod._flatten_lists(feats) is None
+    for feats in refused[:3]: _same_batch(FlatteningCollator(train_all_tokens=True)(feats), _collate(feats, {}, fast=False))
+    with pytest.raises(ValueError, match="attention_mask has zeros"): FlatteningCollator(train_all_tokens=True)(refused[3])
+    with pytest.raises(ValueError, match="must hold integers"): FlatteningCollator(train_all_tokens=True)([{"input_ids": [5, 6.0]}])

@@ -8,6 +8,7 @@ import bisect
 import hashlib
 import heapq
 import warnings
+from array import array
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -100,7 +101,7 @@ class Flat:
     labels: np.ndarray    # [T] labels (or input ids), -100 on loss-masked tokens; document starts untouched
     carried: dict         # other per-token columns, each [T]
 
-def flatten_features(features: list[dict], max_tokens: int | None = None) -> Flat:
+def _flatten_any(features: list[dict], max_tokens: int | None = None) -> Flat:
     """Validate `features` and concatenate them; raise `ValueError` naming the example, the column and the fix on bad input.
 
     Every example is read: the per-token columns are the union over the batch. An example without `labels` is
@@ -166,6 +167,46 @@ def flatten_features(features: list[dict], max_tokens: int | None = None) -> Fla
     for k in LOSS_MASKS:
         if k in carried: labels[carried[k] == 0] = IGNORE_INDEX
     return Flat(np.array(docs, dtype=np.int64) if docs is not sizes else lengths, input_ids, labels, carried)
+
+def flatten_features(features: list[dict], max_tokens: int | None = None) -> Flat:
+    """Validate `features` and concatenate them; raise `ValueError` naming the example, the column and the fix on bad input.
+    The rules are `_flatten_any`'s; a batch of dicts with the same flat integer lists takes `_flatten_lists`, its fast path."""
+    fast = _flatten_lists(features, max_tokens)  # None for any batch the fast path does not cover
+    if fast is not None: return fast
+    return _flatten_any(features, max_tokens)
+
+# %% ../nbs/01_packing.ipynb #f1a5fa02
+def _flatten_lists(features: list[dict], max_tokens: int | None = None) -> Flat | None:
+    """`_flatten_any` of a batch of dicts that all carry the same columns, each a flat list of Python integers as long
+    as the example's `input_ids` (what a `datasets.Dataset` yields); None for any other batch, or any doubt."""
+    if not isinstance(features, list) or not features or type(features[0]) is not dict: return None
+    keys = features[0].keys()
+    if "input_ids" not in keys or any(k in keys for k in _BOUNDARIES): return None
+    sizes = []
+    for f in features:
+        if type(f) is not dict or f.keys() != keys: return None
+        n = len(f["input_ids"]) if type(f["input_ids"]) is list else 0
+        if n == 0: return None  # not a list, or empty: the general path converts or refuses it
+        for key in keys:
+            v = f[key]
+            if type(v) is not list or len(v) != n: return None
+        sizes.append(n)
+    total = sum(sizes)
+    if max_tokens is not None and total > max_tokens: return None
+    columns = {}
+    for key in keys:
+        joined = []
+        for f in features: joined += f[key]
+        try: values = array("q", joined)  # int64; a float, str, None or an int past int64 raises
+        except (TypeError, OverflowError): return None
+        columns[key] = np.frombuffer(values, dtype=np.int64)  # shares the array's writable buffer
+    input_ids = columns.pop("input_ids")
+    labels = columns.pop("labels") if "labels" in columns else input_ids.copy()
+    mask = columns.pop("attention_mask", None)
+    if mask is not None and not mask.all(): return None  # padding inside an example: the general path names it
+    for k in LOSS_MASKS:
+        if k in columns: labels[columns[k] == 0] = IGNORE_INDEX
+    return Flat(np.array(sizes, dtype=np.int64), input_ids, labels, columns)
 
 # %% ../nbs/01_packing.ipynb #cde7f59d
 def _tensor(a: np.ndarray, return_tensors: str, batch_dim: bool = True):
