@@ -7,7 +7,7 @@ batches (`workbench.bench.flan_batches`, about 2 M tokens per batch size, fresh 
 `datasets.Dataset` hands them over); the best round of each is kept, so other jobs on a shared machine slow a round,
 not a ratio. Outputs are checked identical (old, new and transformers') before timing.
 """
-import argparse, importlib.util, subprocess, sys, tempfile, time
+import argparse, importlib.util, subprocess, sys, tempfile
 from pathlib import Path
 
 import torch
@@ -25,15 +25,6 @@ def masked_features(batch):
         prompt = len(ids) // 4
         feats.append({"input_ids": ids, "labels": list(ids), "completion_mask": [0] * prompt + [1] * (len(ids) - prompt)})
     return feats
-
-
-def time_masked(collator, batches) -> float:
-    "`time_collator` on `masked_features` batches (making them is not timed)."
-    total = 0.0
-    for b in batches:
-        feats = masked_features(b)
-        t = time.perf_counter(); collator(feats); total += time.perf_counter() - t
-    return total
 
 
 def old_collator(rev: str):
@@ -86,7 +77,7 @@ def main_masked(a):
         for b in batches[:3]:
             o, n = old(masked_features(b)), new(masked_features(b))
             assert n.keys() == o.keys() and all(torch.equal(torch.as_tensor(n[k]), torch.as_tensor(o[k])) for k in o), "new differs from old"
-        t_old, t_new = best_times([lambda: time_masked(old, batches), lambda: time_masked(new, batches)], a.rounds)
+        t_old, t_new = best_times([lambda: time_collator(old, batches, masked_features), lambda: time_collator(new, batches, masked_features)], a.rounds)
         rows.append({"batch": bs, "tokens": tokens, "before M tok/s": tokens / t_old / 1e6, "after M tok/s": tokens / t_new / 1e6,
                      "after/before speed": t_old / t_new})
     print_table(rows, f"Collation with labels and completion_mask: {a.rev} and this checkout, best of {a.rounds} interleaved rounds")

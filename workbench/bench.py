@@ -49,11 +49,11 @@ def _features(batch: list[np.ndarray]) -> list[dict]:
     "A batch as a `datasets.Dataset` hands it to the collator: fresh Python lists, just decoded."
     return [{"input_ids": x.tolist()} for x in batch]
 
-def time_collator(collator, batches: list[list[np.ndarray]]) -> float:
-    "Seconds `collator` spends on `batches`, each given as freshly made lists (making them is not timed)."
+def time_collator(collator, batches: list[list[np.ndarray]], features=_features) -> float:
+    "Seconds `collator` spends on `batches`, each made into fresh feature dicts by `features` (making them is not timed)."
     total = 0.0
     for b in batches:
-        feats = _features(b)
+        feats = features(b)
         t = time.perf_counter(); collator(feats); total += time.perf_counter() - t
     return total
 
