@@ -19,9 +19,10 @@ from urllib.parse import urldefrag, urlparse
 
 import nbformat
 import pytest
+from playwright.sync_api import sync_playwright
 from nbdev.clean import clean_nb
 
-from browser_utils import CHROMIUM, browser_page, free_port
+from browser_utils import CHROMIUM, CHROMIUM_ARGS, browser_page, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 SITE = ROOT / "site"
@@ -57,11 +58,36 @@ class Ids(HTMLParser):
         self.ids.update(v for k, v in attrs if k in ("id", "name") and v)
 
 
-def page_ids(path: Path) -> set[str]:
-    p = Ids(); p.feed(path.read_text(errors="replace")); return p.ids
+@functools.cache
+def page_ids(path: Path) -> frozenset[str]:
+    "A page's element ids, parsed once (every page links to the same API pages: 2,558 anchor links over 72 pages)."
+    p = Ids(); p.feed(path.read_text(errors="replace")); return frozenset(p.ids)
 
 
-@pytest.mark.timeout(1500)  # a clean build executes every notebook: 10 min measured on a loaded 2-core box, then ~3 min of pages
+def read_pages(site: str, pages: list[str]) -> dict:
+    """Every page in one headless Chromium tab with the network cut (no host name resolves; 127.0.0.1 is the site):
+    {page: (console errors, requests made off the site, whether each figure drew, its links)}."""
+    offline = "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"
+    read, errors, refused = {}, [], []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=[*CHROMIUM_ARGS, offline], headless=True)
+        try:
+            page = browser.new_page(viewport={"width": 1600, "height": 1100})
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.on("request", lambda r: None if r.url.startswith((site, "data:")) else refused.append(r.url))
+            for rel in pages:
+                page.goto(site + rel, wait_until="load")
+                page.wait_for_timeout(300)  # MathJax and plotly draw just after load
+                figures = page.eval_on_selector_all(".plotly-graph-div", "els => els.map(e => !!e.querySelector('.main-svg'))")
+                links = page.eval_on_selector_all("a[href]", "els => els.map(e => e.href)")
+                read[rel] = (errors.copy(), refused.copy(), figures, links)
+                errors.clear(); refused.clear()
+        finally: browser.close()
+    return read
+
+
+@pytest.mark.timeout(1500)  # a clean build executes every notebook: 10 min measured on a loaded 2-core box, then ~1.5 min of pages
 def test_site_reads_offline_in_chromium(site):
     "Every page loads with no console error and no request off 127.0.0.1; every figure draws; no internal link is broken."
     pages = sorted(str(p.relative_to(SITE)) for p in SITE.rglob("*.html") if p.name != "404.html")
@@ -77,24 +103,12 @@ def test_site_reads_offline_in_chromium(site):
         shown = [c.source for c in nbformat.reads(text, as_version=4).cells if c.cell_type == "code"]
         assert all(build.shown_code(s) == s for s in shown), f"{rel}: a page shows a check (assert / test_*)"
     problems, visited = [], {}
-    with browser_page() as page:
-        refused = []
-        page.route("**/*", lambda route: route.continue_() if route.request.url.startswith((site, "data:"))
-                   else (refused.append(route.request.url), route.abort()))
-        for rel in pages:
-            errors = []
-            on_console = lambda m: errors.append(m.text) if m.type == "error" else None
-            on_error = lambda e: errors.append(str(e))
-            page.on("console", on_console); page.on("pageerror", on_error)
-            page.goto(site + rel, wait_until="load")
-            page.wait_for_timeout(300)  # MathJax and plotly draw just after load
-            figures = page.eval_on_selector_all(".plotly-graph-div", "els => els.map(e => !!e.querySelector('.main-svg'))")
-            visited[rel] = page.eval_on_selector_all("a[href]", "els => els.map(e => e.href)")
-            page.remove_listener("console", on_console); page.remove_listener("pageerror", on_error)
-            problems += [f"{rel}: console error: {e}" for e in errors]
-            problems += [f"{rel}: asked the network for {u}" for u in refused]; refused.clear()
-            if not all(figures): problems.append(f"{rel}: {figures.count(False)} of {len(figures)} figures did not draw")
-            if rel in FIGURE_PAGES and not figures: problems.append(f"{rel}: no figure at all")
+    for rel, (errors, refused, figures, links) in read_pages(site, pages).items():
+        visited[rel] = links
+        problems += [f"{rel}: console error: {e}" for e in errors]
+        problems += [f"{rel}: asked the network for {u}" for u in refused]
+        if not all(figures): problems.append(f"{rel}: {figures.count(False)} of {len(figures)} figures did not draw")
+        if rel in FIGURE_PAGES and not figures: problems.append(f"{rel}: no figure at all")
     for rel, links in visited.items():
         for url in links:
             if not url.startswith(site): continue
