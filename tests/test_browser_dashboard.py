@@ -1,12 +1,12 @@
 """Real-browser test of the live dashboard: the launch tutorial runs in JupyterLab (a real kernel), driven by headless
-Debian chromium through Playwright. While its cells run, the dashboard's plotly figures must grow in the page (live
+Debian chromium through Playwright. Its sections 4 and 5 (the ring layouts, the numbers explained) are left out of the
+copy the browser runs: they draw nothing on the dashboard, and `test_notebooks` runs the whole tutorial. While its cells run, the dashboard's plotly figures must grow in the page (live
 updates reach the browser while the kernel is blocked in `run`); at the end they must hold every step of every run, the
 SP=2 loss curve must equal the SP=1 curve, and the failing-rank cell must show rank 1's own error.
 Screenshots go to test-artifacts/.
 """
 import json
 import re
-import shutil
 import time
 
 from browser_utils import ARTIFACTS, ROOT, browser_page, jupyter_env, jupyterlab, open_notebook, run_all_cells
@@ -34,9 +34,18 @@ def notebook_steps() -> int:
     return int(re.search(r"TrainConfig\([^)]*steps=(\d+)", source).group(1))
 
 
+def dashboard_sections(notebook: dict) -> dict:
+    "The tutorial without its sections 4 and 5: from the cell headed '## 4.' up to the one headed '## 6.'."
+    heads = ["".join(c["source"]).startswith(("## 4.", "## 6.")) and c["cell_type"] == "markdown" for c in notebook["cells"]]
+    first, last = [i for i, h in enumerate(heads) if h]
+    return {**notebook, "cells": notebook["cells"][:first] + notebook["cells"][last:]}
+
+
 def test_dashboard_in_jupyterlab(tmp_path):
     env = jupyter_env(tmp_path)
-    shutil.copy(NOTEBOOK, tmp_path / NOTEBOOK.name)  # JupyterLab may autosave what it opens
+    tutorial = dashboard_sections(json.loads(NOTEBOOK.read_text()))  # a copy: JupyterLab may autosave what it opens
+    (tmp_path / NOTEBOOK.name).write_text(json.dumps(tutorial))
+    assert "## 6. When a rank fails" in json.dumps(tutorial) and "## 4." not in json.dumps(tutorial)
     steps = notebook_steps()
     with jupyterlab(tmp_path, env) as url, browser_page() as page:
         open_notebook(page, url, NOTEBOOK.name)
