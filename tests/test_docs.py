@@ -19,7 +19,7 @@ from urllib.parse import urldefrag, urlparse
 
 import nbformat
 import pytest
-from playwright.sync_api import sync_playwright
+from playwright.sync_api import TimeoutError as PlaywrightTimeout, sync_playwright
 from nbdev.clean import clean_nb
 
 from browser_utils import CHROMIUM, CHROMIUM_ARGS, browser_page, free_port
@@ -64,6 +64,10 @@ def page_ids(path: Path) -> frozenset[str]:
     p = Ids(); p.feed(path.read_text(errors="replace")); return frozenset(p.ids)
 
 
+DRAWN = """() => window.MathJax && MathJax.isReady && !MathJax.Hub.queue.running && MathJax.Hub.queue.pending === 0
+    && [...document.querySelectorAll('.plotly-graph-div')].every(d => d.querySelector('.main-svg'))"""
+
+
 def read_pages(site: str, pages: list[str]) -> dict:
     """Every page in one headless Chromium tab with the network cut (no host name resolves; 127.0.0.1 is the site):
     {page: (console errors, requests made off the site, whether each figure drew, its links)}."""
@@ -78,7 +82,8 @@ def read_pages(site: str, pages: list[str]) -> dict:
             page.on("request", lambda r: None if r.url.startswith((site, "data:")) else refused.append(r.url))
             for rel in pages:
                 page.goto(site + rel, wait_until="load")
-                page.wait_for_timeout(300)  # MathJax and plotly draw just after load
+                try: page.wait_for_function(DRAWN, timeout=10000)  # MathJax and plotly draw just after load
+                except PlaywrightTimeout: errors.append("MathJax or a figure had not finished drawing 10 s after load")
                 figures = page.eval_on_selector_all(".plotly-graph-div", "els => els.map(e => !!e.querySelector('.main-svg'))")
                 links = page.eval_on_selector_all("a[href]", "els => els.map(e => e.href)")
                 read[rel] = (errors.copy(), refused.copy(), figures, links)
