@@ -1,7 +1,8 @@
 """Real-browser test of the live dashboard: the launch tutorial runs in JupyterLab (a real kernel), driven by headless
 Debian chromium through Playwright. Its sections 4 and 5 (the ring layouts, the numbers explained) are left out of the
-copy the browser runs: they draw nothing on the dashboard, and `test_notebooks` runs the whole tutorial. While its cells run, the dashboard's plotly figures must grow in the page (live
-updates reach the browser while the kernel is blocked in `run`); at the end they must hold every step of every run, the
+copy the browser runs: they draw nothing on the dashboard, and `test_notebooks` runs the whole tutorial. While its
+cells run, the dashboard's plotly figures must grow in the page (live updates reach the browser while the kernel is
+blocked in `run`); at the end they must hold every step of every run, the
 SP=2 loss curve must equal the SP=1 curve, and the failing-rank cell must show rank 1's own error.
 Screenshots go to test-artifacts/.
 """

@@ -70,7 +70,8 @@ DRAWN = """() => window.MathJax && MathJax.isReady && !MathJax.Hub.queue.running
 
 def read_pages(site: str, pages: list[str]) -> dict:
     """Every page in one headless Chromium tab with the network cut (no host name resolves; 127.0.0.1 is the site):
-    {page: (console errors, requests made off the site, whether each figure drew, its links)}."""
+    {page: (console errors, requests made off the site, whether MathJax and every figure finished, whether each figure
+    drew, its links)}."""
     offline = "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"
     read, errors, refused = {}, [], []
     with sync_playwright() as p:
@@ -82,11 +83,11 @@ def read_pages(site: str, pages: list[str]) -> dict:
             page.on("request", lambda r: None if r.url.startswith((site, "data:")) else refused.append(r.url))
             for rel in pages:
                 page.goto(site + rel, wait_until="load")
-                try: page.wait_for_function(DRAWN, timeout=10000)  # MathJax and plotly draw just after load
-                except PlaywrightTimeout: errors.append("MathJax or a figure had not finished drawing 10 s after load")
+                try: finished = bool(page.wait_for_function(DRAWN, timeout=10000))  # MathJax and plotly draw after load
+                except PlaywrightTimeout: finished = False
                 figures = page.eval_on_selector_all(".plotly-graph-div", "els => els.map(e => !!e.querySelector('.main-svg'))")
                 links = page.eval_on_selector_all("a[href]", "els => els.map(e => e.href)")
-                read[rel] = (errors.copy(), refused.copy(), figures, links)
+                read[rel] = (errors.copy(), refused.copy(), finished, figures, links)
                 errors.clear(); refused.clear()
         finally: browser.close()
     return read
@@ -108,8 +109,9 @@ def test_site_reads_offline_in_chromium(site):
         shown = [c.source for c in nbformat.reads(text, as_version=4).cells if c.cell_type == "code"]
         assert all(build.shown_code(s) == s for s in shown), f"{rel}: a page shows a check (assert / test_*)"
     problems, visited = [], {}
-    for rel, (errors, refused, figures, links) in read_pages(site, pages).items():
+    for rel, (errors, refused, finished, figures, links) in read_pages(site, pages).items():
         visited[rel] = links
+        if not finished: problems.append(f"{rel}: MathJax or a figure had not finished drawing 10 s after load")
         problems += [f"{rel}: console error: {e}" for e in errors]
         problems += [f"{rel}: asked the network for {u}" for u in refused]
         if not all(figures): problems.append(f"{rel}: {figures.count(False)} of {len(figures)} figures did not draw")
