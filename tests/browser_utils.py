@@ -82,9 +82,10 @@ def jupyterlab(tmp: Path, env: dict):
 
 
 @contextmanager
-def browser_page():
+def browser_page(*args: str):
+    "A page of headless Debian chromium; `args` are extra Chromium flags."
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=[*CHROMIUM_ARGS, *args], headless=True)
         try:
             page = browser.new_page(viewport={"width": 1600, "height": 1100})
             yield page

@@ -19,10 +19,10 @@ from urllib.parse import urldefrag, urlparse
 
 import nbformat
 import pytest
-from playwright.sync_api import TimeoutError as PlaywrightTimeout, sync_playwright
+from playwright.sync_api import TimeoutError as PlaywrightTimeout
 from nbdev.clean import clean_nb
 
-from browser_utils import CHROMIUM, CHROMIUM_ARGS, browser_page, free_port
+from browser_utils import CHROMIUM, browser_page, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 SITE = ROOT / "site"
@@ -74,22 +74,18 @@ def read_pages(site: str, pages: list[str]) -> dict:
     drew, its links)}."""
     offline = "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"
     read, errors, refused = {}, [], []
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=[*CHROMIUM_ARGS, offline], headless=True)
-        try:
-            page = browser.new_page(viewport={"width": 1600, "height": 1100})
-            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.on("request", lambda r: None if r.url.startswith((site, "data:")) else refused.append(r.url))
-            for rel in pages:
-                page.goto(site + rel, wait_until="load")
-                try: finished = bool(page.wait_for_function(DRAWN, timeout=10000))  # MathJax and plotly draw after load
-                except PlaywrightTimeout: finished = False
-                figures = page.eval_on_selector_all(".plotly-graph-div", "els => els.map(e => !!e.querySelector('.main-svg'))")
-                links = page.eval_on_selector_all("a[href]", "els => els.map(e => e.href)")
-                read[rel] = (errors.copy(), refused.copy(), finished, figures, links)
-                errors.clear(); refused.clear()
-        finally: browser.close()
+    with browser_page(offline) as page:
+        page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.on("request", lambda r: None if r.url.startswith((site, "data:")) else refused.append(r.url))
+        for rel in pages:
+            page.goto(site + rel, wait_until="load")
+            try: finished = bool(page.wait_for_function(DRAWN, timeout=10000))  # MathJax and plotly draw after load
+            except PlaywrightTimeout: finished = False
+            figures = page.eval_on_selector_all(".plotly-graph-div", "els => els.map(e => !!e.querySelector('.main-svg'))")
+            links = page.eval_on_selector_all("a[href]", "els => els.map(e => e.href)")
+            read[rel] = (errors.copy(), refused.copy(), finished, figures, links)
+            errors.clear(); refused.clear()
     return read
 
 
@@ -108,15 +104,14 @@ def test_site_reads_offline_in_chromium(site):
         assert "application/vnd.plotly.v1+json" not in text and "widget-view+json" not in text, f"{rel}: an undrawn figure"
         shown = [c.source for c in nbformat.reads(text, as_version=4).cells if c.cell_type == "code"]
         assert all(build.shown_code(s) == s for s in shown), f"{rel}: a page shows a check (assert / test_*)"
-    problems, visited = [], {}
-    for rel, (errors, refused, finished, figures, links) in read_pages(site, pages).items():
-        visited[rel] = links
+    problems, read = [], read_pages(site, pages)
+    for rel, (errors, refused, finished, figures, _) in read.items():
         if not finished: problems.append(f"{rel}: MathJax or a figure had not finished drawing 10 s after load")
         problems += [f"{rel}: console error: {e}" for e in errors]
         problems += [f"{rel}: asked the network for {u}" for u in refused]
         if not all(figures): problems.append(f"{rel}: {figures.count(False)} of {len(figures)} figures did not draw")
         if rel in FIGURE_PAGES and not figures: problems.append(f"{rel}: no figure at all")
-    for rel, links in visited.items():
+    for rel, (*_, links) in read.items():
         for url in links:
             if not url.startswith(site): continue
             target, anchor = urldefrag(url)
