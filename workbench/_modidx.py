@@ -943,6 +943,7 @@ d = { 'settings': { 'branch': 'main',
                                'workbench.viz.plot_mask': ('viz.html#plot_mask', 'workbench/viz.py'),
                                'workbench.viz.plot_step_tokens': ('viz.html#plot_step_tokens', 'workbench/viz.py'),
                                'workbench.viz.readable_tokens': ('viz.html#readable_tokens', 'workbench/viz.py'),
+                               'workbench.viz.render_alone': ('viz.html#render_alone', 'workbench/viz.py'),
                                'workbench.viz.save_figures': ('viz.html#save_figures', 'workbench/viz.py'),
                                'workbench.viz.strategy_batch': ('viz.html#strategy_batch', 'workbench/viz.py'),
                                'workbench.viz.view_edges': ('viz.html#view_edges', 'workbench/viz.py')}}}

@@ -27,8 +27,8 @@ __all__ = ['TEMPLATE', 'STRATEGIES', 'EXAMPLE_COLORS', 'PAD', 'UNUSED', 'PAD_COL
            'MASK_COLORSCALE', 'OUTLINE', 'FAMILIES', 'plot_lengths', 'plot_step_tokens', 'strategy_batch',
            'layout_rows', 'layout_bars', 'layout_title', 'plot_batch_layout', 'mask_blocks', 'clamp_range',
            'view_edges', 'block_edges', 'readable_tokens', 'example_outlines', 'mask_traces', 'mask_layout',
-           'plot_mask', 'plot_attention', 'mask_figures', 'save_figures', 'explorer_data', 'explorer_model',
-           'attention_kinds', 'explorer_tokenizer', 'MaskExplorer']
+           'plot_mask', 'plot_attention', 'mask_figures', 'render_alone', 'save_figures', 'explorer_data',
+           'explorer_model', 'attention_kinds', 'explorer_tokenizer', 'MaskExplorer']
 
 # %% ../nbs/03_viz.ipynb #614b21f0
 TEMPLATE = "plotly_white"  # one look for every figure of the workbench
@@ -361,6 +361,23 @@ def mask_figures(sample: str = "flan_like",   # a shipped sample (workbench.core
         figs[f"mask: {name}"] = plot_mask(report, max_cells=max_cells, title=f"{sample}, {attn_implementation}: {name}")
     return figs
 
+def render_alone(name: str,        # the figure's name, for the error
+                 fig: go.Figure,   # the figure
+                 path: Path,       # the PNG to write
+                 scale: float,     # PNG pixel scale
+                 size: dict,       # width and height in pixels
+                 tries: int = 2,   # renders before giving up, each with a fresh kaleido browser
+                 ):
+    "Render one figure to `path` by itself, where kaleido raises what went wrong; a failed render is tried once more."
+    for attempt in range(tries):
+        try:
+            fig.write_image(path, scale=scale, **size)
+            return
+        except Exception as e:  # on a busy machine kaleido's page can be called before its script loaded
+            error = e
+    raise RuntimeError(f"figure {name!r} was not written to {path}: kaleido failed in the batch and {tries} times alone ({error}). "
+                       "Check that chromium starts (plotly_get_chrome), or pass formats=('html',)") from error
+
 def save_figures(figs: dict[str, go.Figure],  # name -> figure
                  out_dir,                     # folder to write into (created)
                  formats=("html", "png"),     # "html" (self-contained but for plotly.js from a CDN) and/or "png"
@@ -385,10 +402,7 @@ def save_figures(figs: dict[str, go.Figure],  # name -> figure
                          height=[d["height"] for d in sizes.values()])
         for name, p in pngs.items():  # plotly drops the errors kaleido's batch returns (a render past its timeout writes nothing)
             if p.exists(): continue
-            try: figs[name].write_image(p, scale=scale, **sizes[name])  # alone, kaleido raises what went wrong
-            except Exception as e:
-                raise RuntimeError(f"figure {name!r} was not written to {p}: kaleido failed in the batch and alone ({e}). "
-                                   "Check that chromium starts (plotly_get_chrome), or pass formats=('html',)") from e
+            render_alone(name, figs[name], p, scale, sizes[name])
         paths += pngs.values()
     return paths
 
