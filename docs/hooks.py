@@ -1,4 +1,7 @@
-"""mkdocs hook (mkdocs.yml `hooks:`): a notebook page's table of contents is read from the headings it really has.
+"""mkdocs hooks (mkdocs.yml `hooks:`): a notebook page's table of contents is read from the headings it really has, and
+a page loads MathJax and plotly.js only when it holds math or a figure (docs/overrides/main.html reads `page.meta`), and
+the search index leaves out a notebook's code (the API pages index every name; the code was most of the index, which
+every page load fetches and indexes again).
 
 mkdocs-jupyter builds the table of contents with Python-Markdown, which leaves inline code out of both the title and
 the anchor of an entry (`## \`estimate\`: the whole rank` becomes ": the whole rank" -> `#the-whole-rank`, a heading
@@ -11,11 +14,18 @@ import re
 
 from mkdocs.structure.toc import get_toc
 
+CODE = re.compile(r"<(pre|code|script|style)\b[^>]*>.*?</\1>", re.S)  # text MathJax does not typeset
+MATH = re.compile(r"\$[^$\n]+\$|\$\$|\\\(|\\\[|\\begin\{")  # $x$, $$x$$, \(x\), \[x\], \begin{env}: what the site's MathJax typesets
 HEADING = re.compile(r'<h([1-6]) id="([^"]+)">(.*?)<a class="anchor-link"', re.S)
 
 
 def on_page_content(content, page, **kwargs):
+    prose = CODE.sub("", content)
+    page.meta["math"] = bool(MATH.search(prose))  # MathJax typesets for about 0.4 s per page in headless Chromium
+    page.meta["figures"] = "plotly-graph-div" in content  # plotly.js is 4.6 MB of script to parse
     if not page.file.src_uri.endswith(".ipynb"): return content
+    for block in ('<div class="highlight-ipynb', '<div class="clipboard-copy-txt', '<span class="notice"'):  # a code cell,
+        content = content.replace(block, block.replace(" class=", " data-search-exclude class="))  # its copy button's text
     root = {"level": 0, "children": []}
     stack = [root]
     for level, id_, inner in HEADING.findall(content):

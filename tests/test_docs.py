@@ -64,14 +64,19 @@ def page_ids(path: Path) -> frozenset[str]:
     p = Ids(); p.feed(path.read_text(errors="replace")); return frozenset(p.ids)
 
 
-DRAWN = """() => window.MathJax && MathJax.isReady && !MathJax.Hub.queue.running && MathJax.Hub.queue.pending === 0
+DRAWN = """() => (!document.querySelector('script[src*="MathJax.js"]') || window.MathJax && MathJax.isReady
+    && !MathJax.Hub.queue.running && MathJax.Hub.queue.pending === 0)
     && [...document.querySelectorAll('.plotly-graph-div')].every(d => d.querySelector('.main-svg'))"""
+PROSE = """() => { const prose = document.querySelector('article').cloneNode(true);
+    prose.querySelectorAll('pre, code, script, style, .MathJax, .MathJax_Preview, .MathJax_Display').forEach(e => e.remove());
+    return prose.textContent; }"""  # the text a reader sees, less code and the math MathJax typeset
+RAW_TEX = re.compile(r"\$[^$\n]+\$|\$\$|\\\(|\\\[|\\begin\{")  # math left as TeX: a page with math but no MathJax
 
 
 def read_pages(site: str, pages: list[str]) -> dict:
     """Every page in one headless Chromium tab with the network cut (no host name resolves; 127.0.0.1 is the site):
     {page: (console errors, requests made off the site, whether MathJax and every figure finished, whether each figure
-    drew, its links)}."""
+    drew, its links, the TeX it shows untypeset)}."""
     offline = "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"
     read, errors, refused = {}, [], []
     with browser_page(offline) as page:
@@ -84,14 +89,16 @@ def read_pages(site: str, pages: list[str]) -> dict:
             except PlaywrightTimeout: finished = False
             figures = page.eval_on_selector_all(".plotly-graph-div", "els => els.map(e => !!e.querySelector('.main-svg'))")
             links = page.eval_on_selector_all("a[href]", "els => els.map(e => e.href)")
-            read[rel] = (errors.copy(), refused.copy(), finished, figures, links)
+            raw_tex = RAW_TEX.findall(page.evaluate(PROSE))
+            read[rel] = (errors.copy(), refused.copy(), finished, figures, links, raw_tex)
             errors.clear(); refused.clear()
     return read
 
 
 @pytest.mark.timeout(1500)  # a clean build executes every notebook: 10 min measured on a loaded 2-core box, then ~1.5 min of pages
 def test_site_reads_offline_in_chromium(site):
-    "Every page loads with no console error and no request off 127.0.0.1; every figure draws; no internal link is broken."
+    """Every page loads with no console error and no request off 127.0.0.1; every figure draws; no math is left as TeX
+    (a page loads MathJax and plotly.js only where it needs them); no internal link is broken."""
     pages = sorted(str(p.relative_to(SITE)) for p in SITE.rglob("*.html") if p.name != "404.html")
     for rel in ["index.html", *FIGURE_PAGES, "api/workbench.packing.html"]:
         assert rel in pages, f"{rel} is missing from the site: {pages}"
@@ -105,13 +112,14 @@ def test_site_reads_offline_in_chromium(site):
         shown = [c.source for c in nbformat.reads(text, as_version=4).cells if c.cell_type == "code"]
         assert all(build.shown_code(s) == s for s in shown), f"{rel}: a page shows a check (assert / test_*)"
     problems, read = [], read_pages(site, pages)
-    for rel, (errors, refused, finished, figures, _) in read.items():
+    for rel, (errors, refused, finished, figures, _, raw_tex) in read.items():
         if not finished: problems.append(f"{rel}: MathJax or a figure had not finished drawing 10 s after load")
+        if raw_tex: problems.append(f"{rel}: math shown as TeX, not typeset: {raw_tex[:3]}")
         problems += [f"{rel}: console error: {e}" for e in errors]
         problems += [f"{rel}: asked the network for {u}" for u in refused]
         if not all(figures): problems.append(f"{rel}: {figures.count(False)} of {len(figures)} figures did not draw")
         if rel in FIGURE_PAGES and not figures: problems.append(f"{rel}: no figure at all")
-    for rel, (*_, links) in read.items():
+    for rel, (*_, links, _) in read.items():
         for url in links:
             if not url.startswith(site): continue
             target, anchor = urldefrag(url)
@@ -129,6 +137,8 @@ def test_site_reads_offline_in_chromium(site):
             a => a.href.includes('api/workbench.packing.html') && a.href.endsWith('#flatteningcollator'))""", timeout=15000)
     index = json.loads((SITE / "search" / "search_index.json").read_text())
     assert any(d["location"].startswith("api/workbench.packing.html#flatteningcollator") for d in index["docs"])
+    coded = [d["location"] for d in index["docs"] if "from __future__ import" in d["text"]]  # every module notebook opens so
+    assert not coded, f"notebook code is in the search index (every page load fetches it): {coded[:3]}"
 
 
 def test_every_notebook_has_a_kernelspec_that_nbdev_clean_keeps():
