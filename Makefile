@@ -17,8 +17,6 @@ export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-SITE_TEST := tests/test_docs.py::test_site_reads_offline_in_chromium
-
 .PHONY: demo test test-fast test-floors bench docs serve-docs lab export clean-nbs
 
 $(STAMP): pyproject.toml
@@ -31,9 +29,8 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)  ## the main job on the shipped data: prints the report and writes reports/demo.html
 	$(PY) -m workbench.demo --out reports
 
-test: $(STAMP)  ## pytest over tests/ and every notebook (one item each), then the docs site built from those executions
-	$(PY) -m pytest -n 2 --dist worksteal --deselect $(SITE_TEST) --junitxml=test-artifacts/junit-suite.xml
-	$(PY) -m pytest $(SITE_TEST) --junitxml=test-artifacts/junit-docs.xml  # after the notebooks: the site builds from their cached executions
+test: $(STAMP)  ## pytest over tests/ and every notebook (one item each); the site test, collected last, builds from those executions
+	$(PY) -m pytest -n 2 --dist worksteal --junitxml=test-artifacts/junit-suite.xml
 
 test-fast: $(STAMP)  ## the fast suite (FAST above) in .venv
 	$(PY) -m pytest -n 2 --dist worksteal $(FAST)

@@ -18,6 +18,7 @@ Nothing is loaded from a network at build or view time: plotly.js and MathJax ar
 """
 import argparse
 import ast
+import fcntl
 import hashlib
 import html
 import importlib
@@ -135,14 +136,20 @@ def cache_path(nb_path: Path, flags: set[str]) -> Path:
 
 
 def executed(nb_path: Path, flags: set[str], timeout: float | None = None) -> tuple[nbformat.NotebookNode, float]:
-    "The executed notebook, from .docs-cache/ when its inputs are unchanged; seconds spent (0 from the cache)."
+    """The executed notebook, from .docs-cache/ when its inputs are unchanged; seconds spent (0 from the cache).
+    One process at a time per notebook: under `make test` the site test's build and the notebook items run side by
+    side, and whichever asks second waits for the first's execution and reads it from the cache."""
     cached = cache_path(nb_path, flags)
-    if cached.exists(): return nbformat.read(cached, as_version=4), 0.0
-    nb, seconds = execute(nb_path, flags, timeout)
     CACHE.mkdir(exist_ok=True)
-    for old in CACHE.glob(f"{nb_path.stem}-*.ipynb"): old.unlink()
-    nbformat.write(nb, cached)
-    return nb, seconds
+    with open(CACHE / f"{nb_path.stem}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when this process dies
+        if cached.exists(): return nbformat.read(cached, as_version=4), 0.0
+        nb, seconds = execute(nb_path, flags, timeout)
+        for old in CACHE.glob(f"{nb_path.stem}-*.ipynb"): old.unlink()
+        partial = cached.with_suffix(".partial")
+        nbformat.write(nb, partial)
+        partial.replace(cached)  # a reader never sees half a notebook
+        return nb, seconds
 
 
 # ---------------------------------------------------------------- executed notebook -> page
@@ -356,8 +363,9 @@ def title_md(p: Path) -> str:
 
 def _run_one(path: Path, flags: set[str], timeout: float | None):
     "One notebook in a worker: (executed notebook, seconds, whether it came from the cache)."
-    cached = cache_path(path, flags).exists()
-    try: return (*executed(path, flags, timeout), cached)
+    try:
+        nb, seconds = executed(path, flags, timeout)
+        return nb, seconds, seconds == 0.0  # 0.0: read from the cache (perhaps after another process executed it)
     except Exception as e:  # name the notebook; the cell's traceback is in e
         raise RuntimeError(f"{path.relative_to(ROOT)} failed to execute:\n{e}") from None
 

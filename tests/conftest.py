@@ -21,3 +21,11 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def pytest_collection_modifyitems(items):
+    """The site test last: it builds the pages from the executions the notebook items make. Under `pytest -n 2` it may
+    still start while some run; docs/build.py then waits for a notebook being executed and executes the rest itself
+    (one execution per notebook, whoever asks first), so the serial step after the suite is gone."""
+    site = [item for item in items if item.name == "test_site_reads_offline_in_chromium"]
+    items[:] = [item for item in items if item not in site] + site

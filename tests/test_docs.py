@@ -39,8 +39,9 @@ class Quiet(SimpleHTTPRequestHandler):
 def site():
     "Build the site exactly as `make docs` does, then serve it on 127.0.0.1 from a thread; yields its base URL."
     assert Path(CHROMIUM).exists(), "Debian's chromium is missing: apt-get install -y chromium (.ci/run does it)"
-    build = subprocess.run([sys.executable, str(ROOT / "docs" / "build.py")], cwd=ROOT, capture_output=True, text=True,
-                           timeout=1200, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    jobs = "1" if "PYTEST_XDIST_WORKER" in os.environ else "2"  # beside another worker: one notebook at a time
+    build = subprocess.run([sys.executable, str(ROOT / "docs" / "build.py"), "--jobs", jobs], cwd=ROOT, capture_output=True,
+                           text=True, timeout=1200, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert build.returncode == 0, f"docs/build.py failed:\n{build.stdout[-3000:]}\n{build.stderr[-5000:]}"
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(SITE)))
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
@@ -223,6 +224,24 @@ def test_make_docs_reports_each_notebook_and_reuses_executions(tmp_path, monkeyp
     assert "2 notebooks: 1 cached, 1 to execute (2 at a time, no per-cell time limit)" in out, out
     assert re.search(r"\] nbs/quick.ipynb +cached\n", out) and re.search(r"\] nbs/slow.ipynb +executed in [\d.]+ s\n", out), out
     assert "".join(o.get("text", "") for o in results[paths[0]][0].cells[0].outputs) == "quick\nfrom a subprocess\n"
+
+
+def test_a_notebook_asked_for_twice_at_once_is_executed_once(tmp_path, monkeypatch):
+    """The site test's build and a notebook item may ask for the same notebook together (`make test` runs them side by
+    side): the second waits for the first's execution and reads it from the cache."""
+    from concurrent.futures import ThreadPoolExecutor
+    build = load_build()
+    monkeypatch.setattr(build, "ROOT", tmp_path); monkeypatch.setattr(build, "CACHE", tmp_path / ".docs-cache")
+    (tmp_path / "nbs").mkdir()
+    runs = tmp_path / "runs.txt"  # one line per execution
+    code = f"import time; open({str(runs)!r}, 'a').write('ran\\n'); time.sleep(2); print('done')"
+    nb_path = tmp_path / "nbs" / "twice.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(metadata={"kernelspec": KERNELSPEC}, cells=[nbformat.v4.new_code_cell(code)]), nb_path)
+    with ThreadPoolExecutor(2) as pool:  # two threads: each takes the lock through its own open file, as two processes do
+        both = list(pool.map(lambda _: build.executed(nb_path, set()), range(2)))
+    assert runs.read_text() == "ran\n", runs.read_text()
+    assert sorted(seconds == 0.0 for _, seconds in both) == [False, True]  # one executed, one read the cache
+    assert [nb.cells[0].outputs[0].text for nb, _ in both] == ["done\n", "done\n"]
 
 
 def test_make_docs_timeout_is_optional():
