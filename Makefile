@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)  ## the main job on the shipped data: prints the report and writes reports/demo.html
 	$(PY) -m workbench.demo --out reports
 
-test: $(STAMP)  ## pytest over tests/ and every notebook (one item each); the site test, collected last, builds from those executions
+test: $(STAMP)  ## pytest over tests/ and every notebook (one item each); the site test, collected first, builds from the same executions
 	$(PY) -m pytest -n 2 --dist worksteal --junitxml=test-artifacts/junit-suite.xml
 
 test-fast: $(STAMP)  ## the fast suite (FAST above) in .venv

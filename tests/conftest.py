@@ -24,8 +24,9 @@ def one_thread():
 
 
 def pytest_collection_modifyitems(items):
-    """The site test last: it builds the pages from the executions the notebook items make. Under `pytest -n 2` it may
-    still start while some run; docs/build.py then waits for a notebook being executed and executes the rest itself
-    (one execution per notebook, whoever asks first), so the serial step after the suite is gone."""
+    """The site test first: it builds the pages from every notebook's execution, and docs/build.py executes each
+    notebook once, whoever asks first (the site test or the notebook's own item; the other waits and reads the cache).
+    Started first, its long build overlaps the suite on the other worker; collected last it was the run's tail (a
+    fresh-clone run: 129 s with the other worker idle)."""
     site = [item for item in items if item.name == "test_site_reads_offline_in_chromium"]
-    items[:] = [item for item in items if item not in site] + site
+    items[:] = site + [item for item in items if item not in site]
