@@ -1,4 +1,4 @@
-"""mkdocs hooks (mkdocs.yml `hooks:`): a notebook page's table of contents is read from the headings it really has, and
+r"""mkdocs hooks (mkdocs.yml `hooks:`): a notebook page's table of contents is read from the headings it really has, and
 a page loads MathJax and plotly.js only when it holds math or a figure (docs/overrides/main.html reads `page.meta`), and
 the search index leaves out a notebook's code (the API pages index every name; the code was most of the index, which
 every page load fetches and indexes again).

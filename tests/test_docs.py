@@ -2,6 +2,7 @@
 report (a line per notebook) and optional cell time limit; the notebooks a reader opens (kernelspec); `make lab` as root
 on 127.0.0.1 with its token URL printed."""
 import functools
+import importlib.util
 import json
 import os
 import re
@@ -37,7 +38,8 @@ class Quiet(SimpleHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def site():
-    "Build the site exactly as `make docs` does, then serve it on 127.0.0.1 from a thread; yields its base URL."
+    """Build the site as `make docs` does (one notebook at a time beside another pytest worker), then serve it on
+    127.0.0.1 from a thread; yields its base URL."""
     assert Path(CHROMIUM).exists(), "Debian's chromium is missing: apt-get install -y chromium (.ci/run does it)"
     jobs = "1" if "PYTEST_XDIST_WORKER" in os.environ else "2"  # beside another worker: one notebook at a time
     build = subprocess.run([sys.executable, str(ROOT / "docs" / "build.py"), "--jobs", jobs], cwd=ROOT, capture_output=True,
@@ -71,7 +73,14 @@ DRAWN = """() => (!document.querySelector('script[src*="MathJax.js"]') || window
 PROSE = """() => { const prose = document.querySelector('article').cloneNode(true);
     prose.querySelectorAll('pre, code, script, style, .MathJax, .MathJax_Preview, .MathJax_Display').forEach(e => e.remove());
     return prose.textContent; }"""  # the text a reader sees, less code and the math MathJax typeset
-RAW_TEX = re.compile(r"\$[^$\n]+\$|\$\$|\\\(|\\\[|\\begin\{")  # math left as TeX: a page with math but no MathJax
+
+
+@functools.cache
+def math_delimiters() -> re.Pattern:
+    "The TeX delimiters the site's MathJax typesets, as docs/hooks.py defines them (it decides which pages load MathJax)."
+    spec = importlib.util.spec_from_file_location("docs_hooks", ROOT / "docs" / "hooks.py")
+    hooks = importlib.util.module_from_spec(spec); spec.loader.exec_module(hooks)
+    return hooks.MATH
 
 
 def read_pages(site: str, pages: list[str]) -> dict:
@@ -90,7 +99,7 @@ def read_pages(site: str, pages: list[str]) -> dict:
             except PlaywrightTimeout: finished = False
             figures = page.eval_on_selector_all(".plotly-graph-div", "els => els.map(e => !!e.querySelector('.main-svg'))")
             links = page.eval_on_selector_all("a[href]", "els => els.map(e => e.href)")
-            raw_tex = RAW_TEX.findall(page.evaluate(PROSE))
+            raw_tex = math_delimiters().findall(page.evaluate(PROSE))  # math left as TeX: a page with math, no MathJax
             read[rel] = (errors.copy(), refused.copy(), finished, figures, links, raw_tex)
             errors.clear(); refused.clear()
     return read
@@ -198,7 +207,6 @@ def test_make_lab_starts_and_prints_its_token_url(tmp_path):
 
 def load_build():
     "docs/build.py as a module its process pool can pickle functions of (registered in sys.modules)."
-    import importlib.util
     spec = importlib.util.spec_from_file_location("docs_build_progress", ROOT / "docs" / "build.py")
     module = importlib.util.module_from_spec(spec); sys.modules[spec.name] = module; spec.loader.exec_module(module)
     return module
