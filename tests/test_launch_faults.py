@@ -256,6 +256,29 @@ def test_ctrl_c_in_the_parent_raises_keyboardinterrupt_and_leaves_no_rank():
     assert _gone(ranks)
 
 
+def _threads_taking_sigint(pid: int) -> list[int]:
+    "The threads of `pid` other than its main one that do not block SIGINT: Linux may hand a process's Ctrl-C to any of them."
+    taking = []
+    for tid in map(int, os.listdir(f"/proc/{pid}/task")):
+        status = open(f"/proc/{pid}/task/{tid}/status").read()
+        blocked = int(next(l for l in status.splitlines() if l.startswith("SigBlk:")).split()[1], 16)
+        if tid != pid and not blocked & (1 << (signal.SIGINT - 1)): taking.append(tid)
+    return taking
+
+
+def test_ctrl_c_that_linux_hands_to_another_thread_of_the_parent_ends_the_launch():
+    "A wait with no limit hears it only when every rank has ended (here: never); the launch wakes every WAKE_S to run it."
+    proc = _script("launch(lambda: time.sleep(1e6), num_processes=2, cpu=True)")
+    ranks = _ranks_of(proc)
+    taking = _threads_taking_sigint(proc.pid)
+    assert taking, "the launching process has no other thread that takes SIGINT: this test sees nothing"
+    ctypes.CDLL(None, use_errno=True).tgkill(proc.pid, taking[0], signal.SIGINT)  # no Python API sends to another process's thread
+    try: _, err = proc.communicate(timeout=30)
+    finally: proc.kill()
+    assert err.rstrip().endswith("KeyboardInterrupt") and "RankError" not in err, err
+    assert _gone(ranks)
+
+
 def test_ranks_die_with_a_killed_parent():
     proc = _script("launch(lambda: time.sleep(1e6), num_processes=2, cpu=True)")
     ranks = _ranks_of(proc)

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from .sp.grid import check_layout, check_sp
 
 # %% auto #0
-__all__ = ['MIXED_PRECISION', 'GRACE_S', 'RankError', 'Layout', 'free_port', 'preflight', 'launch']
+__all__ = ['MIXED_PRECISION', 'GRACE_S', 'WAKE_S', 'RankError', 'Layout', 'free_port', 'preflight', 'launch']
 
 # %% ../nbs/07_launch.ipynb #7020d702
 class RankError(RuntimeError):
@@ -163,6 +163,7 @@ def _rank_main(fn, args, rank: int, layout: Layout, env: dict, listener_fd: int,
 
 # %% ../nbs/07_launch.ipynb #51da45c1
 GRACE_S = 5  # seconds a rank has to exit after SIGTERM (to finish writing a checkpoint, say) before SIGKILL
+WAKE_S = 0.5  # the parent's longest sleep: a Ctrl-C that Linux hands to another of its threads runs at the next wake
 
 _HINTS = {signal.SIGKILL: "out of memory? Linux's OOM killer sends SIGKILL", signal.SIGSEGV: "a crash in native code",
           signal.SIGABRT: "aborted by native code", signal.SIGTERM: "terminated from outside the launch"}
@@ -243,9 +244,10 @@ def _watch(ranks: list, exchange: Path, deadline_s: float | None) -> RankError |
     end = None if deadline_s is None else time.monotonic() + deadline_s
     running = dict(enumerate(ranks))
     while running:
-        ready = mp.connection.wait([p.sentinel for p in running.values()],
-                                   None if end is None else max(0, end - time.monotonic()))
-        if not ready: return _past_deadline(running, exchange, deadline_s, len(ranks))
+        ready = mp.connection.wait([p.sentinel for p in running.values()], WAKE_S)
+        if not ready:
+            if end is not None and time.monotonic() >= end: return _past_deadline(running, exchange, deadline_s, len(ranks))
+            continue
         ended = {r: p for r, p in running.items() if p.sentinel in ready}
         for p in ended.values(): p.join()
         failed = {r: p for r, p in ended.items() if not (exchange / f"result{r}.pkl").exists()}
