@@ -63,7 +63,15 @@ def mask_state(page) -> dict:
     }""")
 
 
-def check_redraw(page, name: str):
+def page_log(page) -> list[str]:
+    "The page's console messages and uncaught errors from now on: a failed redraw says what the front end said."
+    log = []
+    page.on("console", lambda m: log.append(f"{m.type}: {m.text}"))
+    page.on("pageerror", lambda e: log.append(f"pageerror: {e}"))
+    return log
+
+
+def check_redraw(page, name: str, log: list[str]):
     "Screenshot, tick the cache trap, wait for the redraw, check the new content, screenshot again."
     explorer = page.locator(".wb-explorer")
     explorer.scroll_into_view_if_needed()
@@ -81,7 +89,7 @@ def check_redraw(page, name: str):
         }""", arg=before["image"], timeout=90000)
     except PlaywrightTimeout:
         raise AssertionError(f"{name}: no redraw {time.perf_counter() - t0:.0f} s after ticking use_cache; the explorer shows "
-                             f"{mask_state(page)}") from None
+                             f"{mask_state(page)}; the page's console said: {log[-40:]}") from None
     page.wait_for_timeout(300)  # let plotly finish the title
     after = mask_state(page)
     cross = int(after["cross"].replace(",", ""))
@@ -102,10 +110,11 @@ def test_explorer_on_your_model_and_data_in_jupyterlab(workdir):
     texts = notebook_texts()
     ids = [tok(t)["input_ids"] for t in texts]
     with jupyterlab(tmp, env) as url, browser_page() as page:
+        log = page_log(page)
         open_notebook(page, url, NOTEBOOK.name)
         assert run_all_cells(page) is True, "a cell of the explorer notebook failed in JupyterLab"
         page.wait_for_selector(".wb-explorer", state="attached", timeout=45000)
-        check_redraw(page, "jupyterlab")
+        check_redraw(page, "jupyterlab", log)
 
         page.wait_for_function(f"() => ({FIGURE})() !== null", timeout=30000)
         page.locator(".wb-explorer").scroll_into_view_if_needed()
@@ -160,9 +169,10 @@ def test_explorer_in_voila(workdir):
     port = free_port()
     cmd = [str(BIN / "voila"), str(tmp / NOTEBOOK.name), "--no-browser", f"--port={port}", "--Voila.ip=127.0.0.1"]
     with server(cmd, f"http://127.0.0.1:{port}/", env, tmp / "voila.log", timeout=60), browser_page() as page:
+        log = page_log(page)
         page.goto(f"http://127.0.0.1:{port}/", timeout=90000)  # Voila executes the notebook before "load": slow on a loaded box
         page.wait_for_selector(".wb-explorer", state="attached", timeout=45000)
-        check_redraw(page, "voila")
+        check_redraw(page, "voila", log)
 
 
 def test_png_and_html_export(tmp_path):

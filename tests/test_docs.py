@@ -143,8 +143,15 @@ def test_site_reads_offline_in_chromium(site):
         page.goto(site + "index.html", wait_until="load")
         box = page.locator("input.md-search__input")
         box.click(); box.fill("FlatteningCollator")
-        page.wait_for_function("""() => [...document.querySelectorAll('.md-search-result__item a')].some(
-            a => a.href.includes('api/workbench.packing.html') && a.href.endsWith('#flatteningcollator'))""", timeout=15000)
+        t0 = time.perf_counter()
+        try:  # the search worker indexes 0.8 MB first: about 1 s idle; 15 s was exceeded once with both cores busy
+            page.wait_for_function("""() => [...document.querySelectorAll('.md-search-result__item a')].some(
+                a => a.href.includes('api/workbench.packing.html') && a.href.endsWith('#flatteningcollator'))""", timeout=60000)
+        except PlaywrightTimeout:
+            shown = page.evaluate("() => [...document.querySelectorAll('.md-search-result__item a')].map(a => a.href)")
+            meta = page.evaluate("() => document.querySelector('.md-search-result__meta')?.textContent")
+            raise AssertionError(f"the search box showed no FlatteningCollator result {time.perf_counter() - t0:.0f} s after "
+                                 f"typing; it says {meta!r} and links {shown[:5]}") from None
     index = json.loads((SITE / "search" / "search_index.json").read_text())
     assert any(d["location"].startswith("api/workbench.packing.html#flatteningcollator") for d in index["docs"])
     coded = [d["location"] for d in index["docs"] if "from __future__ import" in d["text"]]  # every module notebook opens so
