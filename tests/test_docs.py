@@ -144,7 +144,7 @@ def test_site_reads_offline_in_chromium(site):
         box = page.locator("input.md-search__input")
         box.click(); box.fill("FlatteningCollator")
         t0 = time.perf_counter()
-        try:  # the search worker indexes 0.8 MB first: about 1 s idle; 15 s was exceeded once with both cores busy
+        try:  # the search worker indexes the 0.8 MB index before it answers; 15 s was exceeded once with both cores busy
             page.wait_for_function("""() => [...document.querySelectorAll('.md-search-result__item a')].some(
                 a => a.href.includes('api/workbench.packing.html') && a.href.endsWith('#flatteningcollator'))""", timeout=60000)
         except PlaywrightTimeout:
