@@ -17,7 +17,7 @@ export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test test-fast test-floors bench docs serve-docs lab export clean-nbs
+.PHONY: demo test test-site test-fast test-floors bench docs serve-docs lab export clean-nbs
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,8 +29,13 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)  ## the main job on the shipped data: prints the report and writes reports/demo.html
 	$(PY) -m workbench.demo --out reports
 
-test: $(STAMP)  ## pytest over tests/ and every notebook (one item each); the site test, collected first, builds from the same executions
-	$(PY) -m pytest -n 2 --dist worksteal --junitxml=test-artifacts/junit-suite.xml
+test: $(STAMP)  ## pytest over tests/ and every notebook (one item each), less the site test (make test-site)
+	$(PY) -m pytest -n 2 --dist worksteal -m "not site" --junitxml=test-artifacts/junit-suite.xml
+
+# The site built as `make docs` builds it, read in headless Chromium offline (tests/test_docs.py, marked `site`). After
+# `make test` every notebook's execution is cached and it takes about 2 minutes; alone it executes them all first.
+test-site: $(STAMP)  ## the documentation site read in Chromium (after make test: from its cached executions)
+	$(PY) -m pytest -m site tests/test_docs.py --junitxml=test-artifacts/junit-site.xml
 
 test-fast: $(STAMP)  ## the fast suite (FAST above) in .venv
 	$(PY) -m pytest -n 2 --dist worksteal $(FAST)

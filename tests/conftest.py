@@ -24,7 +24,8 @@ def one_thread():
 
 
 def pytest_collection_modifyitems(items):
-    """The site test first: it builds the pages from every notebook's execution, and docs/build.py executes each
+    """The site test first when it runs in the same session (a plain `pytest -n 2`; `make test` leaves it out and
+    `make test-site` runs it alone after): it builds the pages from every notebook's execution, and docs/build.py executes each
     notebook once, whoever asks first (the site test or the notebook's own item; the other waits and reads the cache).
     Started first, its long build overlaps the suite on the other worker; collected last it was the run's tail (a
     fresh-clone run: 129 s with the other worker idle)."""

@@ -105,6 +105,7 @@ def read_pages(site: str, pages: list[str]) -> dict:
     return read
 
 
+@pytest.mark.site  # `make test-site` (CI runs it after `make test`, which leaves it out)
 @pytest.mark.timeout(1500)  # a clean build executes every notebook: 10 min measured on a loaded 2-core box, then ~1.5 min of pages
 def test_site_reads_offline_in_chromium(site):
     """Every page loads with no console error and no request off 127.0.0.1; every figure draws; no math is left as TeX
