@@ -25,7 +25,10 @@ DASHBOARD_STATE = """() => {
     }
     const bars = Array.from(document.querySelectorAll('.workbench-dashboard .widget-hprogress'), w => ({
         name: (w.querySelector('.widget-label') || {}).textContent, width: w.querySelector('.progress-bar').style.width}));
-    return {plots, notes, ticks, bars, done: window.__runAll};
+    // each figure as the page holds it, untitled ones too (a figure whose title went missing overwrites another's key)
+    const figures = Array.from(document.querySelectorAll('.js-plotly-plot'), gd => ({
+        title: gd.layout && gd.layout.title, layout_keys: Object.keys(gd.layout || {}), traces: (gd.data || []).length}));
+    return {plots, notes, ticks, bars, figures, done: window.__runAll};
 }"""
 
 
@@ -63,7 +66,7 @@ def test_dashboard_in_jupyterlab(tmp_path):
         assert state["done"] is True, "a cell of the tutorial failed in JupyterLab"
 
         plots = state["plots"]
-        assert set(plots) >= {"loss", "throughput", "peak memory per rank", COMM_TITLE}, plots.keys()
+        assert set(plots) >= {"loss", "throughput", "peak memory per rank", COMM_TITLE}, (plots.keys(), state["figures"])
         runs = [t["name"] for t in plots["loss"]]
         assert runs == ["SP=1", "SP=2", "DP=2"], runs
         assert [t["name"] for t in plots[COMM_TITLE]] == [f"{r} {kind}" for r in runs for kind in ("all-to-all", "ring")]
