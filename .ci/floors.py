@@ -5,8 +5,8 @@
 pyproject.toml stays the only list: `make test-floors` regenerates the pins from it on every install.
 """
 import importlib
-import os
 import importlib.util
+import os
 import re
 import sys
 import tomllib
@@ -56,7 +56,7 @@ def import_error(name: str) -> str | None:
 
 def verify() -> int:
     "Print floor and installed version side by side; 1 when any differ, is missing or does not import."
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # an import check: named, DeepSpeed does not log its guess of the device
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # told the device, DeepSpeed does not log a guess of it on import
     bad = 0
     for name, floor in floors().items():
         try: got = version(name)
