@@ -7,6 +7,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import heapq
+import sys
 import warnings
 from array import array
 from collections import deque
@@ -36,6 +37,10 @@ _NOT_CARRIED = {"input_ids", "labels", "attention_mask", *_BOUNDARIES}  # read, 
 def _is_row(v) -> bool:
     "Whether `v` is a sequence of values (a list, tuple, or an array / tensor with at least one dimension)."
     return isinstance(v, (list, tuple)) or (isinstance(v, (np.ndarray, torch.Tensor)) and v.ndim > 0)
+
+def _imported_datasets():
+    "The `datasets` module once something imported it, else None: an object of its types exists only then (importing it to check would cost each forked rank half a second)."
+    return sys.modules.get("datasets")
 
 def _as_row(v, i: int, key: str):
     "Example `i`'s `key` as one row: a flat list as given, else a 1-D integer array from a `[T]` or `[1, T]` array, tensor or list."
@@ -322,12 +327,13 @@ def _arrow_lengths(ds, column: str) -> np.ndarray:
 def lengths_of(data, column: str = "input_ids") -> np.ndarray:
     """Token counts of every example of `data`: lengths as given, token rows, feature dicts, or a `datasets.Dataset`
     (or one of its columns), whose lengths come from Arrow without reading a row into Python."""
-    import datasets
-    if isinstance(data, datasets.IterableDataset):
-        raise TypeError("an IterableDataset has no lengths before it is read: pack it as it streams "
-                        "(`PackedStream`), or materialise a part of it with `Dataset.from_generator`")
-    if isinstance(data, datasets.Dataset): return _arrow_lengths(data, column)
-    if isinstance(data, datasets.arrow_dataset.Column): return _arrow_lengths(data.source, data.column_name)
+    datasets = _imported_datasets()
+    if datasets is not None:
+        if isinstance(data, datasets.IterableDataset):
+            raise TypeError("an IterableDataset has no lengths before it is read: pack it as it streams "
+                            "(`PackedStream`), or materialise a part of it with `Dataset.from_generator`")
+        if isinstance(data, datasets.Dataset): return _arrow_lengths(data, column)
+        if isinstance(data, datasets.arrow_dataset.Column): return _arrow_lengths(data.source, data.column_name)
     if isinstance(data, (np.ndarray, torch.Tensor)) and data.ndim == 1:
         if data.dtype.is_floating_point if isinstance(data, torch.Tensor) else not np.issubdtype(data.dtype, np.integer):
             raise TypeError(f"lengths must be integers, got {data.dtype}")
@@ -431,14 +437,15 @@ def _piece_targets(data, lengths: np.ndarray, example: np.ndarray, offset: np.nd
                    column: str = "input_ids") -> np.ndarray | None:
     """Trained targets of every piece (`lengths[e]` tokens of example `e`, piece `[offset, offset + length)`): the
     targets of its tokens but its first, whose label a packed row clears. None for bare lengths, which carry no labels."""
-    import datasets
-    if isinstance(data, datasets.Dataset): rows = data.select_columns([c for c in (column, *_TARGET_KEYS) if c in data.column_names])
+    datasets = _imported_datasets()
+    is_dataset = datasets is not None and isinstance(data, datasets.Dataset)
+    if is_dataset: rows = data.select_columns([c for c in (column, *_TARGET_KEYS) if c in data.column_names])
     elif isinstance(data, (list, tuple)) and len(data) and isinstance(data[0], Mapping): rows = data
     else: return None  # lengths, token rows, a column: nothing says which tokens train
-    if not any(k in _TARGET_KEYS for k in (rows.column_names if isinstance(rows, datasets.Dataset) else
+    if not any(k in _TARGET_KEYS for k in (rows.column_names if is_dataset else
                                             set(chain.from_iterable(rows)))):
         return length - 1  # every token trains (`FlatteningCollator` without labels or masks) but a piece's first
-    t = (_arrow_targets(rows, lengths) if isinstance(rows, datasets.Dataset) and column == "input_ids" and
+    t = (_arrow_targets(rows, lengths) if is_dataset and column == "input_ids" and
          not any(k in rows.column_names for k in _BOUNDARIES) else None)
     if t is None: t = np.concatenate([_target_row(f, i, column) for i, f in enumerate(rows)]) if len(rows) else np.zeros(0, bool)
     cs = np.concatenate([[0], np.cumsum(t, dtype=np.int64)])

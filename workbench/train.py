@@ -794,7 +794,9 @@ def step_metrics(step: int, loss: float, bins: list, shards: list[dict],
                 time=elapsed, step_s=seconds, **mfu)
 
 # %% ../nbs/08_train.ipynb #c9e3a2b4
-def train_rank(cfg: TrainConfig) -> list[float]:
+def train_rank(cfg: TrainConfig,
+               prepared: tuple | None = None,  # `(features, tokenizer)` as `preflight_run` returned them (None: read the data here)
+              ) -> list[float]:
     "Train on this process as one rank of the `cfg.dp` x `cfg.sp` grid; return the loss of every step it trained."
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world != cfg.world:
@@ -809,7 +811,7 @@ def train_rank(cfg: TrainConfig) -> list[float]:
     if cfg.ring > 1: check_layout(model.config, cfg.sp, cfg.ring, world_size=world)
     else: check_sp(model.config, cfg.sp, world_size=world)
     if cfg.shard: model = shard_model(model, grid, cpu_offload=cfg.cpu_offload)  # before the optimizer sees the parameters
-    features, tokenizer = run_features(cfg)  # the model directory's tokenizer (or --tokenizer); saved in every checkpoint
+    features, tokenizer = prepared or run_features(cfg)  # the model directory's tokenizer (or --tokenizer); saved in every checkpoint
     check_token_ids(features, model.config.vocab_size, cfg.data)
     plan, sampler, imbalance = plan_run(cfg, model.config, features, grid.rank("dp"))  # its masks: pieces that train nothing are left out
     predicted = run_prediction(cfg, model.config, plan, sampler=sampler)  # workbench.cost's roofline (None: a run it does not model)
@@ -849,8 +851,8 @@ def train_rank(cfg: TrainConfig) -> list[float]:
     return losses
 
 # %% ../nbs/08_train.ipynb #3129907b
-def preflight_run(cfg: TrainConfig):
-    "Refuse, before any process starts, a run that would fail inside one: model, attention, run directory, data."
+def preflight_run(cfg: TrainConfig) -> tuple[list[dict], object]:
+    "Refuse, before any process starts, a run that would fail inside one: model, attention, run directory, data; return the run's `(features, tokenizer)`, read once for every rank it forks."
     config = model_config(cfg)
     if cfg.ring > 1: check_layout(config, cfg.sp, cfg.ring, world_size=cfg.world)  # Ulysses degree vs heads; the ring the rest
     else: check_sp(config, cfg.sp, world_size=cfg.world)
@@ -862,17 +864,19 @@ def preflight_run(cfg: TrainConfig):
                                       f"transformers' AttentionInterface, so they cannot run a registered one: use sdpa or eager") from None
     cost_modelled(cfg, config)  # balance 'cost' on an architecture the cost model refuses: said here
     check_out(cfg)
-    check_token_ids(run_features(cfg)[0], config.vocab_size, cfg.data)
+    features, tokenizer = run_features(cfg)
+    check_token_ids(features, config.vocab_size, cfg.data)
+    return features, tokenizer
 
 def run(cfg: TrainConfig) -> list[float]:
     "Train `cfg` on `cfg.sp * cfg.dp` forked processes (from a notebook or a script); return the per-step losses."
-    preflight_run(cfg)
+    prepared = preflight_run(cfg)
     dtype = run_dtype(cfg, _device().type)
     planned, line = memory_readout(cfg, dtype)
     print(line)
     fresh_cpu()  # a CPU measured more than a minute ago is measured again: the box's load may have changed
     run_device(cfg.world); run_efficiency()  # measured once here (cached; its ranks computing at once), so that every forked rank uses the same peak and factors
-    results = launch(train_rank, cfg, num_processes=cfg.world, sp_size=cfg.sp, ring=cfg.ring, model_config=model_config(cfg),
+    results = launch(train_rank, cfg, prepared, num_processes=cfg.world, sp_size=cfg.sp, ring=cfg.ring, model_config=model_config(cfg),
                      timeout_s=cfg.timeout_s)
     print(memory_comparison(read_metrics(Path(cfg.out)), planned, _device().type))
     try: checked = check_run(cfg.out)  # recorded: every later prediction in this process carries it as a held-out error
@@ -944,9 +948,9 @@ def main(argv=None) -> list[float]:
     cfg = _config(p, p.parse_args(argv), world)
     try:
         if world > 1:  # join the launcher's process group
-            preflight_run(cfg)
+            prepared = preflight_run(cfg)
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(seconds=cfg.timeout_s))
-            try: losses = train_rank(cfg)
+            try: losses = train_rank(cfg, prepared)
             finally: dist.destroy_process_group()
         else: losses = run(cfg)  # checks the config before it forks anything
     except ValueError as e: p.error(str(e))  # what preflight_run and the launcher refuse: usage errors, exit code 2
