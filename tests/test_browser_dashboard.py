@@ -32,6 +32,23 @@ DASHBOARD_STATE = """() => {
 }"""
 
 
+# When each state of the loss figure was first drawn (a MutationObserver fires after each redraw, so no state is missed
+# between two polls, as a poll every 100 ms could miss a whole six-step run of a tiny model): (run, points) -> ms.
+RECORD_LOSS_CURVES = """() => {
+    window.__lossCurves = {};
+    const record = () => {
+        for (const gd of document.querySelectorAll('.js-plotly-plot')) {
+            if (!(gd._fullLayout && gd._fullLayout.title && gd._fullLayout.title.text === 'loss')) continue;
+            for (const t of gd.data || []) {
+                const key = JSON.stringify([t.name, (t.x || []).length]);
+                if (!(key in window.__lossCurves)) window.__lossCurves[key] = performance.now();
+            }
+        }
+    };
+    new MutationObserver(record).observe(document.body, {subtree: true, childList: true, attributes: true});
+}"""
+
+
 def notebook_steps() -> int:
     "The steps per run the tutorial asks for (its `TrainConfig(..., steps=N, ...)`)."
     source = "".join("".join(c["source"]) for c in json.loads(NOTEBOOK.read_text())["cells"])
@@ -53,17 +70,18 @@ def test_dashboard_in_jupyterlab(tmp_path):
     steps = notebook_steps()
     with jupyterlab(tmp_path, env) as url, browser_page() as page:
         open_notebook(page, url, NOTEBOOK.name)
+        page.evaluate(RECORD_LOSS_CURVES)
         run_all_cells(page, wait=False)
-        # (run, points) pairs of the loss figure while cells still run; the deadline only catches a hang: the tutorial
-        # (three runs, then the ring section's two) ran past 75 s beside a parallel test run on a 2-core box
-        seen, deadline = set(), time.monotonic() + 300
-        bars_seen = set()  # the progress bars' widths while cells still run
+        # the deadline only catches a hang: the tutorial (three runs, then the failing rank) ran past 75 s beside a
+        # parallel test run on a 2-core box
+        deadline = time.monotonic() + 300
+        bars_seen = set()  # the progress bars' widths while cells still run (each run lasts seconds: a poll sees it)
         while (state := page.evaluate(DASHBOARD_STATE))["done"] is None:
             assert time.monotonic() < deadline, f"the notebook did not finish: {state}"
-            seen |= {(t["name"], len(t["x"])) for t in state["plots"].get("loss", [])}
             bars_seen.add(tuple(b["width"] for b in state["bars"]))
             page.wait_for_timeout(100)
         assert state["done"] is True, "a cell of the tutorial failed in JupyterLab"
+        drawn = {tuple(json.loads(k)): ms / 1000 for k, ms in page.evaluate("() => window.__lossCurves").items()}
 
         plots = state["plots"]
         assert set(plots) >= {"loss", "throughput", "peak memory per rank", COMM_TITLE}, (plots.keys(), state["figures"])
@@ -81,8 +99,12 @@ def test_dashboard_in_jupyterlab(tmp_path):
         assert any(n.startswith("CPU run: measured") for n in state["notes"]["peak memory per rank"]), state["notes"]
         for title in ("loss", "throughput"):  # whole steps only on the step axes
             assert state["ticks"][title] and all(float(v).is_integer() for v in state["ticks"][title]), state["ticks"]
-        live = {points for _, points in seen if 0 < points < steps}
-        assert live, f"no partial curve was ever drawn while training ran: {sorted(seen)}"
+        # live, not delivered late: a partial SP=1 curve was drawn well before the DP=2 run, two launches later, drew
+        # its first point (updates held back and delivered at the end would all draw within milliseconds)
+        partial = [t for (run, points), t in drawn.items() if run == "SP=1" and 0 < points < steps]
+        assert partial, f"no partial SP=1 curve was ever drawn: {sorted(drawn)}"
+        last_run_starts = min(t for (run, points), t in drawn.items() if run == "DP=2" and points > 0)
+        assert last_run_starts - min(partial) > 0.5, drawn
 
         dashboard = page.locator(".widget-vbox:has(.js-plotly-plot)").first
         dashboard.scroll_into_view_if_needed()
