@@ -219,7 +219,7 @@ def test_moe_routing_does_not_fake_a_leak(monkeypatch):
     from workbench.core import example_ids, load_sample
     from workbench.doctor import _perturbed  # the probe's own perturbation, to show what it avoids
     monkeypatch.setattr(moe, "_grouped_mm", _rounding_by_count(moe._grouped_mm))
-    model = tiny_model("mixtral", hidden_size=1024, intermediate_size=1024, num_hidden_layers=1)
+    model = tiny_model("mixtral", num_hidden_layers=1)
     batch = FlatteningCollator(train_all_tokens=True)([{"input_ids": f["input_ids"][:40]} for f in load_sample("flan_like", limit=24)[20:24]])
     examples = torch.from_numpy(example_ids(torch.diff(batch["cu_seq_lens_q"]).numpy()))
     with torch.no_grad():
