@@ -151,3 +151,16 @@ def test_a_step_that_trains_nothing_is_refused(tmp_path, monkeypatch):
     monkeypatch.undo()
     with pytest.raises(ValueError, match="does none of it train"):  # the run's own plan leaves the prompt out: no bins at all
         T.plan_run(T.TrainConfig(max_tokens=64), T.model_config(T.TrainConfig()), feats)
+
+
+def test_a_run_reads_its_data_once_for_all_its_ranks(tmp_path, monkeypatch):
+    "run() reads and tokenizes the data in the parent and hands the features to the ranks it forks: one read for SP=2, not three."
+    import os
+    import workbench.train as T
+    reads, real = tmp_path / "reads", T.run_features
+    def counted(cfg):
+        with reads.open("a") as f: f.write(f"{os.getpid()}\n")  # a file: the forked ranks' calls count too
+        return real(cfg)
+    monkeypatch.setattr(T, "run_features", counted)
+    losses = T.run(T.TrainConfig(sp=2, steps=2, max_tokens=256, data="orca_like", out=str(tmp_path / "run")))
+    assert len(losses) == 2 and reads.read_text().split() == [str(os.getpid())]  # the parent's read, none in a rank

@@ -811,8 +811,10 @@ def train_rank(cfg: TrainConfig,
     if cfg.ring > 1: check_layout(model.config, cfg.sp, cfg.ring, world_size=world)
     else: check_sp(model.config, cfg.sp, world_size=world)
     if cfg.shard: model = shard_model(model, grid, cpu_offload=cfg.cpu_offload)  # before the optimizer sees the parameters
-    features, tokenizer = prepared or run_features(cfg)  # the model directory's tokenizer (or --tokenizer); saved in every checkpoint
-    check_token_ids(features, model.config.vocab_size, cfg.data)
+    if prepared is None:  # else `preflight_run` read and checked them once for every rank
+        prepared = run_features(cfg)  # the model directory's tokenizer (or --tokenizer); saved in every checkpoint
+        check_token_ids(prepared[0], model.config.vocab_size, cfg.data)
+    features, tokenizer = prepared
     plan, sampler, imbalance = plan_run(cfg, model.config, features, grid.rank("dp"))  # its masks: pieces that train nothing are left out
     predicted = run_prediction(cfg, model.config, plan, sampler=sampler)  # workbench.cost's roofline (None: a run it does not model)
     if _rank() == 0:
