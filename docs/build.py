@@ -166,6 +166,9 @@ def widget_html(model_id: str, state: dict, figures: dict) -> str:
     if model_id in figures: return figure_html(figures[model_id])["text/html"]
     model = state.get(model_id, {})
     if model.get("model_name") == "HTMLModel": return model["state"].get("value", "")
+    if model.get("model_name") == "OutputModel":  # a dashboard's figure: the outputs it last held
+        outputs = model["state"].get("outputs", [])
+        return "\n".join(figure_html(o["data"][PLOTLY_MIME])["text/html"] for o in outputs if PLOTLY_MIME in o.get("data", {}))
     children = [c.removeprefix("IPY_MODEL_") for c in model.get("state", {}).get("children", [])]
     return "\n".join(h for h in (widget_html(c, state, figures) for c in children) if h)
 

@@ -15,18 +15,19 @@ from workbench.dashboard import COMM_TITLE
 
 NOTEBOOK = ROOT / "nbs" / "tutorials" / "launch_sp.ipynb"
 
-DASHBOARD_STATE = """() => {
+DASHBOARD_STATE = """(k) => {  // the k-th dashboard on the page
+    const root = document.querySelectorAll('.workbench-dashboard')[k] || document.createElement('div');
     const plots = {}, notes = {}, ticks = {};
-    for (const gd of document.querySelectorAll('.js-plotly-plot')) {
+    for (const gd of root.querySelectorAll('.js-plotly-plot')) {
         const title = gd._fullLayout && gd._fullLayout.title && gd._fullLayout.title.text;
         plots[title] = (gd.data || []).map(t => ({name: t.name, x: Array.from(t.x || []), y: Array.from(t.y || [])}));
         notes[title] = ((gd._fullLayout && gd._fullLayout.annotations) || []).map(a => a.text);
         ticks[title] = gd._fullLayout && gd._fullLayout.xaxis ? (gd._fullLayout.xaxis._vals || []).map(v => v.x) : [];
     }
-    const bars = Array.from(document.querySelectorAll('.workbench-dashboard .widget-hprogress'), w => ({
+    const bars = Array.from(root.querySelectorAll('.widget-hprogress'), w => ({
         name: (w.querySelector('.widget-label') || {}).textContent, width: w.querySelector('.progress-bar').style.width}));
     // each figure as the page holds it, untitled ones too (a figure whose title went missing overwrites another's key)
-    const figures = Array.from(document.querySelectorAll('.js-plotly-plot'), gd => ({
+    const figures = Array.from(root.querySelectorAll('.js-plotly-plot'), gd => ({
         title: gd.layout && gd.layout.title, layout_keys: Object.keys(gd.layout || {}), traces: (gd.data || []).length}));
     return {plots, notes, ticks, bars, figures, done: window.__runAll};
 }"""
@@ -65,6 +66,8 @@ def dashboard_sections(notebook: dict) -> dict:
 def test_dashboard_in_jupyterlab(tmp_path):
     env = jupyter_env(tmp_path)
     tutorial = dashboard_sections(json.loads(NOTEBOOK.read_text()))  # a copy: JupyterLab may autosave what it opens
+    # shown again once every run is done: a view the page draws late must show all the figures hold, not their start
+    tutorial["cells"].append({"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": "dash"})
     (tmp_path / NOTEBOOK.name).write_text(json.dumps(tutorial))
     assert "## 6. When a rank fails" in json.dumps(tutorial) and "## 4." not in json.dumps(tutorial)
     steps = notebook_steps()
@@ -76,7 +79,7 @@ def test_dashboard_in_jupyterlab(tmp_path):
         # parallel test run on a 2-core box
         deadline = time.monotonic() + 300
         bars_seen = set()  # the progress bars' widths while cells still run (each run lasts seconds: a poll sees it)
-        while (state := page.evaluate(DASHBOARD_STATE))["done"] is None:
+        while (state := page.evaluate(DASHBOARD_STATE, 0))["done"] is None:
             assert time.monotonic() < deadline, f"the notebook did not finish: {state}"
             bars_seen.add(tuple(b["width"] for b in state["bars"]))
             page.wait_for_timeout(100)
@@ -105,6 +108,9 @@ def test_dashboard_in_jupyterlab(tmp_path):
         assert partial, f"no partial SP=1 curve was ever drawn: {sorted(drawn)}"
         last_run_starts = min(t for (run, points), t in drawn.items() if run == "DP=2" and points > 0)
         assert last_run_starts - min(partial) > 0.5, drawn
+        page.wait_for_function("() => document.querySelectorAll('.workbench-dashboard .js-plotly-plot').length == 12")
+        again = page.evaluate(DASHBOARD_STATE, 1)
+        assert (again["plots"], again["bars"]) == (plots, state["bars"]), again
 
         dashboard = page.locator(".widget-vbox:has(.js-plotly-plot)").first
         dashboard.scroll_into_view_if_needed()

@@ -17,7 +17,8 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 
 # %% auto #0
-__all__ = ['METRIC_KEYS', 'CPU_CAVEAT', 'COMM_TITLE', 'MetricsReader', 'RunProgress', 'run_progress', 'Dashboard']
+__all__ = ['METRIC_KEYS', 'CPU_CAVEAT', 'PLOTLY_MIME', 'COMM_TITLE', 'MetricsReader', 'RunProgress', 'run_progress',
+           'figure_output', 'Dashboard']
 
 # %% ../nbs/09_dashboard.ipynb #9c5d2370
 METRIC_KEYS = ("step", "rank", "loss", "tokens", "trained", "tokens_per_s", "peak_mem_bytes", "a2a_share", "ring_share",
@@ -106,6 +107,7 @@ CPU_CAVEAT = ("CPU run: measured = the process's peak RSS (Python, libraries,<br
               "data); planned (dashed, bf16 runs only) = device tensors: not comparable")
 _SYMBOLS = ("circle", "x", "diamond", "square", "triangle-up", "cross")
 _RUN_DASH = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
+PLOTLY_MIME = "application/vnd.plotly.v1+json"
 COMM_TITLE = "time in communication (solid: all-to-all, dashed: ring)"
 _COMM = (("a2a_share", "all-to-all", "solid"), ("ring_share", "ring", "dash"))  # key, trace name, line dash
 
@@ -113,10 +115,14 @@ def _dtick(steps: int) -> int:
     "Whole-step tick spacing giving at most about 10 ticks."
     return max(1, math.ceil(steps / 10))
 
-def _figure(title: str, ytitle: str, steps: int) -> go.FigureWidget:
-    return go.FigureWidget(layout=dict(
+def _figure(title: str, ytitle: str, steps: int) -> go.Figure:
+    return go.Figure(layout=dict(
         title=title, xaxis=dict(title="step", tickformat="d", tick0=0, dtick=_dtick(steps)), yaxis_title=ytitle,
         height=300, width=480, margin=dict(l=55, r=10, t=40, b=40), template="plotly_white"))
+
+def figure_output(fig: go.Figure) -> dict:
+    "`fig` whole, as one notebook output in plotly's own JSON (drawn by plotly's renderer in JupyterLab, Voilà, VS Code)."
+    return {"output_type": "display_data", "data": {PLOTLY_MIME: json.loads(fig.to_json())}, "metadata": {}}
 
 def _source(run) -> tuple[Path, str, int | None]:
     "A run given as its directory or as its `TrainConfig`: the directory, the name given ('' if none), its steps (or None)."
@@ -150,9 +156,11 @@ class Dashboard:
         self.bars = [widgets.IntProgress(min=0, max=1, style={"description_width": "initial"}) for _ in self.readers]
         self.texts = [widgets.Label() for _ in self.readers]
         self.status = widgets.HTML()
-        self._cost = widgets.HBox([self.step_time, self.mfu], layout=widgets.Layout(display="none"))
+        self.views = [widgets.Output() for _ in self._all_figures()]  # where each figure is drawn on the page
+        loss, speed, memory, comm, step_time, mfu = self.views
+        self._cost = widgets.HBox([step_time, mfu], layout=widgets.Layout(display="none"))
         self.widget = widgets.VBox([*(widgets.HBox([b, t]) for b, t in zip(self.bars, self.texts)), self.status,
-                                    widgets.HBox([self.loss, self.speed]), widgets.HBox([self.memory, self.comm]), self._cost])
+                                    widgets.HBox([loss, speed]), widgets.HBox([memory, comm]), self._cost])
         self.widget.add_class("workbench-dashboard")  # a page (or a test) finds the dashboard's own bars among other widgets
         self._traces, self._drawn = {}, [None] * len(self.readers)
         self._stop, self._thread, self.error, self.runs = threading.Event(), None, None, []
@@ -175,10 +183,12 @@ class Dashboard:
             out.append(given or c.get("name") or (f"SP={c['sp']} DP={c['dp']}" if "sp" in c else r.run_dir.name))
         return [f"{l} #{out[:i].count(l) + 1}" if out.count(l) > 1 else l for i, l in enumerate(out)]
 
-    def figures(self) -> list[go.FigureWidget]:
+    def _all_figures(self) -> list[go.Figure]:
+        return [self.loss, self.speed, self.memory, self.comm, self.step_time, self.mfu]
+
+    def figures(self) -> list[go.Figure]:
         "The figures that hold data (step time and MFU only when the runs record them)."
-        figs = [self.loss, self.speed, self.memory, self.comm, self.step_time, self.mfu]
-        return [f for f in figs if any(len(t.x or ()) for t in f.data)]
+        return [f for f in self._all_figures() if any(len(t.x or ()) for t in f.data)]
 
     def _series(self, i: int, label: str) -> dict:
         "Every trace of run `i`: key -> (figure, name, x, y, line dash)."
@@ -217,29 +227,42 @@ class Dashboard:
             t = self._traces[i, key]
             t.name, t.x, t.y, t.showlegend = name, x, y, True
 
-    def _annotate(self):
-        "Integer step ticks for the longest run; the CPU caveat on the memory figure when a CPU run's memory is drawn."
+    def _annotate(self) -> bool:
+        """Integer step ticks for the longest run; the CPU caveat on the memory figure when a CPU run's memory is drawn.
+        Returns whether either changed."""
         steps = max([t or 0 for t in self.totals] + [r["step"] + 1 for rd in self.readers for r in rd.rows] + [1])
-        for fig in (self.loss, self.speed, self.memory, self.comm, self.step_time, self.mfu):
-            if fig.layout.xaxis.dtick != _dtick(steps): fig.layout.xaxis.dtick = _dtick(steps)
+        changed = False
+        for fig in self._all_figures():
+            if fig.layout.xaxis.dtick != _dtick(steps):
+                fig.layout.xaxis.dtick = _dtick(steps)
+                changed = True
         cpu = any(rd.rows and _measured_on(rd.config) == "cpu" for rd in self.readers)
         note = [dict(text=CPU_CAVEAT, xref="paper", yref="paper", x=0, y=1.02, xanchor="left", yanchor="bottom",
                      showarrow=False, align="left", font=dict(size=10, color="#9a6700"))] if cpu else []
         if len(self.memory.layout.annotations) != len(note):  # above the plot, below the title: room made for it
             self.memory.layout.annotations, self.memory.layout.margin.t = note, 70 if cpu else 40
+            changed = True
+        return changed
+
+    def _show(self):
+        "Send each changed figure whole to its place on the page: a page that draws late, or again, still shows all of it."
+        for fig, view in zip(self._all_figures(), self.views):
+            output = figure_output(fig)
+            if view.outputs != (output,): view.outputs = (output,)
 
     def refresh(self) -> int:
         "Read new metrics lines and redraw; returns how many lines arrived."
-        arrived, labels = 0, self.labels()
-        figs = (self.loss, self.speed, self.memory, self.comm, self.step_time, self.mfu)
-        with figs[0].batch_update(), figs[1].batch_update(), figs[2].batch_update(), figs[3].batch_update(), \
-             figs[4].batch_update(), figs[5].batch_update():
-            for i, reader in enumerate(self.readers):
-                new = reader.read()
-                arrived += len(new)
-                state = (labels[i], reader.restarts, len(reader.rows))
-                if state != self._drawn[i]: self._draw(i, labels[i]); self._drawn[i] = state
-            self._annotate()
+        arrived, labels, changed = 0, self.labels(), False
+        for i, reader in enumerate(self.readers):
+            new = reader.read()
+            arrived += len(new)
+            state = (labels[i], reader.restarts, len(reader.rows))
+            if state != self._drawn[i]:
+                self._draw(i, labels[i])
+                self._drawn[i] = state
+                changed = True
+        annotated = self._annotate()
+        if changed or annotated: self._show()
         if any(f is self.step_time or f is self.mfu for f in self.figures()): self._cost.layout.display = None
         self.runs = [run_progress(l, rd.rows, t) for l, rd, t in zip(labels, self.readers, self.totals)]
         for bar, text, p, rd in zip(self.bars, self.texts, self.runs, self.readers):
