@@ -23,7 +23,6 @@ import hashlib
 import html
 import importlib
 import inspect
-import json
 import os
 import re
 import shutil
@@ -77,21 +76,11 @@ def runs(cell, flags: set[str]) -> bool:
 
 def cache_key(nb_path: Path, flags: set[str]) -> str:
     "Hash of everything an execution reads: the notebook, the library, the shipped data, the skipped flags, the executor."
-    executor = FIGURE_SNAPSHOT + inspect.getsource(execute) + inspect.getsource(kernel_config)  # how the kernel is run
+    executor = inspect.getsource(execute) + inspect.getsource(kernel_config)  # how the kernel is run
     h = hashlib.sha256(nb_path.read_bytes() + " ".join(sorted(flags)).encode() + executor.encode())
     for p in sorted([*(ROOT / "workbench").rglob("*.py"), *(ROOT / "data_samples").rglob("*")]):
         if p.is_file(): h.update(str(p.relative_to(ROOT)).encode() + p.read_bytes())
     return h.hexdigest()[:20]
-
-
-# Run after a notebook's last cell: every live plotly FigureWidget as it ends up (a dashboard fills its figures after
-# they are displayed, so the widget state stored at display time would show them empty).
-FIGURE_SNAPSHOT = """\
-import gc as _gc, json as _json, sys as _sys
-if "plotly" in _sys.modules:
-    from plotly.basewidget import BaseFigureWidget as _W
-    print(_json.dumps({w.model_id: _json.loads(w.to_json()) for w in _gc.get_objects() if issubclass(type(w), _W) and w.model_id}))
-"""
 
 
 def kernel_config():
@@ -119,12 +108,9 @@ def execute(nb_path: Path, flags: set[str], timeout: float | None = None) -> tup
            "PLOTLY_RENDERER": "plotly_mimetype",  # figures as JSON only: the page draws them with the site's plotly.js
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     start = time.monotonic()
-    nb.cells.append(nbformat.v4.new_code_cell(FIGURE_SNAPSHOT))
     client = NotebookClient(nb, timeout=timeout, kernel_name="python3", store_widget_state=True, config=kernel_config(),
                             resources={"metadata": {"path": str(nb_path.parent)}})
     client.execute(env=env)  # the kernel's environment (not a NotebookClient option: traitlets warns and prints it all)
-    snapshot = nb.cells.pop()
-    nb.metadata["docs_figures"] = json.loads("".join(o.get("text", "") for o in snapshot.outputs if o.get("name") == "stdout") or "{}")
     for cell in nb.cells:
         if "skip-execution" in cell.metadata.get("tags", []): cell.metadata.tags.remove("skip-execution")
     return nb, time.monotonic() - start
@@ -161,24 +147,24 @@ def figure_html(fig: dict) -> dict:
     return {"text/html": div}
 
 
-def widget_html(model_id: str, state: dict, figures: dict) -> str:
-    "A widget drawn without a kernel: its plotly figures as they ended, its HTML, the same for a box's children."
-    if model_id in figures: return figure_html(figures[model_id])["text/html"]
+def widget_html(model_id: str, state: dict) -> str:
+    "A widget drawn without a kernel, from its last state: its plotly figures, its HTML, the same for a box's children."
     model = state.get(model_id, {})
     if model.get("model_name") == "HTMLModel": return model["state"].get("value", "")
+    if "figure" in model.get("state", {}): return figure_html(model["state"]["figure"])["text/html"]  # a PlotView
     if model.get("model_name") == "OutputModel":  # a dashboard's figure: the outputs it last held
         outputs = model["state"].get("outputs", [])
         return "\n".join(figure_html(o["data"][PLOTLY_MIME])["text/html"] for o in outputs if PLOTLY_MIME in o.get("data", {}))
     children = [c.removeprefix("IPY_MODEL_") for c in model.get("state", {}).get("children", [])]
-    return "\n".join(h for h in (widget_html(c, state, figures) for c in children) if h)
+    return "\n".join(h for h in (widget_html(c, state) for c in children) if h)
 
 
-def page_output(out, state: dict, figures: dict):
+def page_output(out, state: dict):
     "One output as the page shows it: plotly JSON and widgets become figure divs; a widget without figures shows its text."
     data = out.get("data", {})
     if PLOTLY_MIME in data: out["data"] = figure_html(data[PLOTLY_MIME])
     elif WIDGET_MIME in data:
-        drawn = widget_html(data[WIDGET_MIME]["model_id"], state, figures)
+        drawn = widget_html(data[WIDGET_MIME]["model_id"], state)
         out["data"] = {"text/html": drawn} if drawn else {"text/plain": data.get("text/plain", "")}
     return out
 
@@ -212,7 +198,6 @@ def shown_code(source: str) -> str:
 def page(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
     "The executed notebook as a page: hidden cells dropped, directives stripped, figures drawable, links to pages."
     state = nb.metadata.pop("widgets", {}).get(WIDGET_STATE, {}).get("state", {})  # no CDN widget manager on the page
-    figures = nb.metadata.pop("docs_figures", {})
     cells = []
     for cell in nb.cells:
         if cell.cell_type == "markdown": cell.source = link_pages(cell.source)
@@ -221,7 +206,7 @@ def page(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
         if HIDE_CELLS & d.keys(): continue
         cell.source = shown_code(DIRECTIVE_LINES.sub("", cell.source))
         if d.get("output:", [""])[0].lower() == "false": cell.outputs = []
-        cell.outputs = [page_output(o, state, figures) for o in cell.outputs]
+        cell.outputs = [page_output(o, state) for o in cell.outputs]
         if d.get("echo:", [""])[0].lower() == "false" or not cell.source.strip():
             cell.metadata.setdefault("tags", []).append("hide-input")
         if not cell.source.strip() and not cell.outputs: continue  # a `default_exp` cell is only its directive

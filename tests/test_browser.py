@@ -28,8 +28,8 @@ NOTEBOOK = ROOT / "nbs" / "tutorials" / "explore_masks.ipynb"
 
 FIGURE = """() => {
     const gd = document.querySelector('.wb-mask .js-plotly-plot');
-    if (!gd || !gd.data || !gd._fullLayout) return null;
-    const h = gd.data[0], rows = a => Array.from(a || [], r => Array.from(r));
+    if (!gd || !gd._fullData || !gd._fullLayout) return null;
+    const h = gd._fullData[0], rows = a => Array.from(a || [], r => Array.from(r));  // as drawn: typed arrays decoded
     return {z: JSON.stringify(rows(h.z)), x: Array.from(h.x), y: Array.from(h.y), text: rows(h.text),
             xrange: gd._fullLayout.xaxis.range, yrange: gd._fullLayout.yaxis.range,
             xticks: Array.from(document.querySelectorAll('.wb-mask .xtick text'), t => t.textContent),

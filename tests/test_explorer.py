@@ -119,19 +119,20 @@ def test_view_edges_never_exceed_max_cells():
 
 
 def test_zoom_through_plotly_relayout_reaches_single_tokens(dataset):
-    "The browser's box zoom arrives as relayout data; past the edge it is clamped; single tokens carry their text."
+    "The page's box zoom arrives as relayout event data; past the edge it is clamped; single tokens carry their text."
     ex = MaskExplorer(data=dataset, tokenizer=TOK, use_cache=True, max_cells=32)
     T = ex.report.examples.shape[1]
     fig = ex.mask_fig
     assert np.asarray(fig.data[0].z).shape[0] <= 32
-    fig.plotly_relayout({"xaxis.range[0]": -40.0, "xaxis.range[1]": 12.3, "yaxis.range[0]": 15.2, "yaxis.range[1]": -9.0})
+    ex.mask_view.relayout = {"xaxis.range[0]": -40.0, "xaxis.range[1]": 12.3, "yaxis.range[0]": 15.2, "yaxis.range[1]": -9.0}
     assert fig.layout.yaxis.range == (16, 0) and fig.layout.xaxis.range == (0, 13)
     assert np.asarray(fig.data[0].z).shape == (16, 13)
     ids = dataset[0]["input_ids"]
     assert list(fig.layout.xaxis.ticktext[:len(ids)]) == readable_tokens(ids, TOK)
     assert all("Ġ" not in t and "Ċ" not in t for t in fig.layout.xaxis.ticktext)
     assert fig.data[0].text[len(ids)][0].endswith("leak")  # example 1's first token reads example 0 (cache trap)
-    fig.plotly_relayout({"xaxis.autorange": True, "yaxis.autorange": True})  # double-click: back to the whole row
+    assert ex.mask_view.figure["layout"]["xaxis"]["range"] == [0, 13]  # what the page draws follows
+    ex.mask_view.relayout = {"xaxis.autorange": True, "yaxis.autorange": True}  # double-click: back to the whole row
     assert fig.layout.yaxis.range == (T, 0) and len(fig.layout.xaxis.ticktext) == T  # 17 tokens: all named
 
 

@@ -21,6 +21,7 @@ from .masks import (IMPLEMENTATIONS, SDPA_LIKE, MaskReport, eager_attentions, at
                              mask_report)
 from .packing import (LOSS_MASKS, FlatteningCollator, NaiveConcatCollator, PackingReport, PaddingCollator, TokenBudgetSampler,
                                flatten_features, lengths_of, plan_bins)
+from .plot_view import PlotView, axis_range
 
 # %% auto #0
 __all__ = ['TEMPLATE', 'STRATEGIES', 'EXAMPLE_COLORS', 'PAD', 'UNUSED', 'PAD_COLOR', 'CATEGORIES', 'CATEGORY_COLORS',
@@ -569,21 +570,21 @@ class MaskExplorer:
         heat, lines, title, axes = self._traces()
         layout = mask_layout(title, size=520)
         for k, ax in axes.items(): layout[k] = {**layout[k], **ax}
-        self.mask_fig = go.FigureWidget([go.Heatmap(**heat), go.Scatter(**lines, **OUTLINE)], layout=layout)
-        self.layout_fig = go.FigureWidget([_bar(self.report.examples)], layout=dict(
+        self.mask_fig = go.Figure([go.Heatmap(**heat), go.Scatter(**lines, **OUTLINE)], layout=layout)
+        self.layout_fig = go.Figure([_bar(self.report.examples)], layout=dict(
             title=dict(text=self._layout_title(), font=dict(size=13)), template=TEMPLATE, height=300, width=460,
             bargap=0, barmode="overlay", margin=dict(t=60, l=50, r=20, b=40),
             xaxis=dict(title="token position"), yaxis=dict(title="row", autorange="reversed")))
+        self.mask_view, self.layout_view = PlotView(self.mask_fig), PlotView(self.layout_fig)
         self._render_stats()
         box = lambda w, cls, width: W.Box([w], layout=W.Layout(min_width=width)).add_class(cls)
         self.widget = W.VBox([W.HBox([W.VBox([c["sample"], c["strategy"], c["size"], c["step"], c["row"]]),
                                       W.VBox([c["family"], c["attn_implementation"], c["use_cache"], c["ones_mask"]])]),
-                              W.HBox([box(self.mask_fig, "wb-mask", f"{self.mask_fig.layout.width}px"),
-                                      W.VBox([box(self.layout_fig, "wb-layout", f"{self.layout_fig.layout.width}px"), self.stats])])
+                              W.HBox([box(self.mask_view, "wb-mask", f"{self.mask_fig.layout.width}px"),
+                                      W.VBox([box(self.layout_view, "wb-layout", f"{self.layout_fig.layout.width}px"), self.stats])])
                               ]).add_class("wb-explorer")
         for w in c.values(): w.observe(self._changed, names="value")
-        self.mask_fig.layout.on_change(self._relayout, "xaxis.range", "yaxis.range")  # zooms and pans in the browser
-        self.mask_fig.layout.on_change(self._autorange, "xaxis.autorange", "yaxis.autorange")  # "reset axes"
+        self.mask_view.observe(self._relayout, names="relayout")  # zooms, pans and double-clicks in the page
 
     @staticmethod
     def _size_label(strategy): return "token budget" if strategy == "token-budget packing" else "batch size"
@@ -667,14 +668,11 @@ class MaskExplorer:
 
     def _draw_mask(self):
         heat, lines, title, axes = self._traces()
-        self._quiet = True  # the ranges set here must not come back as a zoom
-        try:
-            with self.mask_fig.batch_update():
-                self.mask_fig.data[0].update(heat)
-                self.mask_fig.data[1].update(lines)
-                self.mask_fig.layout.title.text = title
-                self.mask_fig.layout.update(axes)
-        finally: self._quiet = False
+        self.mask_fig.data[0].update(heat)
+        self.mask_fig.data[1].update(lines)
+        self.mask_fig.layout.title.text = title
+        self.mask_fig.layout.update(axes)
+        self.mask_view.show(self.mask_fig)
 
     def zoom(self, keys=None,     # key (x) axis range in tokens, None for the whole row
              queries=None,        # query (y) axis range, None for the whole row
@@ -689,19 +687,23 @@ class MaskExplorer:
         self.compute_ms = 1000 * (time.perf_counter() - t0)
         self._render_stats()
 
-    def _relayout(self, layout, x_range, y_range):
-        if not self._quiet: self.zoom(x_range, y_range)
-
-    def _autorange(self, layout, x_auto, y_auto):
-        if not self._quiet and (x_auto is True or y_auto is True): self.zoom()
+    def _relayout(self, change):
+        "A zoom or pan in the page shows those ranges (clamped into the row); a double-click, the whole row."
+        event = change["new"]
+        if event.get("xaxis.autorange") or event.get("yaxis.autorange"): return self.zoom()
+        T = self.report.examples.shape[1]
+        q0, q1, k0, k1 = self._view or (0, T, 0, T)
+        keys = axis_range(event, "xaxis") or (k0, k1)  # an axis the event leaves out keeps its range
+        queries = axis_range(event, "yaxis") or (q0, q1)
+        self.zoom(keys, queries)
 
     def redraw(self):
         "Recompute the batch and its mask and update both figures and the stats in place (the whole row is shown)."
         self._compute()
         self._draw_mask()
-        with self.layout_fig.batch_update():
-            self.layout_fig.data[0].update(layout_bars(self.report.examples))
-            self.layout_fig.layout.title.text = self._layout_title()
+        self.layout_fig.data[0].update(layout_bars(self.report.examples))
+        self.layout_fig.layout.title.text = self._layout_title()
+        self.layout_view.show(self.layout_fig)
         self._render_stats()
 
     def _changed(self, change):
