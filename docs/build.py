@@ -316,14 +316,27 @@ def write_sources(pages: dict[Path, nbformat.NotebookNode]):
     rel = lambda p: str(p.relative_to(ROOT))
     cfg.update(docs_dir=str(src), site_dir=str(SITE), nav=[
         {"Home": "index.md"},
-        {"Tutorials": [{title(p): rel(p)} for p in sorted((p for p in pages if p.parent != NBS), key=reading_order)]},
-        {"Modules": [{title(p): rel(p)} for p in pages if p.parent == NBS]},
+        {"Tutorials": [{title(p): rel(p)} for p in sorted((p for p in pages if p.parent.name == "tutorials"), key=reading_order)]},
+        *chapters(p for p in pages if p.parent.name != "tutorials"),
         {"API reference": [{m: f"api/{m}.md"} for m in mods]},
         {"Notes": [{"Benchmarks": "BENCHMARKS.md"}, *({title_md(p): rel(p)} for p in sorted((ROOT / "docs").glob("*.md"), key=notes_order))]},
     ])
     cfg["theme"]["custom_dir"] = str(ROOT / cfg["theme"]["custom_dir"])  # paths of mkdocs.yml are relative to the repo
     cfg["hooks"] = [str(ROOT / h) for h in cfg.get("hooks", [])]
     (BUILD / "mkdocs.yml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+
+
+def chapter_title(folder: Path) -> str:
+    "A chapter's nav title from its folder: `02_sequence_parallel` -> `2. Sequence parallel`."
+    number, name = folder.name.split("_", 1)
+    return f"{int(number)}. {name.replace('_', ' ').capitalize()}"
+
+
+def chapters(module_pages) -> list[dict]:
+    "The module notebooks as nav sections, one per chapter folder of nbs/, each in its notebooks' reading order."
+    by_folder = {}
+    for p in sorted(module_pages): by_folder.setdefault(p.parent, []).append(p)
+    return [{chapter_title(folder): [{title(p): str(p.relative_to(ROOT))} for p in nbs]} for folder, nbs in by_folder.items()]
 
 
 TUTORIALS = ["pack_a_dataset", "explore_masks", "doctor_your_model", "launch_sp", "your_own_trainer"]  # reading order
