@@ -36,7 +36,7 @@ from .launch import launch
 from .memory import Levers, estimate
 from .packing import FlatteningCollator, TokenBudgetSampler, plan_bins
 from .tiling import checkpoint_layers, lean_kernels, tile_mlp
-from .shard import full_state, is_sharded, load_full_state, reduce_gradients, shard_model
+from .fsdp import full_state, is_sharded, load_full_state, reduce_gradients, shard_model
 from .sp.balance import ring_batch
 from .sp.grid import check_layout, check_sp, ParallelGrid
 from .sp.loss import global_loss

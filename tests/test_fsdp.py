@@ -1,4 +1,4 @@
-"""Distributed proofs of `workbench.shard`: FSDP2 (ZeRO-3) over the whole DP × SP world trains exactly like one process.
+"""Distributed proofs of `workbench.fsdp`: FSDP2 (ZeRO-3) over the whole DP × SP world trains exactly like one process.
 
 Every launch forks CPU processes joined by gloo from this interpreter. Equality is asserted on a real tiny Llama:
 per-step losses and first-step gradients within 1e-5 relative in fp32; losses, gradients and the final parameters after
@@ -13,8 +13,9 @@ import torch.distributed as dist
 
 from workbench.core import tiny_model
 from workbench.launch import launch
-from workbench.shard import (full_parameters, full_state, is_sharded, load_full_state, prove_sharding, reduce_gradients,
-                             shard_mesh, shard_model, shard_units, training_rows)
+from workbench.fsdp import (full_parameters, full_state, is_sharded, load_full_state, reduce_gradients, shard_mesh, shard_model,
+                            shard_units)
+from workbench.fsdp_proofs import prove_sharding, training_rows
 from workbench.sp.grid import ParallelGrid
 from workbench.sp.ulysses import register_ulysses, sp_forward
 from workbench.sp.shard import shard_batch
