@@ -106,7 +106,8 @@ def test_bad_groupings_are_refused_with_the_fix(lengths):
 
 def test_bad_balance_values_and_unmodelled_models_are_refused(tmp_path):
     from workbench.core import tiny_config
-    from workbench.train import TrainConfig, cost_modelled, preflight_run
+    from workbench.config import TrainConfig
+    from workbench.train import cost_modelled, preflight_run
     with pytest.raises(ValueError, match="balance .--balance. 'flops' is not one of"): TrainConfig(balance="flops")
     cli = subprocess.run([sys.executable, "-m", "workbench.train", "--balance", "flops", "--out", str(tmp_path / "cli")],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -118,7 +119,9 @@ def test_bad_balance_values_and_unmodelled_models_are_refused(tmp_path):
 
 def test_a_cost_balanced_dp_run_trains_the_planned_groups_and_refuses_the_other_balance_on_resume(tmp_path):
     from workbench.core import load_tokenizer
-    from workbench.train import TrainConfig, load_features, model_config, plan_run, run
+    from workbench.config import model_config, TrainConfig
+    from workbench.data import load_features
+    from workbench.train import plan_run, run
     cfg = TrainConfig(dp=2, grad_accum=2, steps=2, max_tokens=1024, attn="workbench_varlen", balance="cost", seed=1,
                       out=str(tmp_path / "run"), timeout_s=60)
     run(cfg)

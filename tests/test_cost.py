@@ -264,7 +264,9 @@ def test_plan_layout_bad_inputs():
 
 def test_run_records_prediction(tmp_path):
     "A real run: config.json['predicted'] as the dashboard contract says, every row with step_s and mfu, calibration from it."
-    from workbench.train import TrainConfig, read_metrics, run
+    from workbench.config import TrainConfig
+    from workbench.tracking import read_metrics
+    from workbench.train import run
     out = tmp_path / "run"
     run(TrainConfig(steps=6, max_tokens=256, out=str(out)))
     predicted = json.loads((out / "config.json").read_text())["predicted"]
@@ -285,7 +287,7 @@ def test_run_records_prediction(tmp_path):
 def test_unmodelled_runs_get_no_prediction():
     "LoRA (no weight gradients for frozen weights) and mixtures of experts: no prediction, so no MFU is claimed."
     from workbench.cost import run_prediction
-    from workbench.train import TrainConfig
+    from workbench.config import TrainConfig
     plan = plan_bins(synthetic_lengths("flan", 32), 2048)
     assert run_prediction(TrainConfig(), tiny_config("llama"), plan) is not None
     assert run_prediction(TrainConfig(model="mixtral"), tiny_config("mixtral"), plan) is None

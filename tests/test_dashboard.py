@@ -151,7 +151,8 @@ def test_names_and_labels(tmp_path):
 
 def test_real_runs_in_a_reused_directory(tmp_path):
     "A real run, then a resumed one in the same directory while watched: train rewrites metrics.jsonl, the dashboard follows."
-    from workbench.train import TrainConfig, run
+    from workbench.config import TrainConfig
+    from workbench.train import run
     cfg = TrainConfig(steps=2, max_tokens=256, out=str(tmp_path / "latest"), name="reused")
     first = run(cfg)
     dash = Dashboard(cfg, total_steps=4).watch(0.02)

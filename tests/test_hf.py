@@ -15,7 +15,7 @@ from workbench.hf import (LabelGuard, PackedSFTTrainer, PackedTrainer, check_tra
                           split_packed)
 from workbench.launch import launch
 from workbench.packing import FlatteningCollator, PaddingCollator, plan_bins
-from workbench.train import load_features
+from workbench.data import load_features
 
 N, STEPS = 32, 2
 

@@ -155,7 +155,9 @@ def test_lora_under_sp2_equals_one_process():
 
 def test_train_lora_sp2_sharded_equals_one_process_and_saves_a_peft_adapter(tmp_path):
     from transformers import AutoModelForCausalLM
-    from workbench.train import ADAPTER_DIR, MODEL_DIR, TrainConfig, build_model, latest_checkpoint, run, train_rank
+    from workbench.checkpoint import ADAPTER_DIR, latest_checkpoint, MODEL_DIR
+    from workbench.config import TrainConfig
+    from workbench.train import build_model, run, train_rank
     cfg = TrainConfig(steps=3, max_tokens=256, lora_r=4, lr=1e-2, save_every=3)
     with pytest.raises(ValueError, match=r"lora_r \(--lora-r\) must be an integer >= 0"): TrainConfig(lora_r=-1)
     one = train_rank(TrainConfig(**{**cfg.__dict__, "out": str(tmp_path / "one")}))

@@ -234,7 +234,8 @@ def _torchrun_nodes(port: int, args: list, timeout: float = 240) -> list[str]:
 
 def test_train_ring_from_the_notebook_launcher_torchrun_nodes_and_accelerate_equals_one_process(tmp_path, capsys):
     "workbench.train --ring: run() (forked ranks), two torchrun 'nodes' (Ulysses pairs {0,1}, {2,3}; rings {0,2}, {1,3}) and accelerate launch."
-    from workbench.train import TrainConfig, _config, _parser, run
+    from workbench.config import _config, _parser, TrainConfig
+    from workbench.train import run
     common = dict(model="qwen2", data="orca_like", steps=2, max_tokens=512)
     one = run(TrainConfig(**common, out=str(tmp_path / "one")))
     hybrid = run(TrainConfig(**common, sp=2, ring=2, out=str(tmp_path / "hybrid")))
@@ -289,7 +290,8 @@ def test_launch_preflight_accepts_the_hybrid_split_and_names_bad_ones():
 
 def test_cost_balanced_steps_with_a_ring_train_as_without_it(tmp_path):
     "--balance cost --ring 2 --dp 2: the same cost-balanced grouping as --dp 2 alone, so the same per-step losses."
-    from workbench.train import TrainConfig, run
+    from workbench.config import TrainConfig
+    from workbench.train import run
     common = dict(model="qwen2", data="orca_like", dp=2, balance="cost", steps=3, max_tokens=256)
     ring = run(TrainConfig(**common, ring=2, out=str(tmp_path / "ring")))
     plain = run(TrainConfig(**common, out=str(tmp_path / "plain")))

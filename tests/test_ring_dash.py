@@ -19,7 +19,9 @@ from workbench.cost import plan_balanced, run_options
 from workbench.dashboard import COMM_TITLE, METRIC_KEYS, Dashboard
 from workbench.launch import launch
 from workbench.sp.proofs import CountComm
-from workbench.train import TrainConfig, balance_readout, model_config, plan_run, train_rank
+from workbench.config import model_config, TrainConfig
+from workbench.readouts import balance_readout
+from workbench.train import plan_run, train_rank
 
 COMMON = dict(model="qwen2", data="orca_like", steps=2, max_tokens=256, timeout_s=60)  # qwen2: 4 heads, 2 kv heads
 RUNS = {"hybrid": dict(sp=2, ring=2, grad_accum=2),                            # both groups; two rows per step
@@ -99,7 +101,7 @@ def test_dashboard_draws_the_all_to_all_and_the_ring_apart_and_old_rows_without_
 def test_tokens_balance_never_deals_the_cost_grouping_and_reads_the_same_imbalance(monkeypatch):
     import workbench.train as train
     from workbench.core import load_tokenizer
-    from workbench.train import load_features
+    from workbench.data import load_features
     lengths = [len(f["input_ids"]) for f in load_features("flan_like", load_tokenizer())]
     for dp, accum in ((1, 1), (2, 1), (3, 2)):
         cfg = TrainConfig(dp=dp, grad_accum=accum, max_tokens=1024)

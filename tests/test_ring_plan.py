@@ -192,7 +192,10 @@ def test_plan_layout_ring_never_refused(split, gpus, memory):
 def test_ring_run_has_readout_and_prediction(tmp_path, capfd):
     "Ulysses 2 x ring 2 on 4 processes: the planner's readout line, a step prediction, config.json's 'predicted', MFU rows."
     sp, ring = 2, 2
-    from workbench.train import TrainConfig, memory_readout, read_metrics, run
+    from workbench.config import TrainConfig
+    from workbench.readouts import memory_readout
+    from workbench.tracking import read_metrics
+    from workbench.train import run
     cfg = TrainConfig(model="qwen2", sp=sp, ring=ring, steps=2, max_tokens=256, dtype="bfloat16", out=str(tmp_path / "run"))
     run(cfg)
     out = capfd.readouterr().out

@@ -13,7 +13,10 @@ from accelerate.tracking import LOGGER_TYPE_TO_CLASS, GeneralTracker, TensorBoar
 from accelerate.utils import LoggerType
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from workbench.train import CHECKPOINTS, PROJECT, TrainConfig, _config, _parser, main, read_metrics, run, train_rank
+from workbench.checkpoint import CHECKPOINTS
+from workbench.config import _config, _parser, TrainConfig
+from workbench.tracking import PROJECT, read_metrics
+from workbench.train import main, run, train_rank
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = dict(max_tokens=256)

@@ -68,7 +68,7 @@ def assert_loads_as_trained(out: Path, config, fresh: Path | None = None) -> dic
     import torch
     from transformers import AutoModelForCausalLM
     from workbench.core import load_tokenizer
-    from workbench.train import MODEL_DIR, latest_checkpoint
+    from workbench.checkpoint import latest_checkpoint, MODEL_DIR
     where, manifest = latest_checkpoint(out)
     model_dir = where / MODEL_DIR
     assert {f"{MODEL_DIR}/{n}" for n in ("config.json", "model.safetensors", "tokenizer.json")} <= set(manifest["files"])
@@ -103,7 +103,9 @@ def test_sp2_sharded_checkpoint_loads_with_from_pretrained_in_a_fresh_process(cl
 def test_tied_embeddings_from_a_config_directory_save_one_head(tmp_path):
     from safetensors import safe_open
     from workbench.core import load_tokenizer, tiny_config
-    from workbench.train import MODEL_DIR, TrainConfig, latest_checkpoint, train_rank
+    from workbench.checkpoint import latest_checkpoint, MODEL_DIR
+    from workbench.config import TrainConfig
+    from workbench.train import train_rank
     config = tiny_config("llama", tie_word_embeddings=True)
     config.save_pretrained(tmp_path / "tied")  # a model directory with a config (trained from scratch) and a tokenizer
     load_tokenizer().save_pretrained(tmp_path / "tied")
@@ -116,7 +118,10 @@ def test_tied_embeddings_from_a_config_directory_save_one_head(tmp_path):
 def test_the_run_plans_its_features_so_every_step_trains():
     "plan_run gets the features: at 256 tokens on FLAN-like no bin trains nothing, with either balance, and the readout counts what was left out."
     from dataclasses import replace
-    from workbench.train import TrainConfig, load_features, model_config, plan_readout, plan_run
+    from workbench.config import model_config, TrainConfig
+    from workbench.data import load_features
+    from workbench.readouts import plan_readout
+    from workbench.train import plan_run
     cfg = TrainConfig(max_tokens=256, dp=2, grad_accum=2)
     feats = load_features(cfg.data)
     for balance in ("tokens", "cost"):

@@ -22,6 +22,7 @@ TIMEOUT = 120
 FAULTS = r'''
 import io, os, pathlib, signal, sys
 import torch
+import workbench.checkpoint as C
 import workbench.train as T
 calls = [0]
 def due():
@@ -35,11 +36,11 @@ if point == "in torch.save":                       # half of state.pt written, t
         buf = io.BytesIO(); real_save(obj, buf); f.write(buf.getvalue()[: len(buf.getvalue()) // 2]); f.flush(); die()
     torch.save = save
 elif point == "before the manifest":                 # state.pt complete, manifest not yet written
-    real_write = T._write_synced
+    real_write = C._write_synced
     def write(path, fn):
         if path.name == "manifest.json" and due(): die()
         return real_write(path, fn)
-    T._write_synced = write
+    C._write_synced = write
 elif point == "before the rename":                   # the whole checkpoint flushed in its temporary directory
     real_rename = pathlib.Path.rename
     def rename(self, target):
@@ -47,19 +48,19 @@ elif point == "before the rename":                   # the whole checkpoint flus
         return real_rename(self, target)
     pathlib.Path.rename = rename
 elif point == "while pruning":                       # the new checkpoint in place, an old one half deleted
-    real_rmtree = T.shutil.rmtree
+    real_rmtree = C.shutil.rmtree
     def rmtree(path, *a, **kw):
         if pathlib.Path(path).name.startswith("step-") and due():
             next(f for f in sorted(pathlib.Path(path).rglob("*")) if f.is_file()).unlink(); die()
         return real_rmtree(path, *a, **kw)
-    T.shutil.rmtree = rmtree
+    C.shutil.rmtree = rmtree
 elif point == "in save_pretrained":                  # state.pt complete, half of model/model.safetensors written
-    real_model = T.save_model_dir
+    real_model = C.save_model_dir
     def save_model(model, weights, where, tokenizer=None):
         path = real_model(model, weights, where, tokenizer)
         if not due(): return path
         f = path / "model.safetensors"; f.write_bytes(f.read_bytes()[: f.stat().st_size // 2]); die()
-    T.save_model_dir = save_model
+    C.save_model_dir = save_model
 elif point == "slow save":                           # every save takes `k` seconds (not a kill: a slow disk)
     import time
     real_save = torch.save
@@ -209,7 +210,7 @@ def reference(tmp_path_factory):
 
 def _left(out: Path) -> int:
     "Steps still to train: after the newest complete checkpoint."
-    from workbench.train import latest_checkpoint
+    from workbench.checkpoint import latest_checkpoint
     found = latest_checkpoint(out, say=lambda _: None)
     return STEPS - (found[1]["step"] if found else 0)
 
@@ -245,7 +246,7 @@ def test_kill_9_at_seeded_points_then_resume_equals_uninterrupted(tmp_path, refe
     r = _cli(*ARGS, "--out", str(out), "--resume")
     assert r.returncode == 0, (report, r.stderr[-3000:])
     worst = _check_against(out, reference)
-    from workbench.train import checkpoints
+    from workbench.checkpoint import checkpoints
     complete = [d.name for d, m in checkpoints(out) if m is not None]
     assert complete == [f"step-{STEPS - 1:06d}", f"step-{STEPS:06d}"], complete  # --keep 2 (a half-pruned one is ignored)
     assert not list((out / "checkpoints").glob(".tmp-*"))
@@ -334,7 +335,7 @@ def test_a_save_slower_than_the_collective_timeout_does_not_kill_the_run(tmp_pat
                         "orca_like", "--nproc", "2", "--sp", "2", "--timeout-s", "3", "--out", str(out)],
                        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
     assert r.returncode == 0, r.stderr[-3000:]
-    from workbench.train import checkpoints
+    from workbench.checkpoint import checkpoints
     assert [(d.name, m is not None) for d, m in checkpoints(out)] == [("step-000002", True)]  # only the last: no --save-every
 
 
@@ -358,7 +359,7 @@ def test_kill_inside_save_pretrained_leaves_the_previous_model_loadable(tmp_path
     "kill -9 with half of step 3's model.safetensors written: step 2 stays the newest complete checkpoint, its model loads; resume finishes."
     import torch
     from transformers import AutoModelForCausalLM
-    from workbench.train import MODEL_DIR, latest_checkpoint
+    from workbench.checkpoint import latest_checkpoint, MODEL_DIR
     out = tmp_path / "run"
     assert _killed_run(tmp_path, out, "in save_pretrained", 3, resume=False) == -signal.SIGKILL
     assert sorted(d.name for d in (out / "checkpoints").iterdir()) == [".tmp-step-000003", "step-000001", "step-000002"]

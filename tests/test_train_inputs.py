@@ -80,7 +80,7 @@ def test_gemma2_trains_with_the_attention_its_refusals_name(tmp_path, tiny_data)
 def test_a_chat_file_trains_only_its_assistant_turns(tmp_path):
     "--data chat.jsonl: messages rendered with the shipped chat template; the step's trained tokens are the assistant turns'."
     from workbench.core import load_tokenizer
-    from workbench.train import read_metrics
+    from workbench.tracking import read_metrics
     turn = lambda role, content: {"role": role, "content": content}
     convs = [[turn("system", "Be brief."), turn("user", "What is 2 + 2?"), turn("assistant", "4.")],
              [turn("user", "Name a colour."), turn("assistant", "Blue."), turn("user", "Another?"), turn("assistant", "Red.")]]
@@ -95,7 +95,7 @@ def test_a_chat_file_trains_only_its_assistant_turns(tmp_path):
 
 def test_load_features_names_the_row_in_every_json_shape(tmp_path):
     "A JSON array, blank lines, an empty CSV cell, booleans for ids: each read or named by its row or line."
-    from workbench.train import load_features
+    from workbench.data import load_features
     cases = {"arr.json": (json.dumps([{"text": "a"}, 5]), "arr.json row 2: a JSON object is needed, got int"),
              "broken.json": ('[{"text": "a"},\n {"text": "b"\n]', "broken.json line 3: not valid JSON"),
              "gaps.jsonl": ('{"text": "a"}\n\n{"text": 1}\n', "gaps.jsonl row 2: text must be strings"),
@@ -125,7 +125,10 @@ def test_a_model_directory_trains_with_its_own_tokenizer_and_saves_it(tmp_path):
     "--model DIR: DIR's tokenizer (a vocabulary unlike the shipped one) tokenizes the data and is the checkpoint's; a DIR without one is refused."
     from transformers import AutoTokenizer
     from workbench.core import load_records, load_tokenizer, tiny_config, tokenize_records
-    from workbench.train import MODEL_DIR, _config, _parser, latest_checkpoint, read_metrics, run_features
+    from workbench.checkpoint import latest_checkpoint, MODEL_DIR
+    from workbench.config import _config, _parser
+    from workbench.data import run_features
+    from workbench.tracking import read_metrics
     rows = load_records("flan_like")[:4]
     data = tmp_path / "pc.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -27,7 +27,8 @@ from .dashboard import Dashboard
 from .doctor import check_packing
 from .packing import FlatteningCollator, packing_report
 from .cost import check_run
-from .train import TrainConfig, run
+from .config import TrainConfig
+from .train import run
 from .viz import mask_figures, plot_lengths, plot_step_tokens
 
 # %% auto #0

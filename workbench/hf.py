@@ -17,7 +17,7 @@ from .cost import attention_work, plan_balanced
 from .doctor import Finding, DoctorReport, check_packing, unwrap
 from .memory import Levers
 from .packing import LOSS_MASKS, FlatteningCollator, OVERLONG, PackedStream, TokenBudgetSampler, UNTRAINED, plan_bins
-from .train import _KINDS, _kind, tokenize_rows
+from .data import _kind, _KINDS, tokenize_rows
 from transformers import Trainer
 from trl import SFTTrainer
 
