@@ -8,7 +8,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -37,8 +37,9 @@ from .sp.ulysses import register_ulysses, sp_forward
 
 # %% auto #0
 __all__ = ['add_lora', 'run_dtype', 'build_model', 'attention_key', 'cost_modelled', 'token_imbalance', 'plan_run',
-           'check_trained', 'step_bytes', 'step_shards', 'forward_backward', 'step_totals', 'optimizer_step',
-           'shard_tokens', 'row_tokens', 'step_metrics', 'train_rank', 'preflight_run', 'run', 'main']
+           'check_trained', 'step_bytes', 'RankRun', 'check_world', 'rank_model', 'setup_rank', 'write_run_config',
+           'next_step_bins', 'checkpoint_due', 'step_shards', 'forward_backward', 'step_totals', 'optimizer_step',
+           'shard_tokens', 'row_tokens', 'step_metrics', 'train_step', 'train_rank', 'preflight_run', 'run', 'main']
 
 # %% ../nbs/03_runtime/07_train.ipynb #b48e5e3a
 def add_lora(model, r: int):
@@ -126,6 +127,86 @@ def step_bytes(config,            # the model config
     sent = [comm_bytes(config, n, cfg.sp, cfg.ring, cfg.checkpointing, dtype_bytes) for n in rows]
     return dict(a2a_bytes=sum(b["all_to_all"] for b in sent), ring_bytes=sum(b["ring"] for b in sent))
 
+# %% ../nbs/03_runtime/07_train.ipynb #3809c823
+@dataclass
+class RankRun:
+    "What one process holds while it trains: the run, its place in the grid, the model and optimizer, the plan and its packing."
+    cfg: TrainConfig
+    device: torch.device
+    grid: ParallelGrid
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    plan: object                 # the run's packing plan (`plan_run`)
+    sampler: object              # this replica's bins, step by step (its position is checkpointed)
+    imbalance: dict | None       # the predicted max/mean rank cost of the groupings computed (`plan_run`)
+    predicted: object            # the step-time prediction (None: a run the cost model does not model)
+    pieces: object               # the plan's pieces (`plan.dataset(features)`)
+    collate: FlatteningCollator  # packs a bin's pieces into one row
+    tokenizer: object            # saved beside the model in every checkpoint (None: token-id data)
+    save_group: object           # the gloo group checkpoint saves wait on, outside the collective timeout
+
+def check_world(cfg: TrainConfig) -> int:
+    "The number of processes running, or an error when it is not the `sp x ring x dp` the config asks for."
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world != cfg.world:
+        raise ValueError(f"the config asks for sp x ring x dp = {cfg.sp} x {cfg.ring} x {cfg.dp} = {cfg.world} processes "
+                         f"but {world} are running: launch {cfg.world} processes or change sp/ring/dp")
+    return world
+
+def rank_model(cfg: TrainConfig, grid, device: torch.device, world: int):
+    "The model this process trains: built, its layout checked against its heads, sharded when `cfg.shard` says so."
+    model = build_model(cfg, attention_key(cfg), device)
+    if cfg.ring > 1: check_layout(model.config, cfg.sp, cfg.ring, world_size=world)
+    else: check_sp(model.config, cfg.sp, world_size=world)
+    if cfg.shard: model = shard_model(model, grid, cpu_offload=cfg.cpu_offload)  # before the optimizer sees the parameters
+    return model
+
+def setup_rank(cfg: TrainConfig,
+               prepared: tuple | None = None,  # `(features, tokenizer)` as `preflight_run` returned them (None: read the data here)
+              ) -> RankRun:
+    "Everything this process needs before its first step; rank 0 prints the plan, the balance and the step prediction."
+    world = check_world(cfg)
+    check_out(cfg)
+    device = _device()
+    grid = ParallelGrid.build(cfg.sp, cfg.ring, device.type)
+    save_group = dist.new_group(backend="gloo", timeout=SAVE_WAIT) if dist.is_initialized() else None
+    watch_memory(device)
+    model = rank_model(cfg, grid, device, world)
+    if prepared is None:  # else `preflight_run` read and checked them once for every rank
+        prepared = run_features(cfg)  # the model directory's tokenizer (or --tokenizer)
+        check_token_ids(prepared[0], model.config.vocab_size, cfg.data)
+    features, tokenizer = prepared
+    plan, sampler, imbalance = plan_run(cfg, model.config, features, grid.rank("dp"))  # pieces that train nothing are left out
+    predicted = run_prediction(cfg, model.config, plan, sampler=sampler)  # workbench.cost's roofline (None: not modelled)
+    if process_rank() == 0:
+        print(plan_readout(plan))
+        print(balance_readout(cfg, imbalance))
+        print(predicted or "no step prediction: workbench.cost models neither LoRA nor this architecture's layers")
+    pieces = plan.dataset(features)
+    collate = FlatteningCollator(pad_to_multiple_of=cfg.sp, train_all_tokens=True)  # load_features decided the masks
+    trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
+    opt = torch.optim.AdamW(trainable, lr=cfg.lr)
+    return RankRun(cfg, device, grid, model, opt, plan, sampler, imbalance, predicted, pieces, collate, tokenizer, save_group)
+
+def write_run_config(out: Path, rank_run: RankRun):
+    "Rank 0's `config.json`: the config, the plan, the planner's peak, and the predicted imbalance and step time."
+    record = {**asdict(rank_run.cfg), "plan": repr(rank_run.plan),
+              "expected_peak_bytes": memory_readout(rank_run.cfg, rank_run.model.dtype)[0]}
+    if rank_run.imbalance: record["imbalance"] = rank_run.imbalance
+    if rank_run.predicted: record["predicted"] = rank_run.predicted.as_dict()
+    replace_file(out / "config.json", json.dumps(record, indent=1))
+
+def next_step_bins(bin_stream, grad_accum: int) -> list:
+    "The next optimizer step's plan bins: one per micro-step."
+    bins = []
+    for _ in range(grad_accum): bins.append(next(bin_stream))
+    return bins
+
+def checkpoint_due(cfg: TrainConfig, step: int) -> bool:
+    "Whether a checkpoint is saved after `step`: every `save_every` steps, and after the last."
+    done = step + 1
+    return done == cfg.steps or bool(cfg.save_every) and done % cfg.save_every == 0
+
 # %% ../nbs/03_runtime/07_train.ipynb #3c3d96f9
 def step_shards(bins: list,       # this replica's plan bins of one optimizer step, one per micro-step
                 pieces,           # the plan's pieces (`plan.dataset(features)`)
@@ -181,83 +262,76 @@ def row_tokens(shard: dict, cfg: TrainConfig) -> int:
     if cfg.ring > 1: return shard["ring_index"].numel()
     return shard["input_ids"].shape[1] * cfg.sp
 
-def step_metrics(step: int, loss: float, bins: list, shards: list[dict],
+def step_metrics(rank_run: RankRun, step: int, loss: float, bins: list, shards: list[dict],
                  totals: torch.Tensor,  # the step's `[real, trained]` over every replica (`step_totals`)
-                 plan, grid, cfg: TrainConfig, model,
-                 device: torch.device,
-                 seconds: float,   # this step's wall time
-                 a2a_s: float,     # of which in the all-to-alls
-                 ring_s: float,    # of which in the ring's exchanges
-                 elapsed: float,   # since the run started
-                 predicted,        # the step-time prediction (None: a run the cost model does not model)
+                 seconds: float,        # this step's wall time
+                 a2a_s: float,          # of which in the all-to-alls
+                 ring_s: float,         # of which in the ring's exchanges
+                 elapsed: float,        # since the run started
                 ) -> dict:
     "The metrics row of one step (what `metrics.jsonl`, the dashboard and the trackers read)."
-    real = [int(plan.length[b].sum()) for b in bins]  # the plan's tokens of each micro-step's row
-    mine = sum(shard_tokens(shard, n, grid, cfg) for shard, n in zip(shards, real))
-    sent = step_bytes(model.config, [row_tokens(shard, cfg) for shard in shards], cfg, model.dtype.itemsize)
-    mfu = measured_mfu(model.config, [plan.length[b] for b in bins], cfg, seconds, predicted)
+    cfg, model, plan = rank_run.cfg, rank_run.model, rank_run.plan
+    mine = 0          # the plan's tokens in this process's shards
+    row_sizes = []    # tokens of each micro-step's whole (padded) row
+    for bin_ids, shard in zip(bins, shards):
+        real = int(plan.length[bin_ids].sum())
+        mine += shard_tokens(shard, real, rank_run.grid, cfg)
+        row_sizes.append(row_tokens(shard, cfg))
+    sent = step_bytes(model.config, row_sizes, cfg, model.dtype.itemsize)
+    mfu = measured_mfu(model.config, [plan.length[b] for b in bins], cfg, seconds, rank_run.predicted)
     return dict(step=step, rank=process_rank(), loss=loss, tokens=mine, trained=int(totals[1]),
-                tokens_per_s=totals[0].item() / seconds, peak_mem_bytes=peak_memory_bytes(device),
+                tokens_per_s=totals[0].item() / seconds, peak_mem_bytes=peak_memory_bytes(rank_run.device),
                 a2a_share=a2a_s / seconds, ring_share=ring_s / seconds, **sent,
                 time=elapsed, step_s=seconds, **mfu)
 
 # %% ../nbs/03_runtime/07_train.ipynb #266fa8a8
+def train_step(rank_run: RankRun, step: int, bins: list,
+               started: float,  # `time.perf_counter()` when the run's first step began
+              ) -> dict:
+    "One optimizer step on this process: pack and cut, forward and backward, reduce and step; the step's metrics row."
+    grid = rank_run.grid
+    t0 = time.perf_counter()
+    a2a_before = grid.clock.seconds   # seconds in the all-to-alls so far
+    ring_before = grid.stats.seconds  # and in the ring's exchanges
+    shards = step_shards(bins, rank_run.pieces, rank_run.collate, grid, rank_run.cfg)
+    totals = step_totals(bins, shards, rank_run.plan, grid, rank_run.device)
+    check_trained(int(totals[1]), step, bins)  # before any forward: no step is taken on nothing
+    step_loss = forward_backward(rank_run.model, shards, grid, rank_run.cfg, rank_run.device)
+    optimizer_step(rank_run.model, rank_run.opt, grid)
+    loss = global_loss(step_loss, grid)
+    seconds = time.perf_counter() - t0
+    return step_metrics(rank_run, step, loss, bins, shards, totals, seconds,
+                        a2a_s=grid.clock.seconds - a2a_before, ring_s=grid.stats.seconds - ring_before,
+                        elapsed=time.perf_counter() - started)
+
 def train_rank(cfg: TrainConfig,
                prepared: tuple | None = None,  # `(features, tokenizer)` as `preflight_run` returned them (None: read the data here)
               ) -> list[float]:
     "Train on this process as one rank of the `cfg.dp` x `cfg.sp` grid; return the loss of every step it trained."
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if world != cfg.world:
-        raise ValueError(f"the config asks for sp x ring x dp = {cfg.sp} x {cfg.ring} x {cfg.dp} = {cfg.world} processes "
-                         f"but {world} are running: launch {cfg.world} processes or change sp/ring/dp")
-    check_out(cfg)
-    device = _device()
-    grid = ParallelGrid.build(cfg.sp, cfg.ring, device.type)
-    wait = dist.new_group(backend="gloo", timeout=SAVE_WAIT) if dist.is_initialized() else None  # for checkpoint saves
-    watch_memory(device)
-    model = build_model(cfg, attention_key(cfg), device)
-    if cfg.ring > 1: check_layout(model.config, cfg.sp, cfg.ring, world_size=world)
-    else: check_sp(model.config, cfg.sp, world_size=world)
-    if cfg.shard: model = shard_model(model, grid, cpu_offload=cfg.cpu_offload)  # before the optimizer sees the parameters
-    if prepared is None:  # else `preflight_run` read and checked them once for every rank
-        prepared = run_features(cfg)  # the model directory's tokenizer (or --tokenizer); saved in every checkpoint
-        check_token_ids(prepared[0], model.config.vocab_size, cfg.data)
-    features, tokenizer = prepared
-    plan, sampler, imbalance = plan_run(cfg, model.config, features, grid.rank("dp"))  # its masks: pieces that train nothing are left out
-    predicted = run_prediction(cfg, model.config, plan, sampler=sampler)  # workbench.cost's roofline (None: a run it does not model)
+    rank_run = setup_rank(cfg, prepared)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    pid = plan_id(rank_run.plan)
+    start = load_checkpoint(out, rank_run.model, rank_run.opt, rank_run.sampler, cfg, pid) if cfg.resume else 0
     if process_rank() == 0:
-        print(plan_readout(plan)); print(balance_readout(cfg, imbalance))
-        print(predicted or "no step prediction: workbench.cost models neither LoRA nor this architecture's layers")
-    pid = plan_id(plan)
-    pieces, collate = plan.dataset(features), FlatteningCollator(pad_to_multiple_of=cfg.sp, train_all_tokens=True)  # load_features decided the masks
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)  # LoRA: the adapters
-    out = Path(cfg.out); out.mkdir(parents=True, exist_ok=True)
-    start = load_checkpoint(out, model, opt, sampler, cfg, pid) if cfg.resume else 0
-    if process_rank() == 0:
-        replace_file(out / "config.json", json.dumps({**asdict(cfg), "plan": repr(plan),
-                                                       "expected_peak_bytes": memory_readout(cfg, model.dtype)[0],
-                                                       **({"imbalance": imbalance} if imbalance else {}),
-                                                       **({"predicted": predicted.as_dict()} if predicted else {})}, indent=1))
+        write_run_config(out, rank_run)
         truncate_metrics(out, start)  # a resumed run logs each step once: rows past the checkpoint go
     if dist.is_initialized(): dist.barrier()
+    bin_stream = _endless(rank_run.sampler)
+    losses = []
     with reporting(cfg, start) as sink:
-        bin_stream, losses, t_run = _endless(sampler), [], time.perf_counter()
-        for step in tqdm(range(start, cfg.steps), desc=f"train sp={cfg.sp} ring={cfg.ring} dp={cfg.dp}", disable=process_rank() != 0, file=sys.stdout):  # stdout: not red in Jupyter
-            t0, a2a0, ring0 = time.perf_counter(), grid.clock.seconds, grid.stats.seconds
-            bins = [next(bin_stream) for _ in range(cfg.grad_accum)]
-            shards = step_shards(bins, pieces, collate, grid, cfg)
-            totals = step_totals(bins, shards, plan, grid, device)
-            check_trained(int(totals[1]), step, bins)  # before any forward: no step is taken on nothing
-            step_loss = forward_backward(model, shards, grid, cfg, device)
-            optimizer_step(model, opt, grid)
-            losses.append(global_loss(step_loss, grid))
-            seconds = time.perf_counter() - t0
-            row = step_metrics(step, losses[-1], bins, shards, totals, plan, grid, cfg, model, device, seconds, grid.clock.seconds - a2a0,
-                               grid.stats.seconds - ring0, time.perf_counter() - t_run, predicted)
+        started = time.perf_counter()
+        bar = tqdm(range(start, cfg.steps), desc=f"train sp={cfg.sp} ring={cfg.ring} dp={cfg.dp}",
+                   disable=process_rank() != 0, file=sys.stdout)  # stdout: not red in Jupyter
+        for step in bar:
+            bins = next_step_bins(bin_stream, cfg.grad_accum)
+            row = train_step(rank_run, step, bins, started)
+            losses.append(row["loss"])
             write_metrics(out, **row)
             sink.log(row)
-            if step + 1 == cfg.steps or cfg.save_every and (step + 1) % cfg.save_every == 0:
-                save_checkpoint(out, step + 1, model, opt, sampler, cfg, pid, wait, tokenizer)
+            if checkpoint_due(cfg, step):
+                save_checkpoint(out, step + 1, rank_run.model, rank_run.opt, rank_run.sampler, cfg, pid,
+                                rank_run.save_group, rank_run.tokenizer)
     return losses
 
 # %% ../nbs/03_runtime/07_train.ipynb #d147a1b7
