@@ -316,8 +316,9 @@ def write_sources(pages: dict[Path, nbformat.NotebookNode]):
     rel = lambda p: str(p.relative_to(ROOT))
     cfg.update(docs_dir=str(src), site_dir=str(SITE), nav=[
         {"Home": "index.md"},
+        *({title(p): rel(p)} for p in pages if p.parent == NBS),  # the architecture page
         {"Tutorials": [{title(p): rel(p)} for p in sorted((p for p in pages if p.parent.name == "tutorials"), key=reading_order)]},
-        *chapters(p for p in pages if p.parent.name != "tutorials"),
+        *chapters(p for p in pages if p.parent not in (NBS, NBS / "tutorials")),
         {"API reference": [{m: f"api/{m}.md"} for m in mods]},
         {"Notes": [{"Benchmarks": "BENCHMARKS.md"}, *({title_md(p): rel(p)} for p in sorted((ROOT / "docs").glob("*.md"), key=notes_order))]},
     ])

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from workbench.engines import (HF_SP_GLOO, Run, check_engine, golden_of, judge, ledger_figure, ledger_table,
-                               prove_config, references, train_runs)
+from workbench.engine_proofs import golden_of, judge, ledger_figure, ledger_table, prove_config, references
+from workbench.engines import HF_SP_GLOO, Run, check_engine, train_runs
 from workbench.launch import RankError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -233,7 +233,7 @@ def test_users_model_shrinks_the_same_from_a_directory_a_config_or_a_model(tmp_p
     from accelerate.parallelism_config import ParallelismConfig
     from transformers import AutoConfig, AutoModelForCausalLM
     from workbench.core import shrink_config, model_families
-    from workbench.engines import prove_engine
+    from workbench.engine_proofs import prove_engine
     cfg = user_model_dir(tmp_path)
     assert cfg.model_type not in model_families() and "cohere2" not in model_families()
     same = lambda c: {k: v for k, v in c.to_dict().items() if k != "_name_or_path"}
@@ -249,9 +249,9 @@ def test_users_model_shrinks_the_same_from_a_directory_a_config_or_a_model(tmp_p
         prove_engine(model=AutoConfig.for_model("gpt_oss"))
     with pytest.raises(ValueError, match="linear_attention"):
         prove_config(ParallelismConfig(sp_size=2, sp_backend="deepspeed"), model=AutoConfig.for_model("qwen3_next"))
-    import workbench.engines as engines  # prove_config hands the model on to prove_engine (its launch: the test below)
+    import workbench.engine_proofs as proofs  # prove_config hands the model on to prove_engine (its launch: the test below)
     calls = []
-    monkeypatch.setattr(engines, "prove_engine", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(proofs, "prove_engine", lambda **kw: calls.append(kw))
     pc = ParallelismConfig(sp_size=2, sp_backend="deepspeed")
     prove_config(pc, model=tmp_path); prove_config(pc)
     assert [(c["model"], c["family"], c["engines"]) for c in calls] == [(tmp_path, None, ("alst_accelerate",)),
@@ -263,7 +263,7 @@ def test_users_model_shrinks_the_same_from_a_directory_a_config_or_a_model(tmp_p
 def test_prove_engine_on_a_users_model_directory(tmp_path):
     "One launch of 2 processes: a saved Cohere2 directory, shrunk; Ulysses exact, ALST + sdpa leaks, ALST + the fix exact."
     user_model_dir(tmp_path)
-    from workbench.engines import prove_engine
+    from workbench.engine_proofs import prove_engine
     report = prove_engine(engines=("workbench", "alst"), packed=(True,), loss={"alst": "exact"}, model=tmp_path, deadline_s=300)
     ours = report.find(engine="workbench")
     leak, fixed = report.find(engine="alst", attention="sdpa"), report.find(engine="alst", attention="workbench_varlen")

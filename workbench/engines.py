@@ -7,14 +7,14 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import attention  # registers 'workbench_varlen' with transformers (the ALST fix)
-from .core import IGNORE_INDEX, as_config, load_records, shrink_config, shrink_table, tiny_config
+from .core import IGNORE_INDEX, load_records, tiny_config
 from .launch import launch
 from .sp.proofs import Case, case_model, case_rows
 from .sp.grid import check_sp, ParallelGrid
@@ -23,12 +23,10 @@ from .sp.shard import pad_for_sp, shard_batch
 from .sp.ulysses import register_ulysses, sp_forward
 
 # %% auto #0
-__all__ = ['ENGINES', 'HF_SP_GLOO', 'ALST_KEYS', 'ALST_FIX', 'ACCELERATE_ENV', 'TOLERANCE', 'Run', 'run_rows', 'fingerprint',
-           'row_id', 'Recorder', 'ledger_table', 'ledger_figure', 'Engine', 'register_engine', 'check_engine',
-           'train_one_process', 'train_no_mask', 'hf_sp_loss', 'train_workbench', 'alst_batch', 'ds_config',
-           'train_alst', 'train_runs', 'alst_parallelism_config', 'trainer_ds_config', 'train_alst_accelerate',
-           'accelerate_yaml', 'accelerate_script', 'compare', 'golden_of', 'Verdict', 'judge', 'EngineReport',
-           'references', 'prove_engine', 'prove_config']
+__all__ = ['ENGINES', 'HF_SP_GLOO', 'ALST_KEYS', 'ALST_FIX', 'ACCELERATE_ENV', 'Run', 'run_rows', 'fingerprint', 'row_id',
+           'Recorder', 'Engine', 'register_engine', 'check_engine', 'train_one_process', 'train_no_mask', 'hf_sp_loss',
+           'train_workbench', 'alst_batch', 'ds_config', 'train_alst', 'train_runs', 'alst_parallelism_config',
+           'trainer_ds_config', 'train_alst_accelerate', 'accelerate_yaml', 'accelerate_script']
 
 # %% ../nbs/05_ecosystem/04_engines.ipynb #a60c371b
 @dataclass(frozen=True)
@@ -98,36 +96,6 @@ class Recorder:
                                grad_norm=float(grad_norm), fingerprint=fingerprint(self.model),
                                rows=[row_id(r) for r in rows]))
     def result(self) -> dict: return dict(run=self.run, steps=self.steps, gradient=self.gradient)
-
-# %% ../nbs/05_ecosystem/04_engines.ipynb #3fd6b04e
-def ledger_table(results: list,            # `train_runs` results (or `EngineReport.results`)
-                 golden: dict | None = None,  # the golden run (default: the first one-process run of the list)
-                ):
-    "One row per run and step: loss, trained tokens, gradient norm, fingerprint, and each against the golden run's step."
-    import pandas as pd
-    golden = golden or next(r for r in results if r["run"].engine == "one_process")
-    rows = []
-    for res in results:
-        for s, g in zip(res["steps"], golden["steps"]):
-            rows.append({"run": res["run"].name, "step": s["step"], "loss": s["loss"], "tokens": s["tokens"],
-                         "grad_norm": s["grad_norm"], "fingerprint": s["fingerprint"],
-                         "Δloss": s["loss"] - g["loss"], "grad_norm / golden": s["grad_norm"] / g["grad_norm"],
-                         "Δfingerprint": s["fingerprint"] - g["fingerprint"]})
-    return pd.DataFrame(rows)
-
-def ledger_figure(results: list, golden: dict | None = None, title: str = "Run ledger against one process"):
-    "Plotly: per step, every run's loss difference and gradient-norm ratio against the golden run."
-    import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
-    t = ledger_table(results, golden)
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("loss − golden loss", "grad norm / golden grad norm"))
-    for i, (name, g) in enumerate(t.groupby("run", sort=False)):
-        for col, y in ((1, "Δloss"), (2, "grad_norm / golden")):
-            fig.add_trace(go.Scatter(x=g["step"], y=g[y], mode="lines+markers", name=name, legendgroup=name,
-                                     showlegend=col == 1, line=dict(color=f"hsl({37 * i % 360},70%,45%)")), 1, col)
-    fig.update_xaxes(title="step", dtick=1)
-    fig.update_layout(height=380, title=title, legend=dict(font=dict(size=10)))
-    return fig
 
 # %% ../nbs/05_ecosystem/04_engines.ipynb #759593c0
 @dataclass(frozen=True)
@@ -466,182 +434,3 @@ def accelerate_script(sp_size: int) -> str:
         "# rows: input_ids, labels, position_ids restarting per document; no cu_seq_lens, no attention_mask;",
         f"# row length a multiple of {sp_size} (FlatteningCollator(pad_to_multiple_of={sp_size}, return_flash_attn_kwargs=False))",
         "Trainer(model=model, args=args, train_dataset=..., data_collator=...).train()"])
-
-# %% ../nbs/05_ecosystem/04_engines.ipynb #04f655d4
-TOLERANCE = {"float32": (1e-6, 1e-5), "float64": (1e-12, 1e-10)}  # (loss, gradient) relative differences counted as equal
-
-def compare(result: dict, golden: dict) -> dict:
-    "Relative differences of a run against the golden run: step-1 loss and gradient (same weights), its scale, every later step."
-    g, g0 = result["gradient"], golden["gradient"]
-    top = g0.abs().max().clamp(min=torch.finfo(g0.dtype).tiny)
-    scale = float(g.double() @ g0.double() / (g0.double() @ g0.double()))
-    losses = [abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(result["steps"], golden["steps"])]
-    ranks = result.get("rank_fingerprints") or [[s["fingerprint"] for s in result["steps"]]]
-    return dict(loss=losses[0], curve=max(losses), grads=float((g - g0).abs().max() / top), grad_scale=scale,
-                grads_rescaled=float((g / round(scale) - g0).abs().max() / top) if round(scale) >= 1 else float("nan"),
-                grad_norm_ratio=result["steps"][0]["grad_norm"] / golden["steps"][0]["grad_norm"],
-                fingerprint=max(abs(a["fingerprint"] - b["fingerprint"]) for a, b in zip(result["steps"], golden["steps"])),
-                ranks_agree=all(r == ranks[0] for r in ranks),
-                same_rows=[s["rows"] for s in result["steps"]] == [s["rows"] for s in golden["steps"]])
-
-# %% ../nbs/05_ecosystem/04_engines.ipynb #607b7899
-def golden_of(run: Run, no_mask: bool = False) -> Run:
-    "The one-process run that `run` must equal (`no_mask`: the leaky reference, plain causal attention over the whole row)."
-    return replace(run, engine="one_process_no_mask" if no_mask else "one_process", sp=1, attention="sdpa", loss="exact")
-
-@dataclass
-class Verdict:
-    "One run against its golden run: the measured differences, a status and, unless exact, the cause and the fix."
-    run: Run
-    diff: dict                 # `compare` against the golden run
-    status: str                # "exact", "scaled" (gradients P×, else equal), "leaks" (attends across documents), "differs"
-    cause: str = ""
-    fix: str = ""
-    leak_diff: float | None = None  # step-1 loss difference against the no-mask (leaky) reference
-
-def judge(run: Run, result: dict, golden: dict, leaky: dict | None = None) -> Verdict:
-    "The verdict of one run: equal within `TOLERANCE`, gradients scaled by an integer, leaking across documents, or different."
-    tol_loss, tol_grad = TOLERANCE[run.dtype]
-    d = compare(result, golden)
-    leak = None if leaky is None else compare(result, leaky)["loss"]
-    if not d["same_rows"]:
-        return Verdict(run, d, "differs", f"the engine trained other rows than it was given: {[s['rows'] for s in result['steps']]} "
-                       f"against {[s['rows'] for s in golden['steps']]} (row checksums per step)",
-                       "check how the engine's dataloader is sharded over the processes", leak)
-    if not d["ranks_agree"]:
-        return Verdict(run, d, "differs", "the processes hold different parameters after a step",
-                       "every process must reduce the same gradients: check the engine's DP group", leak)
-    if d["curve"] <= tol_loss and d["grads"] <= tol_grad: return Verdict(run, d, "exact", leak_diff=leak)
-    if d["loss"] <= tol_loss and d["grads_rescaled"] <= tol_grad:
-        return Verdict(run, d, "scaled", f"gradients {d['grad_scale']:.4g}× the one-process gradient (loss equal): HF's SP "
-                       f"loss sums the SP ranks' gradients through all_gather's backward and DeepSpeed divides by the DP "
-                       f"degree only, so the logged grad_norm is {d['grad_norm_ratio']:.4g}× too and later losses drift "
-                       f"by {d['curve']:.2g} (SGD)", "divide the loss by sp_size "
-                       "before backward (engine 'alst': Run(loss='exact'); the HF Trainer: a compute_loss override); gradient "
-                       "clipping or Adam hide the scale from the update, not from the logged grad_norm", leak)
-    if leak is not None and leak <= tol_loss < d["loss"]:
-        beyond = " and ".join(([] if not run.packed else ["across the documents of the packed row"]) +
-                              ([] if not getattr(tiny_config(run.family), "sliding_window", None) else ["beyond the model's sliding window"]))
-        return Verdict(run, d, "leaks", f"{run.engine} with {run.attention!r} drops the mask and attends {beyond}: its loss "
-                       f"equals plain causal attention over the whole row (difference {leak:.2g}) and differs from the "
-                       f"model's own mask by {d['loss']:.2g}; gradients {d['grads_rescaled']:.2g} off after dividing by their scale "
-                       f"{round(d['grad_scale'])}", ENGINES[run.engine].leak_fix or "use attn_implementation='workbench_varlen'", leak)
-    return Verdict(run, d, "differs", f"step-1 loss {d['loss']:.2g}, gradients {d['grads']:.2g} from one process (tolerances "
-                   f"{tol_loss:g}, {tol_grad:g})", "compare the engine's data path and loss with workbench.sp.ulysses", leak)
-
-# %% ../nbs/05_ecosystem/04_engines.ipynb #49480058
-def _row(v: Verdict) -> dict:
-    d = v.diff
-    return {"engine": v.run.engine, "layout": v.run.layout, "rows": "packed" if v.run.packed else "unpacked",
-            "attention": v.run.attention, "loss formula": v.run.loss, "loss diff": d["loss"], "grad diff": d["grads"],
-            "grad scale": d["grad_scale"], "grad-norm ratio": d["grad_norm_ratio"], "verdict": v.status}
-
-@dataclass
-class EngineReport:
-    "Verdicts of engines and layouts against one process; renders as text, markdown and HTML."
-    verdicts: list                           # `Verdict`s in the order run
-    seconds: float = 0.0                     # wall time of the proof
-    results: list = field(default_factory=list, repr=False)  # every trained run (golden runs included): the ledger
-    shrunk: dict | None = None               # the user's model against its tiny copy (`shrink_table`), when one was shrunk
-
-    def __getitem__(self, i) -> Verdict: return self.verdicts[i]
-    def find(self, **match) -> Verdict:
-        "The one verdict whose run has these fields, e.g. `find(engine='alst', packed=True, attention='sdpa')`."
-        hits = [v for v in self.verdicts if all(getattr(v.run, k) == x for k, x in match.items())]
-        if len(hits) != 1: raise KeyError(f"{len(hits)} verdicts match {match}; runs: {[v.run.name for v in self.verdicts]}")
-        return hits[0]
-    def table(self):
-        "The verdicts as a pandas DataFrame."
-        import pandas as pd
-        return pd.DataFrame([_row(v) for v in self.verdicts])
-    def _title(self):
-        bad = sum(v.status != "exact" for v in self.verdicts)
-        return (f"Engine proof: {len(self.verdicts)} runs against one process, {bad} not exact ({self.seconds:.0f} s)")
-    def _shrunk(self) -> str:
-        if not self.shrunk: return ""
-        kept = ", ".join(f"{k} {a} → {b}" if a != b else f"{k} {a}" for k, (a, b) in self.shrunk.items() if a is not None)
-        return f"Your model, shrunk to a tiny copy of the same architecture (original → tiny): {kept}"
-    def __str__(self):
-        lines = [self._title(), *([self._shrunk()] if self.shrunk else [])]
-        for v in self.verdicts:
-            d = v.diff
-            lines.append(f"  [{v.status.upper():6}] {v.run.name}: loss {d['loss']:.2g}, gradients {d['grads']:.2g}, "
-                         f"grad-norm ratio {d['grad_norm_ratio']:.4g}")
-            if v.cause: lines += [f"           cause: {v.cause}", f"           fix: {v.fix}"]
-        return "\n".join(lines)
-    __repr__ = __str__
-    def _repr_markdown_(self):
-        head = "| verdict | run | loss diff | grad diff | grad-norm ratio | cause | fix |\n|---|---|---|---|---|---|---|"
-        rows = [f"| {v.status.upper()} | {v.run.name} | {v.diff['loss']:.2g} | {v.diff['grads']:.2g} | "
-                f"{v.diff['grad_norm_ratio']:.4g} | {v.cause} | {v.fix} |" for v in self.verdicts]
-        return "\n".join([f"**{self._title()}**", "", *([self._shrunk(), ""] if self.shrunk else []), head, *rows])
-
-def references(runs: list) -> list:
-    "The one-process runs that `runs` are judged against: the golden run and the no-mask reference of each, once."
-    return sorted({golden_of(r, m) for r in runs for m in (False, True)}, key=lambda g: g.name)
-
-def _check_golden(config):
-    "Refuse a model class without sdpa before any launch: the golden run (one process, per-document masks) runs sdpa."
-    from transformers import AutoModelForCausalLM
-    cls = AutoModelForCausalLM._model_mapping[type(config)]
-    if not cls._supports_sdpa:
-        raise ValueError(f"{cls.__name__} has no sdpa attention in transformers (_supports_sdpa=False): the golden run, one "
-                         f"process with per-document masks, runs sdpa, so its engines cannot be judged here")
-
-def prove_engine(engines=("workbench", "alst"),   # engines to prove (keys of `ENGINES`)
-                 sp_sizes=(2,),                   # SP sizes, one launch each (DP 1)
-                 packed=(False, True),            # row layouts
-                 attention: str = "sdpa",         # the attention users load the model with
-                 fix: bool = True,                # also run the engines that leak with attention 'workbench_varlen'
-                 family: str | None = None,       # shipped tiny config (default 'llama'; llama3: 2 kv heads, so kv < SP at SP 4)
-                 dtype: str = "float32",
-                 loss: dict | None = None,        # loss formula per engine (default: ALST as users run it, 'hf_sp')
-                 max_grad_norm: float | None = None,  # clip every run (and its golden run) to this gradient norm
-                 deadline_s: float = 600,         # limit of each launch
-                 model=None,                      # your model instead of `family`: a model directory, a config or a model
-                                                  # instance, proven as a tiny random-weight copy of its architecture (`shrink_config`)
-                ) -> EngineReport:
-    "Train the same tiny model on the same rows through every engine and SP size, and judge each against one process."
-    import math, time
-    if model is not None:
-        if family is not None: raise ValueError(f"pass family={family!r} (a shipped tiny config) or model (yours), not both")
-        original = as_config(model)
-        for p in sp_sizes: check_sp(original, p)  # your model's own heads against every SP size, before shrinking
-        tiny = shrink_config(original, sp_size=math.lcm(*sp_sizes))  # kv heads split or replicated as the original's
-        with tempfile.TemporaryDirectory() as d:  # the launched processes read the tiny config from here
-            path = os.path.join(d, f"{tiny.model_type}-tiny")
-            tiny.save_pretrained(path)
-            report = prove_engine(engines=engines, sp_sizes=sp_sizes, packed=packed, attention=attention, fix=fix,
-                                  family=path, dtype=dtype, loss=loss, max_grad_norm=max_grad_norm, deadline_s=deadline_s)
-        report.shrunk = shrink_table(original, tiny)
-        return report
-    family = family or "llama"
-    _check_golden(tiny_config(family))
-    t = time.time()
-    loss = {"alst": "hf_sp", "alst_accelerate": "hf_sp", **(loss or {})}
-    steps = math.lcm(*sp_sizes)  # ALST's adapter serves a step from every SP rank in turn
-    runs = [Run(engine=e, sp=p, packed=k, attention=attention, family=family, dtype=dtype, steps=steps,
-                loss=loss.get(e, "exact"), max_grad_norm=max_grad_norm) for e in engines for p in sp_sizes for k in packed]
-    if fix and attention != "workbench_varlen":
-        runs += [replace(r, attention="workbench_varlen") for r in runs if r.packed and ENGINES[r.engine].leak_fix]
-    results = train_runs([*references(runs), *runs], deadline_s)
-    by_run = {res["run"]: res for res in results}
-    verdicts = [judge(r, by_run[r], by_run[golden_of(r)], by_run[golden_of(r, True)]) for r in runs]
-    return EngineReport(verdicts, time.time() - t, results)
-
-# %% ../nbs/05_ecosystem/04_engines.ipynb #9b6d8825
-def prove_config(parallelism_config,         # the accelerate `ParallelismConfig` a cluster run will use
-                 family: str | None = None,  # the shipped tiny config standing in for the model (default 'llama3')
-                 max_grad_norm: float | None = None,  # the run's TrainingArguments.max_grad_norm (None: no clipping)
-                 deadline_s: float = 600,
-                 model=None,                 # your model instead of `family`: a model directory, a config or a model instance
-                ) -> EngineReport:
-    "Judge the ALST setup of a `ParallelismConfig` (its SP size and attention) through accelerate + the HF Trainer on CPU."
-    pc = parallelism_config
-    if getattr(pc, "sp_backend", None) != "deepspeed" or not getattr(pc, "sp_size", 1) > 1:
-        raise ValueError(f"prove_config proves DeepSpeed ALST: a ParallelismConfig with sp_backend='deepspeed' and "
-                         f"sp_size > 1, got sp_backend={getattr(pc, 'sp_backend', None)!r}, sp_size={getattr(pc, 'sp_size', None)!r}")
-    attention = getattr(pc.sp_handler, "sp_attn_implementation", None) or "sdpa"  # accelerate's default
-    return prove_engine(engines=("alst_accelerate",), sp_sizes=(pc.sp_size,), attention=attention,
-                        family=family or (None if model is not None else "llama3"), deadline_s=deadline_s,
-                        max_grad_norm=max_grad_norm, model=model)
