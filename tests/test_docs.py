@@ -173,6 +173,29 @@ def test_every_notebook_has_a_kernelspec_that_nbdev_clean_keeps():
         assert nb["metadata"]["kernelspec"] == KERNELSPEC, f"nbdev_clean changes the kernelspec of {path.name}"
 
 
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")  # a markdown link's target, without its anchor
+
+
+def broken_links(text: str, folder: Path) -> list[str]:
+    "The relative link targets in markdown `text` that name no file or folder (resolved against `folder`)."
+    targets = [t for t in LINK.findall(text) if not urlparse(t).scheme]
+    return [t for t in targets if not (folder / t).exists()]
+
+
+def test_every_relative_link_of_the_readme_docs_and_notebooks_resolves():
+    "A reader who follows a link from the README, a docs page or a notebook's prose finds the file (chapters moved)."
+    pages = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").glob("*.md"))]
+    broken = {}
+    for page in pages:
+        broken[page] = broken_links(page.read_text(), page.parent)
+    for path in NOTEBOOKS:
+        prose = "\n".join("".join(c["source"]) for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "markdown")
+        broken[path] = broken_links(prose, path.parent)
+    broken = {str(p.relative_to(ROOT)): b for p, b in broken.items() if b}
+    assert not broken, broken
+    assert broken_links("[train](nbs/08_train.ipynb) [ok](README.md)", ROOT) == ["nbs/08_train.ipynb"]  # a moved notebook's old link is caught
+
+
 def make_lab(*args) -> list[str]:
     "`make lab` against this interpreter's environment (its install stamp taken as up to date)."
     venv = Path(sys.prefix)
