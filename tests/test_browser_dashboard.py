@@ -126,5 +126,5 @@ def test_dashboard_in_jupyterlab(tmp_path):
         failure = page.locator(".jp-Cell.jp-mod-active .jp-OutputArea")
         failure.wait_for(state="visible", timeout=10000)
         text = failure.inner_text()
-        assert "rank 1 of 2 raised ValueError" in text and "workbench/train.py" in text, text  # its own traceback
+        assert "rank 1 of 2 raised ValueError" in text and "workbench/data.py" in text, text  # its own traceback (where the data is read)
         failure.screenshot(path=ARTIFACTS / "dashboard_failing_rank_jupyterlab.png")
