@@ -66,7 +66,7 @@ def _references(cases, dps):
 def assert_ring_results(results: list, n_expected: int):
     assert len(results) == n_expected
     for r in results:
-        tol, where = TOL[r["case"].dtype], f"{r['case']} at ulysses={r['ulysses']}, ring={r['ring']}, dp={r['dp']}, {r['strategy']}, rank {r['rank']}"
+        tol, where = TOL[r["case"].dtype], f"{r['case']} at ulysses={r['ulysses']}, ring={r['ring']}, dp={r['dp']}, {r['strategy']}, {r['kernel']} kernel, rank {r['rank']}"
         assert r["n_params"] >= 21, f"{where}: only {r['n_params']} parameters got gradients"
         assert max(r["logits"], r["loss"], r["grads"]) <= tol, (
             f"{where}: relative error logits {r['logits']:.2e}, loss {r['loss']:.2e}, gradients {r['grads']:.2e} > {tol}")
@@ -181,13 +181,23 @@ def test_document_aware_sharding_balances_flan_like_rows():
 
 # ---------------------------------------------------------------- equivalence: 2 and 4 processes, one launch each
 
+FUSED = [0, 1, 3, 4]  # of F64: MHA, GQA, one document over every shard, shards of padding only (a window runs the plain kernel)
+
+
 def test_ring_of_two_equals_one_process():
+    "Both block-pair kernels, every plan: the plain one on every case, the fused one on every case it runs."
     cases = F64 + F32
-    jobs = [(check_ring, (cases, [(1, 2)], PLANS, _references(cases, [1])))]
-    (results,) = zip(*launch(_jobs, jobs, num_processes=2, cpu=True, quiet=True, timeout_s=120, deadline_s=240))
-    checks = [r for rank in results for r in rank]
+    refs = _references(cases, [1])
+    fused = [cases[i] for i in FUSED]
+    jobs = [(check_ring, (cases, [(1, 2)], PLANS, refs)),
+            (check_ring, (fused, [(1, 2)], PLANS, {1: [refs[1][i] for i in FUSED]}, "fused"))]
+    plain_results, fused_results = zip(*launch(_jobs, jobs, num_processes=2, cpu=True, quiet=True, timeout_s=120, deadline_s=240))
+    checks = [r for rank in plain_results for r in rank]
     assert_ring_results(checks, 2 * len(PLANS) * len(cases))
     assert any(r["skipped_predicted"] > 0 for r in checks)  # the skips are checked where there are some (contiguous shards)
+    fused_checks = [r for rank in fused_results for r in rank]
+    assert_ring_results(fused_checks, 2 * len(PLANS) * len(fused))
+    assert {r["kernel"] for r in fused_checks} == {"fused"} and any(r["skipped"] > 0 for r in fused_checks)
 
 
 def test_ring_of_four_hybrid_2x2_and_training_equal_one_process():
@@ -198,18 +208,25 @@ def test_ring_of_four_hybrid_2x2_and_training_equal_one_process():
     jobs = [(check_ring, (F64, f64_layouts, ("balanced",), _references(F64, [1]))),
             (check_ring, (F64[:2] + F32, [(1, 2)], ("zigzag",), _references(F64[:2] + F32, [2]))),  # DP 2 x ring 2
             *[(ring_losses, (f32_model, rows3, layout)) for layout in train],
-            *[(ring_losses, (f64_model, rows3[:1], layout)) for layout in train]]
+            *[(ring_losses, (f64_model, rows3[:1], layout)) for layout in train],
+            (check_ring, (F64[:2], [(1, 4), (2, 2)], ("balanced",), _references(F64[:2], [1]), "fused")),  # fused: ring 4, 2 x 2
+            (check_ring, (F64[:2], [(1, 2)], ("zigzag",), _references(F64[:2], [2]), "fused")),            # fused: DP 2 x ring 2
+            (ring_losses, (f32_model, rows3, (1, 4), "balanced", 1e-2, "fused"))]                          # fused: training
     per_rank = launch(_jobs, jobs, num_processes=4, cpu=True, quiet=True, timeout_s=120, deadline_s=300)
     checks = [r for rank in per_rank for job in rank[:2] for r in job]
     assert_ring_results(checks, 4 * (len(F64) * len(f64_layouts) + len(F64[:2] + F32)))
+    fused_checks = [r for rank in per_rank for job in rank[6:8] for r in job]
+    assert_ring_results(fused_checks, 4 * (2 * 2 + 2))
     ref32, ref64 = _one_thread(ring_losses, f32_model, rows3), _one_thread(ring_losses, f64_model, rows3[:1])
     for rank in per_rank:
         for got, layout in zip(rank[2:4], train):
             assert len(got["losses"]) == 3
             assert max(abs(a - b) for a, b in zip(got["losses"], ref32["losses"])) <= 1e-6, (layout, got["losses"], ref32["losses"])
-        for got, layout in zip(rank[4:], train):
+        for got, layout in zip(rank[4:6], train):
             errors = [((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got["grads"], ref64["grads"])]
             assert len(errors) == 21 and max(errors) <= 1e-10, (layout, max(errors))
+        fused_losses = rank[8]["losses"]
+        assert max(abs(a - b) for a, b in zip(fused_losses, ref32["losses"])) <= 1e-6, ("fused", fused_losses, ref32["losses"])
 
 
 # ---------------------------------------------------------------- workbench.train: --ring

@@ -181,6 +181,7 @@ def check_ring(cases: list,                # the `workbench.sp.proofs.Case`s to 
                layouts: list,              # (ulysses, ring) pairs, each over all running processes
                strategies=("balanced",),   # sharding plans (`workbench.sp.balance.PLANS`), each under every layout
                references: dict | None = None,  # {dp_size: [one_process(case, dp_size) for case in cases]}
+               kernel: str = "plain",      # the ring's block-pair kernel (`ring_attend`)
               ) -> list[dict]:
     "Per layout, plan and case, on this process: relative errors of logits, loss and every gradient against one process; p2p elements sent and by formula; block pairs skipped and counted by `skipped_blocks`."
     results = []
@@ -195,14 +196,14 @@ def check_ring(cases: list,                # the `workbench.sp.proofs.Case`s to 
             batch, plan = plan_row(row, grid.sp_size, strategy)  # the padded row too: its length is in the formulas
             shard = ring_shard(batch, plan, grid.sp_rank, u)
             skipped = grid.stats.skipped
-            with CountComm() as fwd: logits, loss = ring_forward(model, shard, grid)
+            with CountComm() as fwd: logits, loss = ring_forward(model, shard, grid, kernel)
             with CountComm() as bwd: loss.backward()
             sync_gradients(model, grid)
             idx = shard["token_index"]
             real = idx < row["input_ids"].shape[1]  # the padding's logits have no reference
             n = batch["input_ids"].shape[1]
             skip = skipped_blocks(batch["position_ids"], shard["ring_index"], grid.rank("ring"), getattr(cfg, "sliding_window", None))
-            results.append(dict(case=case, ulysses=u, ring=r, dp=grid.dp_size, strategy=strategy, rank=dist.get_rank() if grid.mesh else 0,
+            results.append(dict(case=case, ulysses=u, ring=r, dp=grid.dp_size, strategy=strategy, kernel=kernel, rank=dist.get_rank() if grid.mesh else 0,
                                 logits=_rel(logits[0, real].detach(), ref["logits"][grid.rank("dp")][0, idx[real]]) if real.any() else 0.0,
                                 loss=abs(global_loss(loss, grid) - ref["loss"]) / abs(ref["loss"]),
                                 grads=_grad_error(model, ref["grads"]),
@@ -232,6 +233,7 @@ def ring_losses(make_model,          # attn_implementation -> model (the same we
                 layout: tuple | None = None,  # (ulysses, ring) over the running processes; None: one process, plain sdpa
                 strategy: str = "balanced",   # sharding plan
                 lr: float = 1e-2,    # AdamW learning rate
+                kernel: str = "plain",  # the ring's block-pair kernel (`ring_attend`)
                ) -> dict:
     "The global loss of every step of AdamW training on `rows` and the first step's gradients, under a hybrid layout or (None) as one process."
     grid = None if layout is None else ParallelGrid.build(*layout)
@@ -243,7 +245,7 @@ def ring_losses(make_model,          # attn_implementation -> model (the same we
             logits = model(**{k: row[k] for k in SHARD_KEYS}, use_cache=False).logits
             loss = F.cross_entropy(logits[0, :-1].to(torch.promote_types(logits.dtype, torch.float32)), row["labels"][0, 1:], ignore_index=IGNORE_INDEX, reduction="sum") / max(n, 1)
         else:
-            _, loss = ring_forward(model, ring_batch(row, grid, strategy), grid)
+            _, loss = ring_forward(model, ring_batch(row, grid, strategy), grid, kernel)
         loss.backward()
         if grid is not None: sync_gradients(model, grid)
         grads = grads or [p.grad.clone() for p in model.parameters()]

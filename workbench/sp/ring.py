@@ -16,8 +16,9 @@ from .shard import SHARD_KEYS
 from .ulysses import register_key, to_head_shards, to_token_shards
 
 # %% auto #0
-__all__ = ['QUERY_TILE', 'KEY', 'block_mask', 'block_attention', 'merge', 'ring_attend', 'documents', 'ring_attention',
-           'register_ring', 'ring_forward', 'block_pairs', 'ring_p2p_elements', 'comm_elements', 'comm_bytes']
+__all__ = ['QUERY_TILE', 'KERNELS', 'KEY', 'block_mask', 'block_attention', 'merge', 'stretches', 'fused_calls', 'fused_forward',
+           'fused_backward', 'ring_attend', 'documents', 'ring_attention', 'register_ring', 'ring_forward',
+           'block_pairs', 'ring_p2p_elements', 'comm_elements', 'comm_bytes']
 
 # %% ../../nbs/02_sequence_parallel/06_sp_ring.ipynb #fc561692
 def block_mask(q_index: torch.Tensor,   # [m] global indices of the query tokens
@@ -66,6 +67,74 @@ def merge(out, lse, out_b, lse_b):
     safe = _finite(new)
     return out * torch.exp(lse - safe)[..., None] + out_b * torch.exp(lse_b - safe)[..., None], new
 
+# %% ../../nbs/02_sequence_parallel/06_sp_ring.ipynb #e4f02931
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # private: the only CPU kernel that returns the log-sum-exp
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward  # its own backward, from out and lse
+
+KERNELS = ("plain", "fused")  # a block pair as masked matrix products, or as fused flash calls per document stretch
+
+def stretches(index: torch.Tensor,  # [m] global indices of a block's tokens
+              doc: torch.Tensor,    # [T] document of every token of the row
+             ) -> list[tuple[int, int, int, int]]:
+    "A block cut where its global positions jump or its document changes: `(first row, end row, first position, document)` each."
+    positions = index.tolist()
+    docs = doc[index].tolist()
+    found = []
+    start = 0
+    for i in range(1, len(positions) + 1):
+        ends = i == len(positions) or positions[i] != positions[i - 1] + 1 or docs[i] != docs[i - 1]
+        if ends:
+            found.append((start, i, positions[start], docs[start]))
+            start = i
+    return found
+
+def fused_calls(q_index: torch.Tensor, k_index: torch.Tensor, doc: torch.Tensor, causal: bool = True) -> list:
+    """The fused calls of one block pair: per query stretch, the key rows of its document it sees whole (one call) and
+    the stretch it sees causally (its own, on the diagonal pair). `(query rows, whole key rows or None, causal rows or None)`."""
+    calls = []
+    keys = stretches(k_index, doc)
+    for q0, q1, q_pos, q_doc in stretches(q_index, doc):
+        whole, own = [], None
+        for k0, k1, k_pos, k_doc in keys:
+            if k_doc != q_doc: continue
+            before = k_pos + (k1 - k0) <= q_pos  # every key before every query
+            after = k_pos >= q_pos + (q1 - q0)
+            same = (k_pos, k1 - k0) == (q_pos, q1 - q0)
+            if not (before or after or same):  # ring blocks are the same tokens or disjoint ones: never half of each
+                raise ValueError(f"query stretch at positions {q_pos}..{q_pos + q1 - q0} and key stretch at {k_pos}..{k_pos + k1 - k0} "
+                                 f"overlap without being the same tokens: build the blocks with ring_shard")
+            if causal and same: own = slice(k0, k1)  # the same tokens: causal within them
+            elif not causal or before: whole.append(torch.arange(k0, k1))
+        if whole or own is not None:
+            calls.append((slice(q0, q1), torch.cat(whole) if whole else None, own))
+    return calls
+
+def fused_forward(q, k, v, calls: list, scale: float, out: torch.Tensor, lse: torch.Tensor):
+    "Add one block pair to the running `out`, `lse` of its queries with fused flash calls, merged by log-sum-exp."
+    for rows, whole, own in calls:
+        if whole is not None:
+            part, part_lse = _flash(q[:, :, rows], k[:, :, whole], v[:, :, whole], 0.0, False, scale=scale)
+            out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], part, part_lse)
+        if own is not None:
+            part, part_lse = _flash(q[:, :, rows], k[:, :, own], v[:, :, own], 0.0, True, scale=scale)
+            out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], part, part_lse)
+
+def fused_backward(q, k, v, dout, out, lse, calls: list, scale: float, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor):
+    """Add one block pair's gradients with the fused kernel's own backward, given the *merged* output and log-sum-exp
+    (each block's share of dQ, dK and dV is then exact, as in every flash ring)."""
+    for rows, whole, own in calls:
+        for keys, is_causal in ((whole, False), (own, True)):
+            if keys is None: continue
+            g_q, g_k, g_v = _flash_backward(dout[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys],
+                                            out[:, :, rows], lse[:, :, rows], 0.0, is_causal, scale=scale)
+            dq[:, :, rows] += g_q
+            if isinstance(keys, slice):
+                dk[:, :, keys] += g_k
+                dv[:, :, keys] += g_v
+            else:
+                dk.index_add_(2, keys, g_k)
+                dv.index_add_(2, keys, g_v)
+
 # %% ../../nbs/02_sequence_parallel/06_sp_ring.ipynb #5cc3a778
 def _peers(group) -> tuple[int, int]:
     "Global ranks of the next and the previous process of the ring."
@@ -89,7 +158,7 @@ def _wait(works, stats: RingStats):
 class _RingAttention(torch.autograd.Function):
     "Forward: key/value blocks travel the ring; backward: they travel again with their gradients, which end at their owner."
     @staticmethod
-    def forward(ctx, q, k, v, ring_index, doc, group, scale, window, causal, stats, tile):
+    def forward(ctx, q, k, v, ring_index, doc, group, scale, window, causal, stats, tile, fused):
         n, r = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
         groups, acc = q.shape[1] // k.shape[1], torch.promote_types(q.dtype, torch.float32)  # statistics in at least fp32
         qa, up = q.to(acc), lambda x: _expand(x, groups).to(acc)
@@ -99,7 +168,10 @@ class _RingAttention(torch.autograd.Function):
             if step < n - 1: works, nxt = _pass_on(kv, group, stats)  # the next block travels while this one computes
             pair = ring_index[r], ring_index[(r - step) % n], doc, window, causal, tile
             stats.pairs += 1
-            if _meets(*pair):
+            calls = fused_calls(pair[0], pair[1], doc, causal) if fused else None
+            if fused and calls:
+                fused_forward(qa, up(kv[0]), up(kv[1]), calls, scale, out, lse)
+            elif not fused and _meets(*pair):
                 ke, ve = up(kv[0]), up(kv[1])
                 for rows, allowed in _tiles(*pair):
                     out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows],
@@ -109,6 +181,7 @@ class _RingAttention(torch.autograd.Function):
             if step < n - 1: _wait(works, stats); kv = nxt
         ctx.save_for_backward(q, k, v, out, lse, ring_index, doc)
         ctx.group, ctx.scale, ctx.window, ctx.causal, ctx.stats, ctx.tile = group, scale, window, causal, stats, tile
+        ctx.fused = fused
         return out.to(q.dtype)
 
     @staticmethod
@@ -124,7 +197,15 @@ class _RingAttention(torch.autograd.Function):
             if step < n - 1: works, nxt = _pass_on(kv, group, ctx.stats)
             pair = ring_index[r], ring_index[(r - step) % n], doc, ctx.window, ctx.causal, ctx.tile
             mine = torch.zeros(2, *k.shape, dtype=acc, device=k.device)  # this process's share of the block's dK, dV
-            if _meets(*pair):
+            calls = fused_calls(pair[0], pair[1], doc, ctx.causal) if ctx.fused else None
+            if ctx.fused and calls:
+                ke, ve = up(kv[0]), up(kv[1])
+                dke, dve = torch.zeros_like(ke), torch.zeros_like(ve)  # over the expanded heads, summed per group below
+                fused_backward(qa, ke, ve, dout, out, lse, calls, scale, dq, dke, dve)
+                mine[0] += _grouped(dke, groups)
+                mine[1] += _grouped(dve, groups)
+                del ke, ve, dke, dve
+            elif not ctx.fused and _meets(*pair):
                 ke, ve = up(kv[0]), up(kv[1])
                 for rows, allowed in _tiles(*pair):
                     qt, dt = qa[:, :, rows], dout[:, :, rows]
@@ -143,7 +224,7 @@ class _RingAttention(torch.autograd.Function):
                 incoming = _pass_on(dkv, group, ctx.stats, tag=1)
             if step < n - 1: _wait(works, ctx.stats); kv = nxt
         if incoming is not None: _wait(incoming[0], ctx.stats); dkv = incoming[1]
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), *(None,) * 8
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), *(None,) * 9
 
 def ring_attend(q: torch.Tensor,            # [B, H, m, D] this process's queries (all of its ring block's tokens)
                 k: torch.Tensor,            # [B, H_kv, m, D]
@@ -156,17 +237,22 @@ def ring_attend(q: torch.Tensor,            # [B, H, m, D] this process's querie
                 causal: bool = True,        # causal (else bidirectional) attention
                 stats: RingStats | None = None,  # counts block pairs met and skipped
                 tile: int = QUERY_TILE,     # query rows computed at once: a block pair's scores are [heads, tile, m]
+                kernel: str = "plain",      # "plain" (masked products in tiles) or "fused" (flash calls per document stretch, CPU)
                ) -> torch.Tensor:
     "Exact attention of this ring block's queries over every block's keys: `[B, H, m, D]`, differentiable."
     if not isinstance(tile, int) or isinstance(tile, bool) or tile < 2 * q.shape[-1]:  # shorter: scores smaller than a gradient product
         raise ValueError(f"tile must be an integer of at least 2 x head_dim = {2 * q.shape[-1]} query rows, got {tile!r}")
     if q.shape[1] % k.shape[1]: raise ValueError(f"{q.shape[1]} query heads do not group over {k.shape[1]} key/value heads")
+    if kernel not in KERNELS: raise ValueError(f"kernel {kernel!r} is not one of {KERNELS}")
+    if kernel == "fused" and q.device.type != "cpu":
+        raise ValueError(f"the fused ring kernel runs PyTorch's CPU flash attention; these tensors are on {q.device}: use kernel='plain'")
     n = 1 if group is None else dist.get_world_size(group)
     if tuple(ring_index.shape) != (n, q.shape[2]):
         raise ValueError(f"ring_index is {tuple(ring_index.shape)} but the ring has {n} blocks of {q.shape[2]} tokens: "
                          f"build the shards with ring_shard for this grid")
     return _RingAttention.apply(q, k, v, ring_index.to(q.device), doc.to(q.device), group,
-                                q.shape[-1] ** -0.5 if scale is None else scale, window, causal, stats or RingStats(), tile)
+                                q.shape[-1] ** -0.5 if scale is None else scale, window, causal, stats or RingStats(), tile,
+                                kernel == "fused" and not window)  # a sliding window runs the plain kernel: the CPU flash kernel has none
 
 # %% ../../nbs/02_sequence_parallel/06_sp_ring.ipynb #178fdaa3
 def documents(cu_seq_lens: torch.Tensor) -> torch.Tensor:
@@ -182,7 +268,7 @@ def ring_attention(module,                 # the attention module calling us
                    ring_index: torch.Tensor | None = None,     # [ring, m] from `ring_shard` (a forward keyword)
                    cu_seq_lens_q: torch.Tensor | None = None,  # global boundaries (kept by `ring_shard`)
                    **kwargs) -> tuple[torch.Tensor, None]:     # ([B, N/P, H, D], no weights)
-    "Hybrid attention: all-to-all to head shards over the Ulysses group, ring attention over the ring group, all-to-all back."
+    "Hybrid attention: all-to-all to head shards over the Ulysses group, ring attention over the ring group (its block-pair kernel from the forward keyword `ring_kernel`), all-to-all back."
     if sp_grid is None or ring_index is None or cu_seq_lens_q is None:
         raise ValueError("ring attention got no sp_grid, ring_index or cu_seq_lens_q: call the model through ring_forward with a "
                          "shard from ring_shard; if you did, this model does not pass forward keywords down to its attention, "
@@ -199,7 +285,7 @@ def ring_attention(module,                 # the attention module calling us
     causal = kwargs.get("is_causal")
     out = ring_attend(query, key, value, ring_index, documents(cu_seq_lens_q), sp_grid.group("ring"), kwargs.get("scaling"),
                       kwargs.get("sliding_window"), getattr(module, "is_causal", True) if causal is None else causal,
-                      sp_grid.stats).transpose(1, 2)  # [B, m, H/U, D]
+                      sp_grid.stats, kernel=kwargs.get("ring_kernel", "plain")).transpose(1, 2)  # [B, m, H/U, D]
     return to_token_shards(out, sp_grid).contiguous(), None  # [B, N/P, H, D]
 
 # %% ../../nbs/02_sequence_parallel/06_sp_ring.ipynb #5c861a66
@@ -212,12 +298,13 @@ def register_ring() -> str:
 def ring_forward(model,              # a transformers model built with attn_implementation=register_ring()
                  shard: dict,        # this process's shard from `ring_shard`
                  grid: ParallelGrid,   # the process grid
+                 kernel: str = "plain",  # the block-pair kernel: "plain" or "fused" (`ring_attend`)
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     "Run the model on one shard: this process's logits `[1, n, vocab]` (in its plan's token order) and its share of the exact loss."
     check_layout(model.config, grid.ulysses, grid.ring)  # arithmetic only: a bad layout fails here, before any work
     if "ring_index" not in shard: raise ValueError("the shard has no ring_index: build it with ring_shard (not ulysses.shard_batch)")
     inputs = {k: shard[k].to(model.device) if torch.is_tensor(shard[k]) else shard[k] for k in SHARD_KEYS}
-    logits = model(**inputs, ring_index=shard["ring_index"], use_cache=False, sp_grid=grid).logits
+    logits = model(**inputs, ring_index=shard["ring_index"], ring_kernel=kernel, use_cache=False, sp_grid=grid).logits
     return logits, sp_loss(logits, shard, grid)
 
 # %% ../../nbs/02_sequence_parallel/06_sp_ring.ipynb #ac0325f7
