@@ -92,11 +92,11 @@ def fused_calls(q_index: torch.Tensor, k_index: torch.Tensor, doc: torch.Tensor,
     """The fused calls of one block pair: per query stretch, the key rows of its document it sees whole (one call) and
     the stretch it sees causally (its own, on the diagonal pair). `(query rows, whole key rows or None, causal rows or None)`."""
     calls = []
-    keys = stretches(k_index, doc)
+    keys_of = {}  # document -> its key stretches: a query stretch looks only at its own document's
+    for k0, k1, k_pos, k_doc in stretches(k_index, doc): keys_of.setdefault(k_doc, []).append((k0, k1, k_pos))
     for q0, q1, q_pos, q_doc in stretches(q_index, doc):
         whole, own = [], None
-        for k0, k1, k_pos, k_doc in keys:
-            if k_doc != q_doc: continue
+        for k0, k1, k_pos in keys_of.get(q_doc, []):
             before = k_pos + (k1 - k0) <= q_pos  # every key before every query
             after = k_pos >= q_pos + (q1 - q0)
             same = (k_pos, k1 - k0) == (q_pos, q1 - q0)
