@@ -238,7 +238,8 @@ def measure_activations(config,                        # a transformers config (
     run = lambda layers: _run_fake(replace_layers(config, layers), local, sp, lv.checkpointing, lv.offload_checkpoints,
                                    lv.loss_chunk if lv.tiled_loss else None, mlp_chunk, lv.lean_kernels, dtype)
     start = time.perf_counter()
-    two, three = (run(2), run(3)) if not full_depth and shape.layers > 3 else (None, None)
+    extrapolate = not full_depth and shape.layers > 5  # 2 + 3 layers cost less than running every layer
+    two, three = (run(2), run(3)) if extrapolate else (None, None)
     if two is None or two.peak_op != three.peak_op or three.peak <= two.peak:  # not one layer-bound phase: run all
         t = run(shape.layers)
         return Measurement(t.peak, t.peak_op, t.host_peak, (shape.layers,), time.perf_counter() - start)
