@@ -285,11 +285,15 @@ def test_run_records_prediction(tmp_path):
 
 
 def test_unmodelled_runs_get_no_prediction():
-    "LoRA (no weight gradients for frozen weights) and mixtures of experts: no prediction, so no MFU is claimed."
-    from workbench.cost import run_prediction
+    """LoRA (no weight gradients for frozen weights), mixtures of experts and the fused ring kernel (the model counts the
+    plain one's tiles): no prediction, so no MFU is claimed, and `unmodelled` says why."""
+    from workbench.cost import run_prediction, unmodelled
     from workbench.config import TrainConfig
     plan = plan_bins(synthetic_lengths("flan", 32), 2048)
     assert run_prediction(TrainConfig(), tiny_config("llama"), plan) is not None
-    assert run_prediction(TrainConfig(model="mixtral"), tiny_config("mixtral"), plan) is None
+    assert run_prediction(TrainConfig(ring=2), tiny_config("llama"), plan) is not None and unmodelled(TrainConfig(), tiny_config("llama")) is None
     lora = TrainConfig(); lora.lora_r = 4  # set after construction: TrainConfig checks that peft is installed
-    assert run_prediction(lora, tiny_config("llama"), plan) is None
+    for cfg, model, why in ((TrainConfig(model="mixtral"), "mixtral", "does not model this architecture"),
+                            (lora, "llama", "does not model LoRA"),
+                            (TrainConfig(ring=2, ring_kernel="fused"), "llama", "not the fused one")):
+        assert run_prediction(cfg, tiny_config(model), plan) is None and why in unmodelled(cfg, tiny_config(model))

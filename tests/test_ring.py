@@ -26,7 +26,7 @@ from workbench.sp.balance import balanced_plan, imbalance, plan_row, PLANS, toke
 from workbench.sp.grid import check_layout, check_sp, choose_layout, ParallelGrid, sp_layouts
 from workbench.sp.measure import balance_markdown, balance_table
 from workbench.sp.proofs import Case, case_rows, check_ring, one_process, ring_losses
-from workbench.sp.ring import block_pairs, documents, register_ring, ring_forward
+from workbench.sp.ring import KERNELS, block_pairs, documents, register_ring, ring_forward
 from workbench.sp.shard import contiguous_plan, ring_shard
 
 F64 = [Case("llama", "sdpa", dtype="float64"),                  # MHA, 203 FLAN-like tokens (not a multiple of P)
@@ -250,13 +250,14 @@ def _torchrun_nodes(port: int, args: list, timeout: float = 240) -> list[str]:
 
 
 def test_train_ring_from_the_notebook_launcher_torchrun_nodes_and_accelerate_equals_one_process(tmp_path, capsys):
-    "workbench.train --ring: run() (forked ranks), two torchrun 'nodes' (Ulysses pairs {0,1}, {2,3}; rings {0,2}, {1,3}) and accelerate launch."
+    """workbench.train --ring: run() (forked ranks), two torchrun 'nodes' (Ulysses pairs {0,1}, {2,3}; rings {0,2}, {1,3};
+    the fused block-pair kernel) and accelerate launch."""
     from workbench.config import _config, _parser, TrainConfig
     from workbench.train import run
     common = dict(model="qwen2", data="orca_like", steps=2, max_tokens=512)
     one = run(TrainConfig(**common, out=str(tmp_path / "one")))
     hybrid = run(TrainConfig(**common, sp=2, ring=2, out=str(tmp_path / "hybrid")))
-    logs = _torchrun_nodes(free_port(), ["-m", "workbench.train", "--sp", "2", "--ring", "2", "--dp", "1", "--model", "qwen2",
+    logs = _torchrun_nodes(free_port(), ["-m", "workbench.train", "--sp", "2", "--ring", "2", "--ring-kernel", "fused", "--dp", "1", "--model", "qwen2",
                                          "--data", "orca_like", "--steps", "2", "--max-tokens", "512", "--out", str(tmp_path / "nodes")])
     nodes = json.loads(logs[0].strip().splitlines()[-1])["losses"]  # global rank 0 (node 0) prints the losses
     accel = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "4", "-m",
@@ -279,7 +280,9 @@ def test_train_ring_from_the_notebook_launcher_torchrun_nodes_and_accelerate_equ
     assert "expected_peak_bytes" in saved and saved["expected_peak_bytes"] is None  # fp32: the planner models bf16/fp16 only
     assert TrainConfig(sp=2, ring=2, dp=2).world == 8
     for bad, words in ((dict(ring=2, loss_chunk=64), "ring (--ring) > 1"), (dict(ring=2, attn="eager"), "ring (--ring) > 1"),
-                       (dict(ring=2, shard=True), "ring (--ring) > 1"), (dict(ring=0), "ring (--ring) must be an integer >= 1")):
+                       (dict(ring=2, shard=True), "ring (--ring) > 1"), (dict(ring=0), "ring (--ring) must be an integer >= 1"),
+                       (dict(ring=2, ring_kernel="flash"), "is not one of ('plain', 'fused')"),
+                       (dict(ring_kernel="fused"), "this run has no ring")):
         with pytest.raises(ValueError, match=re.escape(words)): TrainConfig(**bad)
     p = _parser()
     assert _config(p, p.parse_args(["--sp", "2", "--ring", "2", "--nproc", "8"]), 1).dp == 2
@@ -288,6 +291,26 @@ def test_train_ring_from_the_notebook_launcher_torchrun_nodes_and_accelerate_equ
     with pytest.raises(ValueError, match=r"ulysses=8 does not suit.*layouts of SP=16 that work: \[\(1, 16\), \(2, 8\), \(4, 4\)\]"):
         run(TrainConfig(model="qwen2", sp=8, ring=2, steps=1, out=str(tmp_path / "bad")))  # refused before any fork
     assert not (tmp_path / "bad").exists()
+    nodes_config = json.loads((tmp_path / "nodes" / "config.json").read_text())  # fused: no prediction for another kernel
+    assert nodes_config["ring_kernel"] == "fused" and nodes_config["expected_peak_bytes"] is None and "predicted" not in nodes_config
+
+
+def test_training_runs_the_configured_ring_kernel_and_refuses_fused_on_a_gpu(tmp_path, monkeypatch):
+    "--ring-kernel reaches the ring (a spy in place of ring_forward); on CUDA 'fused' is refused before any process starts."
+    from workbench.config import TrainConfig
+    from workbench.train import forward_backward, run
+    seen = []  # the training step hands the configured kernel to the ring (a spy in place of ring_forward)
+    def spy(model, shard, grid, kernel="plain"): seen.append(kernel); raise InterruptedError
+    for kernel in KERNELS:
+        with monkeypatch.context() as m, pytest.raises(InterruptedError):
+            m.setattr("workbench.train.ring_forward", spy)
+            forward_backward(None, [{"num_items_in_batch": 1}], None, TrainConfig(ring=2, ring_kernel=kernel), torch.device("cpu"))
+    assert seen == list(KERNELS)
+    with monkeypatch.context() as m:  # on a GPU the fused kernel is refused before any process starts
+        m.setattr("workbench.train._device", lambda: torch.device("cuda", 0))
+        with pytest.raises(ValueError, match=r"'fused' runs PyTorch's CPU flash attention and this run trains on cuda"):
+            run(TrainConfig(model="qwen2", ring=2, ring_kernel="fused", steps=1, out=str(tmp_path / "gpu")))
+    assert not (tmp_path / "gpu").exists()
 
 
 def test_launch_preflight_accepts_the_hybrid_split_and_names_bad_ones():

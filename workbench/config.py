@@ -14,6 +14,7 @@ import torch
 from fastcore.docments import docments
 
 from .core import model_families, tiny_config
+from .sp.ring import KERNELS
 
 # %% auto #0
 __all__ = ['DTYPES', 'BALANCES', 'PRESETS', 'flag', 'tracker_names', 'TrainConfig', 'model_config']
@@ -58,6 +59,7 @@ class TrainConfig:
     tokenizer: str = ""         # the tokenizer of the data and the checkpoints ('': the model directory's own; the shipped one for a shipped family)
     sp: int = 1                 # processes sharing one sequence (Ulysses)
     ring: int = 1               # ring attention degree: a row is split over sp x ring processes (Ulysses inside a node, the ring across)
+    ring_kernel: str = "plain"  # the ring's block-pair kernel: plain (masked products, any device) or fused (CPU flash attention per document stretch)
     dp: int = 1                 # data-parallel replicas
     steps: int = 10             # optimizer steps (a resumed run continues up to this step)
     max_tokens: int = 2048      # tokens per packed row (one row per micro-step per DP replica, cut into `sp` shards)
@@ -108,6 +110,12 @@ class TrainConfig:
         if self.ring > 1 and (self.attn != "sdpa" or self.loss_chunk or self.shard):
             raise ValueError("ring (--ring) > 1 computes attention with its own exact blocks and does not combine with "
                              "--attn other than sdpa, --loss-chunk or --shard yet: drop them or use --ring 1")
+        if self.ring_kernel not in KERNELS:
+            raise ValueError(f"ring_kernel (--ring-kernel) {self.ring_kernel!r} is not one of {KERNELS}: plain computes each "
+                             f"block pair as masked matrix products, fused as CPU flash-attention calls per document stretch")
+        if self.ring_kernel != "plain" and self.ring == 1:
+            raise ValueError(f"ring_kernel (--ring-kernel) {self.ring_kernel!r} chooses the ring's block-pair kernel, and this "
+                             f"run has no ring: set ring (--ring) to 2 or more, or drop --ring-kernel")
         if self.cpu_offload and not self.shard:
             raise ValueError("cpu_offload offloads the sharded states: set shard=True as well")
         self.report_to = tracker_names(self.report_to)  # a missing package is named here, before anything trains

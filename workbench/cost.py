@@ -35,7 +35,8 @@ __all__ = ['ATTENTION_WORK', 'ADAMW_BYTES', 'CPU_FLOP_FORMULAS', 'DEVICES', 'RAN
            'served_steps', 'plan_balanced', 'Device', 'cpu_device', 'device', 'run_device', 'Efficiency', 'HeldOut',
            'held_out', 'held_out_errors', 'Prediction', 'predict_step', 'calibrate', 'run_source', 'calibrate_run',
            'check_run', 'hf_blog_prediction', 'blog_source', 'hf_blog_table', 'run_options', 'cpu_efficiency',
-           'fresh_cpu', 'run_efficiency', 'run_prediction', 'measured_mfu', 'layout_name', 'Layouts', 'plan_layout']
+           'fresh_cpu', 'run_efficiency', 'unmodelled', 'run_prediction', 'measured_mfu', 'layout_name', 'Layouts',
+           'plan_layout']
 
 # %% ../nbs/04_planning/03_cost.ipynb #64bb0f7a
 ATTENTION_WORK = {  # how much of each document's query x key square an attention implementation computes
@@ -738,12 +739,19 @@ def run_efficiency() -> Efficiency:
     "The factors a run's prediction uses: the defaults on a GPU, `cpu_efficiency` (measured at a rank's threads) on a CPU."
     return cpu_efficiency(RANK_THREADS) if _kind(run_device().name) == "cpu" else Efficiency()
 
+def unmodelled(cfg, config) -> str | None:
+    "Why `run_prediction` predicts nothing for this run (None: it predicts): what the cost model does not count."
+    if getattr(cfg, "lora_r", 0): return "workbench.cost does not model LoRA (frozen weights take no weight gradients)"
+    if getattr(cfg, "ring", 1) > 1 and getattr(cfg, "ring_kernel", "plain") != "plain":
+        return f"workbench.cost counts the ring's plain block-pair kernel, not the {cfg.ring_kernel} one"
+    try: Dims.of(config)
+    except ValueError as e: return f"workbench.cost does not model this architecture ({e})"
+    return None
+
 def run_prediction(cfg, config, plan: Plan, efficiency: Efficiency | None = None, steps: int = 64,  # efficiency None: `run_efficiency()`
                    sampler: TokenBudgetSampler | None = None) -> Prediction | None:  # sampler: the run's (None: the token-balanced one)
-    "A run's predicted step: its first `steps` optimizer steps as the sampler serves them, each at its slowest rank, averaged (None for a LoRA run or an architecture `Dims` refuses: training goes on without)."
-    if getattr(cfg, "lora_r", 0): return None  # frozen weights take no weight gradients: not modelled, so no MFU claimed
-    try: Dims.of(config)
-    except ValueError: return None  # mixture of experts, no decoder layers: `Dims.of(config)` says why
+    "A run's predicted step: its first `steps` optimizer steps as the sampler serves them, each at its slowest rank, averaged (None where `unmodelled` says why: training goes on without)."
+    if unmodelled(cfg, config): return None  # not modelled, so no MFU claimed either
     served = (sampler or TokenBudgetSampler(plan, seed=cfg.seed, num_replicas=cfg.dp)).epoch_steps()
     served = np.resize(served, (-(-len(served) // cfg.grad_accum) * cfg.grad_accum, cfg.dp)).reshape(-1, cfg.grad_accum, cfg.dp)
     world = getattr(cfg, "world", cfg.sp * getattr(cfg, "ring", 1) * cfg.dp)  # its ranks, computing at once

@@ -56,6 +56,8 @@ def expected_memory(cfg: TrainConfig, dtype: torch.dtype = torch.bfloat16):
 
 def memory_readout(cfg: TrainConfig, dtype: torch.dtype = torch.bfloat16) -> tuple[int | None, str]:
     "The planned per-rank peak in `dtype` in bytes and the line saying it, or None and the line saying why the planner cannot."
+    if cfg.ring > 1 and cfg.ring_kernel != "plain":  # the planner's ring term is the plain kernel's tiles of block scores
+        return None, f"expected per-rank peak: not planned for the {cfg.ring_kernel} ring kernel (the planner models the plain one)"
     if dtype.itemsize != 2:  # the planner's activation terms are measured for bf16/fp16: no figure to compare with this run
         try: gpu = f"; the same run in bf16 on a GPU is planned at {expected_memory(cfg).gib:.3f} GiB per rank"
         except ValueError: gpu = ""

@@ -19,7 +19,7 @@ from tqdm import tqdm  # the text bar: forked ranks cannot draw notebook widgets
 from .attention import KEY as VARLEN_KEY, register as register_varlen
 from .checkpoint import SAVE_WAIT, check_out, latest_checkpoint, load_checkpoint, plan_id, save_checkpoint
 from .config import DTYPES, TrainConfig, _config, _parser, model_config
-from .cost import BalancedPlan, Dims, bin_costs, check_run, fresh_cpu, measured_mfu, plan_balanced, run_device, run_efficiency, run_options, run_prediction, served_steps
+from .cost import BalancedPlan, Dims, bin_costs, check_run, fresh_cpu, measured_mfu, plan_balanced, run_device, run_efficiency, run_options, run_prediction, served_steps, unmodelled
 from .core import model_families
 from .data import check_token_ids, run_features
 from .fsdp import reduce_gradients, shard_model
@@ -181,7 +181,7 @@ def setup_rank(cfg: TrainConfig,
     if process_rank() == 0:
         print(plan_readout(plan))
         print(balance_readout(cfg, imbalance))
-        print(predicted or "no step prediction: workbench.cost models neither LoRA nor this architecture's layers")
+        print(predicted or f"no step prediction: {unmodelled(cfg, model.config)}")
     pieces = plan.dataset(features)
     collate = FlatteningCollator(pad_to_multiple_of=cfg.sp, train_all_tokens=True)  # load_features decided the masks
     trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
@@ -229,7 +229,7 @@ def forward_backward(model, shards: list[dict], grid, cfg: TrainConfig, device: 
     step_loss = torch.zeros((), device=device)
     for shard in shards:
         micro = {**shard, "num_items_in_batch": step_trained}  # the shard keeps its own row's count (the metrics read it)
-        if cfg.ring > 1: _, loss = ring_forward(model, micro, grid)
+        if cfg.ring > 1: _, loss = ring_forward(model, micro, grid, cfg.ring_kernel)
         else: _, loss = sp_forward(model, micro, grid, cfg.loss_chunk or None)
         loss.backward()
         step_loss += loss.detach()
@@ -337,6 +337,9 @@ def train_rank(cfg: TrainConfig,
 # %% ../nbs/03_runtime/07_train.ipynb #d147a1b7
 def preflight_run(cfg: TrainConfig) -> tuple[list[dict], object]:
     "Refuse, before any process starts, a run that would fail inside one: model, attention, run directory, data; return the run's `(features, tokenizer)`, read once for every rank it forks."
+    if cfg.ring_kernel == "fused" and _device().type != "cpu":
+        raise ValueError(f"ring_kernel (--ring-kernel) 'fused' runs PyTorch's CPU flash attention and this run trains on "
+                         f"{_device().type}: use --ring-kernel plain there (exact on any device)")
     config = model_config(cfg)
     if cfg.ring > 1: check_layout(config, cfg.sp, cfg.ring, world_size=cfg.world)  # Ulysses degree vs heads; the ring the rest
     else: check_sp(config, cfg.sp, world_size=cfg.world)
