@@ -337,9 +337,10 @@ def train_rank(cfg: TrainConfig,
 # %% ../nbs/03_runtime/07_train.ipynb #d147a1b7
 def preflight_run(cfg: TrainConfig) -> tuple[list[dict], object]:
     "Refuse, before any process starts, a run that would fail inside one: model, attention, run directory, data; return the run's `(features, tokenizer)`, read once for every rank it forks."
-    if cfg.ring_kernel == "fused" and _device().type != "cpu":
+    device = _device().type
+    if cfg.ring_kernel == "fused" and device != "cpu":
         raise ValueError(f"ring_kernel (--ring-kernel) 'fused' runs PyTorch's CPU flash attention and this run trains on "
-                         f"{_device().type}: use --ring-kernel plain there (exact on any device)")
+                         f"{device}: use --ring-kernel plain there (exact on any device)")
     config = model_config(cfg)
     if cfg.ring > 1: check_layout(config, cfg.sp, cfg.ring, world_size=cfg.world)  # Ulysses degree vs heads; the ring the rest
     else: check_sp(config, cfg.sp, world_size=cfg.world)
