@@ -2,7 +2,7 @@
 gloo compute what one process computes, on packed rows of several documents.
 
 Two launches (2 and 4 processes) check many cases each: fp64 logits, loss and every parameter gradient within 1e-10
-relative error of one plain-sdpa process; fp32 per-step AdamW losses within 1e-6; the point-to-point elements counted at
+relative error of one plain-sdpa process; fp32 per-step AdamW losses within 1e-6 relative; the point-to-point elements counted at
 the dispatcher (ring sends and Ulysses all-to-alls) equal `comm_elements`; the block pairs skipped equal `skipped_blocks`'
 count from the row's positions (token by token, not the ring's own rule).
 `workbench.train --ring` from the notebook launcher and from two torchrun "nodes" of 2 processes each (Ulysses inside
@@ -38,6 +38,15 @@ F32 = [Case("qwen2", "eager"), Case("mistral", "sdpa"),
        Case("llama", "sdpa", checkpointing=True),  # layers recomputed in backward: the ring and the all-to-alls run again
        Case("qwen2", "sdpa", dtype="bfloat16")]    # bf16 blocks travel as bf16, statistics in fp32
 TOL = {"float32": 1e-5, "float64": 1e-10, "bfloat16": 3e-2}  # bf16: as close as two bf16 kernels get (measured ≤ 1.3e-2)
+# Per-step fp32 training losses (about 9 here) against one process: within 1e-6 relative, about 8 fp32 ulps. The ring
+# reorders the softmax sums: the fused kernel's 2x2 run lands 1 ulp away on one build box and 2 ulps (1.9e-6) on another
+# (AMD EPYC); the same run with documents ignored (a cross-document leak) lands 3.7e-4 relative away.
+LOSS_RTOL = 1e-6
+
+
+def close_losses(got: list, want: list) -> bool: return max(abs(a - b) / abs(b) for a, b in zip(got, want)) <= LOSS_RTOL
+
+
 TWO_HEADS = dict(num_attention_heads=2, num_key_value_heads=1)  # Ulysses alone stops at SP=2 (1 kv head)
 
 
@@ -221,12 +230,12 @@ def test_ring_of_four_hybrid_2x2_and_training_equal_one_process():
     for rank in per_rank:
         for got, layout in zip(rank[2:4], train):
             assert len(got["losses"]) == 3
-            assert max(abs(a - b) for a, b in zip(got["losses"], ref32["losses"])) <= 1e-6, (layout, got["losses"], ref32["losses"])
+            assert close_losses(got["losses"], ref32["losses"]), (layout, got["losses"], ref32["losses"])
         for got, layout in zip(rank[4:6], train):
             errors = [((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got["grads"], ref64["grads"])]
             assert len(errors) == 21 and max(errors) <= 1e-10, (layout, max(errors))
         fused_losses = rank[8]["losses"]
-        assert max(abs(a - b) for a, b in zip(fused_losses, ref32["losses"])) <= 1e-6, ("fused", fused_losses, ref32["losses"])
+        assert close_losses(fused_losses, ref32["losses"]), ("fused", fused_losses, ref32["losses"])
 
 
 # ---------------------------------------------------------------- workbench.train: --ring
@@ -268,7 +277,7 @@ def test_train_ring_from_the_notebook_launcher_torchrun_nodes_and_accelerate_equ
     accelerated = json.loads(accel.stdout.strip().splitlines()[-1])["losses"]
     assert len(one) == len(hybrid) == len(nodes) == len(accelerated) == 2 and min(one) > 1  # two steps that train something
     for got in (hybrid, nodes, accelerated):
-        assert max(abs(a - b) for a, b in zip(got, one)) <= 1e-6, (got, one)
+        assert close_losses(got, one), (got, one)
     metrics = [json.loads(l) for l in (tmp_path / "hybrid" / "metrics.jsonl").read_text().splitlines()]
     assert {m["rank"] for m in metrics} == {0, 1, 2, 3}
     for step in (0, 1):  # every real token on exactly one rank: the ranks' tokens add up to one process's
@@ -335,6 +344,6 @@ def test_cost_balanced_steps_with_a_ring_train_as_without_it(tmp_path):
     common = dict(model="qwen2", data="orca_like", dp=2, balance="cost", steps=3, max_tokens=256)
     ring = run(TrainConfig(**common, ring=2, out=str(tmp_path / "ring")))
     plain = run(TrainConfig(**common, out=str(tmp_path / "plain")))
-    assert len(ring) == 3 and max(abs(a - b) for a, b in zip(ring, plain)) <= 1e-6, (ring, plain)
+    assert len(ring) == 3 and close_losses(ring, plain), (ring, plain)
     saved = json.loads((tmp_path / "ring" / "config.json").read_text())
     assert set(saved["imbalance"]) == {"tokens", "cost"} and saved["predicted"]["step_s"] > 0
