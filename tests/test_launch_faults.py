@@ -94,6 +94,33 @@ def test_python_hang_ends_at_the_deadline_naming_the_stuck_rank(hang):
     _no_descendants()
 
 
+def test_a_stack_is_read_once_written_whole(tmp_path):
+    """faulthandler writes a stack piece by piece; read mid-write ("Current thread 0x", the rest 0.5 s later) a rank
+    waiting in `_all_finished` looked stuck and was blamed (a flake of the deadline test above)."""
+    import multiprocessing as mp
+    from workbench.launch import _stacks, _waits
+    ctx = mp.get_context("fork")
+    ready = ctx.Event()
+    def rank():
+        def dump(*_):
+            with open(tmp_path / "stack0.txt", "a") as f:
+                f.write("Current thread 0x00007f0000000000"); f.flush()
+                time.sleep(0.5)
+                f.write(' (most recent call first):\n  File "launch.py", line 9 in _all_finished\n'
+                        '  File "launch.py", line 1 in _rank_main\n')
+        signal.signal(signal.SIGUSR1, dump)
+        ready.set()
+        time.sleep(60)
+    p = ctx.Process(target=rank)
+    p.start()
+    try:
+        assert ready.wait(30)
+        stack = _stacks({0: p}, tmp_path)[0]
+    finally:
+        p.kill(); p.join()
+    assert " in _all_finished" in stack and _waits(stack), stack
+
+
 def test_four_ranks_name_the_one_that_vanished():
     def vanish_on_rank2():
         dist.all_reduce(torch.ones(1))

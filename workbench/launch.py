@@ -196,11 +196,17 @@ def _first_failure(ended: dict, exchange: Path, world_size: int) -> RankError:
                 if not (exchange / f"error{r}.pkl").exists()]
     return vanished[0] if vanished else min(_raised(exchange, world_size), key=lambda t: t[0])[1]
 
+def _written(exchange: Path, rank: int) -> bool:
+    """Has faulthandler written this rank's stack down to `_rank_main`, the frame every rank's code runs in? It writes
+    piece by piece: read earlier, a stack can be half a line ("Current thread 0x"), and a waiting rank looks stuck."""
+    path = exchange / f"stack{rank}.txt"
+    return path.exists() and " in _rank_main" in path.read_text()
+
 def _stacks(running: dict, exchange: Path) -> dict[int, str]:
-    "Ask every running rank for its Python stack (faulthandler on SIGUSR1) and collect them."
+    "Ask every running rank for its Python stack (faulthandler on SIGUSR1) and collect them once written whole."
     for p in running.values(): os.kill(p.pid, signal.SIGUSR1)
     end = time.monotonic() + 2
-    while time.monotonic() < end and not all(_stack(exchange, r) for r in running): time.sleep(0.02)
+    while time.monotonic() < end and not all(_written(exchange, r) for r in running): time.sleep(0.02)
     return {r: _stack(exchange, r) for r in running}
 
 def _waits(stack: str) -> bool:
