@@ -74,31 +74,51 @@ def test_resume_mid_epoch_and_mid_group_continues_exactly(lengths, taken):
     assert list(r) == list(nxt)  # and then the next epoch, reshuffled the same way
     old = {k: v for k, v in state.items() if k != "grouping"}  # a state saved before groupings were recorded: the default's
     with pytest.raises(ValueError, match="another grouping of the bins"): bal.sampler(1, seed=4).load_state_dict(old)
-    token = TokenBudgetSampler(bal.plan, seed=4, num_replicas=2, rank=1)
-    if len(token) == len(s): token.load_state_dict(old)  # the default grouping takes it
-    if len(token) == len(s):  # same row count: only the grouping tells them apart
-        with pytest.raises(ValueError, match="another grouping of the bins"): token.load_state_dict(state)
-    else:
-        with pytest.raises(ValueError, match="state was saved with steps="): token.load_state_dict(state)
+    token = TokenBudgetSampler(bal.plan, seed=4, num_replicas=2, rank=1, grad_accum=2)
+    assert len(token) == len(s)  # the same global batch, so the same rows: only the grouping tells them apart
+    token.load_state_dict(old)  # the default grouping takes it
+    with pytest.raises(ValueError, match="another grouping of the bins"): token.load_state_dict(state)
+    with pytest.raises(ValueError, match=re.escape("global batch of num_replicas x grad_accum = 2 x 2 bins per optimizer step")):
+        TokenBudgetSampler(bal.plan, seed=4, num_replicas=2, rank=1).load_state_dict(state)
+
+
+def test_a_cost_balanced_state_resumes_on_another_split_of_the_global_batch(lengths):
+    "Saved after 3 optimizer steps of 2 ranks x 2 micro-steps, resumed on 1 rank x 4 micro-steps: the same bins in every later step."
+    two = plan_balanced(lengths, 4096, 2, "qwen3-4b", grad_accum=2, seed=4)
+    one = plan_balanced(lengths, 4096, 1, "qwen3-4b", grad_accum=4, seed=4)
+    ranks = [two.sampler(r, seed=4) for r in (0, 1)]
+    streams = [iter(s) for s in ranks]
+    for _ in range(3 * 2):
+        for stream in streams: next(stream)
+    state = ranks[0].state_dict()
+    rest = [_bin_ids(two.plan, list(stream)) for stream in streams]  # the rest of the epoch, rank by rank
+    per_step_two = [sorted(rest[0][k:k + 2] + rest[1][k:k + 2]) for k in range(0, len(rest[0]), 2)]
+    resumed = one.sampler(0, seed=4)
+    resumed.load_state_dict(state)
+    got = _bin_ids(one.plan, list(resumed))
+    per_step_one = [sorted(got[k:k + 4]) for k in range(0, len(got), 4)]
+    assert len(per_step_one) == len(two.cost_steps) - 3 and per_step_one == per_step_two
+    inside = two.sampler(0, seed=4)
+    next(iter(inside))
+    with pytest.raises(ValueError, match="after micro-step 1 of an optimizer step of 2"): one.sampler(0, seed=4).load_state_dict(inside.state_dict())
 
 
 def test_bad_groupings_are_refused_with_the_fix(lengths):
     plan = plan_bins(lengths, 4096)
     n = len(plan.bins)
-    good = np.resize(np.arange(n), (-(-n // 4) * 2, 2))
-    assert len(TokenBudgetSampler(plan, num_replicas=2, steps=good, group=2)) == len(good)
+    good = np.resize(np.arange(n), (-(-n // 4), 4))  # optimizer steps of 2 micro-steps x 2 ranks
+    assert len(TokenBudgetSampler(plan, num_replicas=2, steps=good, grad_accum=2)) == 2 * len(good)
     cases = [
-        (dict(steps=good.reshape(-1)), "must be [n_steps, num_replicas=2]"),
-        (dict(steps=np.resize(np.arange(n), (-(-n // 3), 3))), "must be [n_steps, num_replicas=2]"),
-        (dict(steps=good.astype(float)), "integer bin ids"),
-        (dict(steps=np.where(good == 5, n, good)), f"bin id {n} (1 ids in all) outside the plan's {n} bins"),
-        (dict(steps=np.where(good == 5, -1, good)), "bin id -1"),
-        (dict(steps=good[:-1], group=2), f"{len(good) - 1} rows, not a multiple of group=2"),
-        (dict(steps=np.where(good == 5, 6, good)), f"never serve 1 of the plan's {n} bins (e.g. bin 5)"),
-        (dict(steps=np.zeros((0, 2), dtype=int)), f"never serve {n} of the plan's {n} bins"),
-        (dict(steps=good, group=0), "group must be a positive integer"),
-        (dict(steps=good, group=True), "group must be a positive integer"),
-        (dict(group=2), "pass steps= as well"),
+        (dict(steps=good.reshape(-1), grad_accum=2), "must be [n_steps, grad_accum x num_replicas = 4]"),
+        (dict(steps=good), "must be [n_steps, grad_accum x num_replicas = 2]"),  # 4 bins a step without grad_accum=2
+        (dict(steps=good.astype(float), grad_accum=2), "integer bin ids"),
+        (dict(steps=np.where(good == 5, n, good), grad_accum=2), f"bin id {n} (1 ids in all) outside the plan's {n} bins"),
+        (dict(steps=np.where(good == 5, -1, good), grad_accum=2), "bin id -1"),
+        (dict(steps=np.where(good == 5, 6, good), grad_accum=2), f"never serve 1 of the plan's {n} bins (e.g. bin 5)"),
+        (dict(steps=np.zeros((0, 4), dtype=int), grad_accum=2), f"never serve {n} of the plan's {n} bins"),
+        (dict(steps=good, grad_accum=0), "grad_accum must be a positive integer"),
+        (dict(steps=good, grad_accum=True), "grad_accum must be a positive integer"),
+        (dict(grad_accum=2.0), "grad_accum must be a positive integer"),
     ]
     for kwargs, msg in cases:
         with pytest.raises(ValueError, match=re.escape(msg)): TokenBudgetSampler(plan, num_replicas=2, **kwargs)
@@ -134,7 +154,7 @@ def test_a_cost_balanced_dp_run_trains_the_planned_groups_and_refuses_the_other_
     for balance in ("cost", "tokens"):
         for rank in (0, 1):
             plan, sampler, imbalance[balance] = plan_run(TrainConfig(**{**cfg.__dict__, "balance": balance}), model_config(cfg), feats, rank)
-            served = sampler.epoch_steps()[:, rank][:8].reshape(4, 2)  # 4 optimizer steps of 2 micro-steps
+            served = sampler.epoch_steps()[:4].reshape(4, 2, 2)[:, :, rank]  # 4 optimizer steps x 2 micro-steps x 2 ranks
             for step, bins in enumerate(served):
                 expect[balance, step, rank] = int(sum(plan.length[plan.bins[b]].sum() for b in bins))
     assert all(logged[s, r] == expect["cost", s, r] for s in range(4) for r in range(2)), (logged, expect)
@@ -165,7 +185,7 @@ def test_packed_trainer_cost_balance_trains_the_plan_and_resumes_exactly(tmp_pat
     full = mk(tmp_path / "full", record); full.train()
     bal = full.balanced
     assert bal.cost_steps.shape[1:] == (2, 1) and full.plan is bal.plan
-    served = bal.sampler(0, seed=42).epoch_steps()[:, 0]  # TrainingArguments' default seed
+    served = bal.sampler(0, seed=42).epoch_steps().reshape(-1)  # one rank: its micro-steps row by row (TrainingArguments' default seed)
     epoch = [sorted(int(bal.plan.length[i]) for i in bal.plan.bins[b]) for b in served]
     assert seen[:len(epoch)] == epoch[:len(seen)]  # the micro-steps in the planned order, each optimizer step whole
     half = mk(tmp_path / "half", save_strategy="steps", save_steps=2); half.train()

@@ -269,7 +269,7 @@ def test_set_epoch_and_state_rules():
     assert (s.state_dict()["epoch"], s.state_dict()["consumed"]) == (1, 0)
     with pytest.raises(ValueError, match="seed=2 but this sampler has seed=9"):
         TokenBudgetSampler(plan, seed=9).load_state_dict(s.state_dict())
-    with pytest.raises(ValueError, match="num_replicas=1 but this sampler has num_replicas=2"):
+    with pytest.raises(ValueError, match="num_replicas x grad_accum = 1 x 1 bins per optimizer step but this sampler serves 2 x 1"):
         TokenBudgetSampler(plan, seed=2, num_replicas=2).load_state_dict(s.state_dict())
     with pytest.raises(ValueError, match="steps="):
         TokenBudgetSampler(plan_bins([5] * 10, 5), seed=2).load_state_dict(s.state_dict())

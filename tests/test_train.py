@@ -169,3 +169,32 @@ def test_a_run_reads_its_data_once_for_all_its_ranks(tmp_path, monkeypatch):
     monkeypatch.setattr(T, "run_features", counted)
     losses = T.run(T.TrainConfig(sp=2, steps=2, max_tokens=256, data="orca_like", out=str(tmp_path / "run")))
     assert len(losses) == 2 and reads.read_text().split() == [str(os.getpid())]  # the parent's read, none in a rank
+
+
+# ---------------------------------------------------------------- resume on another layout (issue 29)
+
+def test_a_dp2_checkpoint_resumes_on_ulysses_and_on_a_ring_with_two_micro_steps(tmp_path):
+    """A checkpoint written on DP 2 continues on Ulysses 2 and on ring 2, each with 2 micro-steps per step (the same 2
+    bins per optimizer step): the remaining losses equal the uninterrupted DP 2 run's. Another global batch is refused
+    before any process starts, naming the fields, and leaves the run as it was."""
+    import re
+    import shutil
+    from workbench.checkpoint import latest_checkpoint
+    from workbench.config import TrainConfig
+    from workbench.train import run
+    common = dict(model="qwen2", data="orca_like", max_tokens=256)
+    straight = run(TrainConfig(**common, dp=2, steps=4, out=str(tmp_path / "straight")))
+    run(TrainConfig(**common, dp=2, steps=2, out=str(tmp_path / "saved")))
+    for name, layout in (("ulysses", dict(sp=2)), ("ring", dict(ring=2))):
+        out = tmp_path / name
+        shutil.copytree(tmp_path / "saved", out)
+        resumed = run(TrainConfig(**common, dp=1, grad_accum=2, steps=4, resume=True, out=str(out), **layout))
+        assert len(resumed) == 2 and max(abs(a - b) / abs(b) for a, b in zip(resumed, straight[2:])) <= 1e-5, (name, resumed, straight)
+        manifest = latest_checkpoint(out, say=lambda _: None)[1]
+        assert manifest["step"] == 4 and manifest["layout"] == {"dp": 1, "sp": 1, "ring": 1, "ring_kernel": "plain", "grad_accum": 2, **layout}
+    before = (tmp_path / "saved" / "metrics.jsonl").read_text()
+    words = "it trained 2 bins per optimizer step (dp x grad_accum = 2 x 1) and this run has 1 x 1 = 1 (--dp, --grad-accum)"
+    with pytest.raises(ValueError, match=re.escape(words)):
+        run(TrainConfig(**common, sp=2, steps=4, resume=True, out=str(tmp_path / "saved")))
+    assert (tmp_path / "saved" / "metrics.jsonl").read_text() == before
+    assert latest_checkpoint(tmp_path / "saved", say=lambda _: None)[1]["step"] == 2

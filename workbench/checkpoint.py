@@ -22,17 +22,30 @@ from .fsdp import full_state, is_sharded, load_full_state
 from .tracking import process_rank
 
 # %% auto #0
-__all__ = ['CHECKPOINTS', 'MODEL_DIR', 'ADAPTER_DIR', 'SAVE_WAIT', 'plan_id', 'save_model_dir', 'checkpoints',
-           'latest_checkpoint', 'commit_checkpoint', 'check_resume', 'check_out', 'save_checkpoint', 'load_checkpoint']
+__all__ = ['CHECKPOINTS', 'MODEL_DIR', 'ADAPTER_DIR', 'LAYOUT', 'SAVE_WAIT', 'dropout_of', 'plan_id', 'save_model_dir',
+           'checkpoints', 'latest_checkpoint', 'commit_checkpoint', 'check_resume', 'check_out', 'save_checkpoint',
+           'load_checkpoint']
 
 # %% ../nbs/03_runtime/05_checkpoint.ipynb #1c20deb6
 CHECKPOINTS = "checkpoints"  # out/checkpoints/step-000012/{state.pt, model/, manifest.json}
 MODEL_DIR = "model"          # inside a checkpoint: the directory `AutoModelForCausalLM.from_pretrained` loads
 ADAPTER_DIR = "adapter"      # inside a checkpoint of a LoRA run: the adapter `PeftModel.from_pretrained` loads onto model/
 _MAY_CHANGE = ("steps", "save_every", "keep", "timeout_s", "resume", "out", "name", "report_to")  # what a resumed run may change
+LAYOUT = ("dp", "sp", "ring", "ring_kernel", "grad_accum")  # how a step is split: a resumed run may change it, keeping dp x grad_accum
 SAVE_WAIT = timedelta(days=365)  # how long the other ranks wait for rank 0's save: outside the collective timeout
 
-def _identity(cfg: TrainConfig) -> dict: return {k: v for k, v in asdict(cfg).items() if k not in _MAY_CHANGE}
+def _identity(cfg: TrainConfig) -> dict: return {k: v for k, v in asdict(cfg).items() if k not in _MAY_CHANGE + LAYOUT}
+
+def _layout(cfg: TrainConfig) -> dict: return {k: getattr(cfg, k) for k in LAYOUT}
+
+def _layout_flags(layout: dict) -> str: return " ".join(f"{flag(k)} {v}" for k, v in layout.items())
+
+def dropout_of(config) -> dict:
+    "The dropout probabilities above zero in a model config: each rank draws its masks for its own shard of a row."
+    found = {}
+    for k, v in config.to_dict().items():
+        if "dropout" in k and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0: found[k] = v
+    return found
 
 def plan_id(plan) -> str:
     "A fingerprint of the packing plan: it changes when the data file (or how it packs) changes."
@@ -125,13 +138,27 @@ def commit_checkpoint(out: Path, step: int, state: dict, manifest: dict, keep: i
     for old, _ in checkpoints(out)[:-keep]: shutil.rmtree(old)
     return final
 
-def check_resume(cfg: TrainConfig, manifest: dict, where: Path, plan: str | None = None):
-    "Refuse to continue from a checkpoint of another run: name every field that differs, or a step count below it."
+def check_resume(cfg: TrainConfig, manifest: dict, where: Path, plan: str | None = None,
+                 config=None):  # the model's config: a layout change is refused for a model with dropout (None: not checked)
+    """Refuse to continue from a checkpoint of another run: name every field that differs, another global batch, a
+    layout change that cannot be exact, or a step count below it."""
     diff = [k for k, v in manifest["config"].items() if getattr(cfg, k, None) != v]
     if diff:
         was = ", ".join(f"{k}={manifest['config'][k]!r} ({flag(k)}; this run has {getattr(cfg, k)!r})" for k in diff)
         raise ValueError(f"cannot resume from {where}: it was written with {was}. Pass the same values to continue that "
                          f"run, or a new --out to start another")
+    layout = manifest.get("layout")  # absent: written before a run could change its layout (its config holds it)
+    if layout is not None and layout["dp"] * layout["grad_accum"] != cfg.global_batch:
+        was = layout["dp"] * layout["grad_accum"]
+        raise ValueError(f"cannot resume from {where}: it trained {was} bins per optimizer step (dp x grad_accum = "
+                         f"{layout['dp']} x {layout['grad_accum']}) and this run has {cfg.dp} x {cfg.grad_accum} = "
+                         f"{cfg.global_batch} (--dp, --grad-accum): keep dp x grad_accum = {was} (any --sp, --ring and split "
+                         f"of it) to continue that run, or a new --out to start another")
+    dropout = dropout_of(config) if config is not None and layout not in (None, _layout(cfg)) else {}
+    if dropout:
+        raise ValueError(f"cannot resume from {where} on another layout: the model draws dropout ({dropout}) and each rank "
+                         f"draws its masks for its own shard of a row, so the steps would not be the saved run's: resume "
+                         f"with {_layout_flags(layout)}, or train without dropout")
     if plan is not None and manifest["plan"] != plan:
         raise ValueError(f"cannot resume from {where}: the data {cfg.data!r} packs differently from when it was written "
                          f"(the file changed?): restore the data or start a new --out")
@@ -139,7 +166,8 @@ def check_resume(cfg: TrainConfig, manifest: dict, where: Path, plan: str | None
         raise ValueError(f"cannot resume from {where}: it is at step {manifest['step']} and steps (--steps) is {cfg.steps}: "
                          f"pass --steps {manifest['step']} or more (more continues the run)")
 
-def check_out(cfg: TrainConfig):
+def check_out(cfg: TrainConfig,
+              config=None):  # the model's config (`check_resume`)
     "Refuse a run directory that is a file, a new run over another run's checkpoints, or a resume from another config."
     out = Path(cfg.out)
     if out.exists() and not out.is_dir(): raise ValueError(f"out (--out) {cfg.out!r} is a file: pass a directory for the run")
@@ -147,7 +175,7 @@ def check_out(cfg: TrainConfig):
     if found and not cfg.resume:
         raise ValueError(f"out (--out) {cfg.out!r} holds a checkpoint of step {found[1]['step']}: pass --resume to "
                          f"continue that run, or a new --out (or delete {found[0].parent}) to start another")
-    if found and cfg.resume: check_resume(cfg, found[1], found[0])
+    if found and cfg.resume: check_resume(cfg, found[1], found[0], config=config)
 
 def _rng_state() -> dict:
     return {"cpu": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})}
@@ -164,7 +192,8 @@ def save_checkpoint(out: Path, step: int, model, opt, sampler, cfg: TrainConfig,
     if dist.is_initialized(): ranks = [None] * dist.get_world_size(); dist.all_gather_object(ranks, mine, group=wait_group)
     state = full_state(model, opt) if is_sharded(model) else {"model": model.state_dict(), "opt": opt.state_dict()}
     if process_rank() == 0:
-        commit_checkpoint(out, step, {**state, "ranks": ranks}, {"config": _identity(cfg), "plan": plan}, cfg.keep,
+        manifest = {"config": _identity(cfg), "layout": _layout(cfg), "plan": plan}
+        commit_checkpoint(out, step, {**state, "ranks": ranks}, manifest, cfg.keep,
                           lambda where: save_model_dir(model, state["model"], where, tokenizer))
     if dist.is_initialized(): dist.barrier(group=wait_group)  # the others wait here, not under the collective timeout
 
@@ -173,10 +202,17 @@ def load_checkpoint(out: Path, model, opt, sampler, cfg: TrainConfig, plan: str)
     found = latest_checkpoint(out, say=print if process_rank() == 0 else lambda _: None)
     if found is None: return 0
     where, manifest = found
-    check_resume(cfg, manifest, where, plan)
+    check_resume(cfg, manifest, where, plan, model.config)
     state = torch.load(where / "state.pt", map_location="cpu", weights_only=True)
     if is_sharded(model): load_full_state(model, opt, state)
     else: model.load_state_dict(state["model"]); opt.load_state_dict(state["opt"])
-    mine = state["ranks"][process_rank()]
+    saved_layout = manifest.get("layout", _layout(cfg))
+    moved = saved_layout != _layout(cfg)
+    # another layout: every rank takes rank 0's sampler position (all stand at the same step) and generators (a run seeds
+    # every rank alike, and without dropout none draws from them)
+    mine = state["ranks"][0 if moved else process_rank()]
     sampler.load_state_dict(mine["sampler"]); _set_rng_state(mine["rng"])
+    if moved and process_rank() == 0:
+        print(f"resumed on another layout: {_layout_flags(saved_layout)} -> {_layout_flags(_layout(cfg))} "
+              f"(the same {cfg.global_batch} bins per optimizer step)")
     return manifest["step"]

@@ -88,6 +88,9 @@ class TrainConfig:
     @property
     def world(self) -> int: return self.sp * self.ring * self.dp
 
+    @property
+    def global_batch(self) -> int: return self.dp * self.grad_accum  # plan bins per optimizer step: one per DP replica per micro-step
+
     def __post_init__(self):  # before anything plans or launches: the planner would otherwise name its own option
         for name, low in _AT_LEAST.items():
             v = getattr(self, name)

@@ -353,9 +353,10 @@ class BalancedPlan:
                 shuffle: bool = True,  # a new order of the optimizer steps every epoch (each kept whole)
                 seed: int = 0,         # the seed of that order; the same on every rank
                ) -> TokenBudgetSampler:
-        "The `TokenBudgetSampler` that serves `cost_steps` to `rank`: micro-step by micro-step, one optimizer step's together."
-        _, grad_accum, dp = self.cost_steps.shape
-        return TokenBudgetSampler(self.plan, shuffle, seed, dp, rank, steps=self.cost_steps.reshape(-1, dp), group=grad_accum)
+        "The `TokenBudgetSampler` that serves `cost_steps` to `rank`: one optimizer step per row, micro-step by micro-step."
+        n_steps, grad_accum, dp = self.cost_steps.shape
+        steps = self.cost_steps.reshape(n_steps, grad_accum * dp)  # column a * dp + r: micro-step a of rank r
+        return TokenBudgetSampler(self.plan, shuffle, seed, dp, rank, steps=steps, grad_accum=grad_accum)
     def __repr__(self): return "\n".join(f"{k}: {v}" for k, v in self.rows())
     def _repr_markdown_(self): return "\n".join(["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in self.rows()])
 
@@ -376,9 +377,9 @@ def served_steps(plan: Plan,      # the bins (`plan_bins`)
                 grad_accum: int,  # micro-steps per optimizer step
                 seed: int = 0,    # the sampler's seed
                ) -> np.ndarray:
-    "The bins the token-budget sampler serves, `[optimizer steps, grad_accum, dp]`, as training reads them (the last step filled by wrapping)."
-    served = TokenBudgetSampler(plan, seed=seed, num_replicas=dp).epoch_steps()  # [sampler steps, dp]
-    return np.resize(served, (-(-len(served) // grad_accum) * grad_accum, dp)).reshape(-1, grad_accum, dp)
+    "The bins the token-budget sampler serves, `[optimizer steps, grad_accum, dp]`, as training reads them (the last step completed by repeating bins)."
+    served = TokenBudgetSampler(plan, seed=seed, num_replicas=dp, grad_accum=grad_accum).epoch_steps()  # [steps, grad_accum * dp]
+    return served.reshape(len(served), grad_accum, dp)
 
 def plan_balanced(lengths,                 # per-example token counts (or anything `plan_bins` reads)
                   capacity: int,           # token budget of one bin (a row of one micro-step)
@@ -752,8 +753,8 @@ def run_prediction(cfg, config, plan: Plan, efficiency: Efficiency | None = None
                    sampler: TokenBudgetSampler | None = None) -> Prediction | None:  # sampler: the run's (None: the token-balanced one)
     "A run's predicted step: its first `steps` optimizer steps as the sampler serves them, each at its slowest rank, averaged (None where `unmodelled` says why: training goes on without)."
     if unmodelled(cfg, config): return None  # not modelled, so no MFU claimed either
-    served = (sampler or TokenBudgetSampler(plan, seed=cfg.seed, num_replicas=cfg.dp)).epoch_steps()
-    served = np.resize(served, (-(-len(served) // cfg.grad_accum) * cfg.grad_accum, cfg.dp)).reshape(-1, cfg.grad_accum, cfg.dp)
+    sampler = sampler or TokenBudgetSampler(plan, seed=cfg.seed, num_replicas=cfg.dp, grad_accum=cfg.grad_accum)
+    served = sampler.epoch_steps().reshape(-1, cfg.grad_accum, cfg.dp)
     world = getattr(cfg, "world", cfg.sp * getattr(cfg, "ring", 1) * cfg.dp)  # its ranks, computing at once
     opts, dev, efficiency = run_options(cfg), run_device(world), efficiency or run_efficiency()
     slowest = [max((_predict_step(config, [plan.length[plan.bins[b]] for b in step[:, r]], dev, efficiency, **opts)

@@ -299,7 +299,8 @@ class PackedMixin:
             return _BudgetLoader(self.stream, batch_size=None, pin_memory=args.dataloader_pin_memory)
         seed = args.data_seed if args.data_seed is not None else args.seed
         sampler = (self.balanced.sampler(args.process_index, seed=seed) if self.balanced else
-                   TokenBudgetSampler(self.plan, seed=seed, num_replicas=args.world_size, rank=args.process_index))
+                   TokenBudgetSampler(self.plan, seed=seed, num_replicas=args.world_size, rank=args.process_index,
+                                      grad_accum=args.gradient_accumulation_steps))
         return _BudgetLoader(self.plan.dataset(ds), batch_sampler=sampler, collate_fn=collate,
                              num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory)
 

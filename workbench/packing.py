@@ -563,110 +563,123 @@ class PlannedFeatures(torch.utils.data.Dataset):
         return f if lo == 0 and n == T else _cut_example(f, lo, n, T)
 
 # %% ../nbs/01_packing/02_packing.ipynb #45dda825
-def _given_steps(steps, n_bins: int, num_replicas: int, group: int) -> np.ndarray:
-    "`steps` as an int64 `[n_steps, num_replicas]` array of bin ids that serves every bin in whole groups, or an error naming the fix."
-    if not isinstance(group, (int, np.integer)) or isinstance(group, bool) or group < 1:
-        raise ValueError(f"group must be a positive integer (micro-steps per optimizer step), got {group!r}")
+def _given_steps(steps, n_bins: int, width: int) -> np.ndarray:
+    "`steps` as an int64 `[n_steps, width]` array of bin ids (one optimizer step per row) that serves every bin, or an error naming the fix."
     a = np.asarray(steps)
-    if a.ndim != 2 or a.shape[1] != num_replicas:
-        raise ValueError(f"steps has shape {list(a.shape)}; it must be [n_steps, num_replicas={num_replicas}]: one bin id per rank "
-                         f"per step (a [steps, grad_accum, dp] array: reshape(-1, dp))")
+    if a.ndim != 2 or a.shape[1] != width:
+        raise ValueError(f"steps has shape {list(a.shape)}; it must be [n_steps, grad_accum x num_replicas = {width}]: one row "
+                         f"per optimizer step, micro-step by micro-step (a [steps, grad_accum, dp] array: reshape(len(steps), -1))")
     if a.size and a.dtype.kind not in "iu": raise ValueError(f"steps must hold integer bin ids, got dtype {a.dtype}")
     a = a.astype(np.int64)
-    if len(a) % group:
-        raise ValueError(f"steps has {len(a)} rows, not a multiple of group={group}: complete the last group (repeat bins) "
-                         f"or pass the group the rows were made in")
     bad = a[(a < 0) | (a >= n_bins)]
     if bad.size: raise ValueError(f"steps holds bin id {int(bad[0])} ({bad.size} ids in all) outside the plan's {n_bins} bins [0, {n_bins})")
     unserved = np.setdiff1d(np.arange(n_bins), a)
     if unserved.size:
         raise ValueError(f"steps never serve {unserved.size} of the plan's {n_bins} bins (e.g. bin {int(unserved[0])}): an epoch "
-                         f"must cover the plan; place them in steps (repeating bins to complete a group) or plan without them")
+                         f"must cover the plan; place them in steps (repeating bins to complete a step) or plan without them")
     return a
 
 class TokenBudgetSampler(torch.utils.data.Sampler):
-    """Batch sampler yielding the piece ids of one plan bin per step, shuffled per epoch, balanced over ranks, resumable.
+    """Batch sampler yielding the piece ids of one plan bin per micro-step, shuffled per epoch, balanced over ranks,
+    resumable, also on another split of the same global batch.
 
-    Its state is (epoch, steps consumed). Iterated directly or by a `DataLoader` with `num_workers=0`, a step counts as
-    consumed when it is yielded. A `DataLoader` with workers fetches steps ahead of its consumer: iterate it through
-    `ResumableLoader`, which records the steps the consumer received. `set_epoch(e)` starts epoch `e` from its first step,
-    unless the sampler is already in epoch `e` (for instance just restored), where it keeps its position.
+    Its table holds one row per optimizer step: `grad_accum` micro-steps of `num_replicas` ranks, micro-step `a` of rank
+    `r` at column `a * num_replicas + r`. Bins of similar size share a row (a step is as slow as its fullest rank), so a
+    step serves the same bins however its global batch (`num_replicas * grad_accum`) is split. Its state is (epoch,
+    micro-steps consumed). Iterated directly or by a `DataLoader` with `num_workers=0`, a micro-step counts as consumed
+    when it is yielded. A `DataLoader` with workers fetches ahead of its consumer: iterate it through `ResumableLoader`,
+    which records what the consumer received. `set_epoch(e)` starts epoch `e` from its first step, unless the sampler is
+    already in epoch `e` (for instance just restored), where it keeps its position.
 
-    `steps` serves a grouping made elsewhere (e.g. `workbench.cost.BalancedPlan.sampler`) exactly as given: each row is
-    one sampler step, one bin per rank, and shuffling moves whole groups of `group` consecutive rows (one optimizer step
-    of `group` micro-steps), never what is inside one."""
+    `steps` serves a grouping made elsewhere (e.g. `workbench.cost.BalancedPlan.sampler`) exactly as given, one optimizer
+    step per row; shuffling moves whole rows, never what is inside one."""
     def __init__(self, plan: Plan,
                  shuffle: bool = True,  # a new order of the steps every epoch (deterministic in `seed` and the epoch)
                  seed: int = 0,         # the seed of that order; the same on every rank
-                 num_replicas: int = 1, # data-parallel ranks; each step holds one bin per rank
+                 num_replicas: int = 1, # data-parallel ranks; each micro-step holds one bin per rank
                  rank: int = 0,         # this process's rank in [0, num_replicas)
-                 steps=None,            # a grouping to serve: [n_steps, num_replicas] bin ids covering every bin (None: bins of similar size side by side)
-                 group: int = 1):       # with `steps`: consecutive rows that form one optimizer step (kept together by the shuffle)
-        if num_replicas < 1 or not 0 <= rank < num_replicas:
+                 steps=None,            # a grouping to serve: [n_steps, grad_accum * num_replicas] bin ids covering every bin (None: bins of similar size side by side)
+                 grad_accum: int = 1):  # micro-steps per optimizer step: each rank takes this many bins of every row
+        for name, v in (("num_replicas", num_replicas), ("grad_accum", grad_accum)):
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} is outside num_replicas={num_replicas}: need 0 <= rank < num_replicas")
         if not plan.bins: raise ValueError("the plan has no bins: nothing to sample (is the dataset empty, or does none of it train?)")
         self.plan, self.shuffle, self.seed, self.num_replicas, self.rank = plan, shuffle, seed, num_replicas, rank
-        self.epoch, self.consumed, self.given, self.group = 0, 0, steps is not None, group
+        self.epoch, self.consumed, self.given, self.grad_accum = 0, 0, steps is not None, grad_accum
+        width = num_replicas * grad_accum  # the global batch: bins per optimizer step
         if steps is None:
-            if group != 1: raise ValueError(f"group={group} groups the rows of a given grouping: pass steps= as well")
             by_size = np.argsort(-plan.bin_tokens, kind="stable")
-            steps = np.resize(by_size, (-(-len(by_size) // num_replicas), num_replicas))  # repeats the largest bins when it runs out
-        else: steps = _given_steps(steps, len(plan.bins), num_replicas, group)
+            steps = np.resize(by_size, (-(-len(by_size) // width), width))  # repeats the largest bins when it runs out
+        else: steps = _given_steps(steps, len(plan.bins), width)
         self.steps = steps
         self.repeated = steps.size - len(plan.bins)  # bins served twice so every rank takes the same steps
 
-    def __len__(self): return len(self.steps)
+    def __len__(self): return len(self.steps) * self.grad_accum  # micro-steps per epoch, on every rank
 
     def _roll(self):
         "A finished epoch is the start of the next one."
-        if self.consumed >= len(self.steps): self.epoch, self.consumed = self.epoch + 1, 0
+        if self.consumed >= len(self): self.epoch, self.consumed = self.epoch + 1, 0
 
     def set_epoch(self, epoch: int):
         self._roll()
         if epoch != self.epoch: self.epoch, self.consumed = epoch, 0
 
     def epoch_steps(self) -> np.ndarray:
-        "This epoch's `[steps, num_replicas]` bin ids, in serving order (the same on every rank)."
+        "This epoch's `[optimizer steps, grad_accum * num_replicas]` bin ids, in serving order (the same on every rank)."
         if not self.shuffle: return self.steps
         rng = np.random.default_rng([self.seed, self.epoch])
-        groups = self.steps.reshape(-1, self.group, self.num_replicas)  # group 1 (the default): every row on its own
-        steps = groups[rng.permutation(len(groups))].reshape(-1, self.num_replicas)
-        if self.given: return steps  # a given grouping is served as given: only whole groups move
+        steps = self.steps[rng.permutation(len(self.steps))]
+        if self.given: return steps  # a given grouping is served as given: only whole steps move
         return np.take_along_axis(steps, rng.random(steps.shape).argsort(1), 1)
 
     def __iter__(self):
         self._roll()
-        start = self.consumed
-        for k, step in enumerate(self.epoch_steps()[start:], start + 1):
-            self.consumed = k  # counted when handed over: exact for a consumer that iterates this sampler itself
-            yield self.plan.bins[step[self.rank]].tolist()
+        table = self.epoch_steps()
+        for k in range(self.consumed, len(self)):
+            step, micro = divmod(k, self.grad_accum)
+            column = micro * self.num_replicas + self.rank
+            self.consumed = k + 1  # counted when handed over: exact for a consumer that iterates this sampler itself
+            yield self.plan.bins[table[step, column]].tolist()
         self._roll()
 
     def state_dict(self) -> dict:
         self._roll()
         return {"epoch": self.epoch, "consumed": self.consumed, "seed": self.seed, "steps": len(self.steps),
-                "num_replicas": self.num_replicas, "grouping": self.grouping}
+                "num_replicas": self.num_replicas, "grad_accum": self.grad_accum, "grouping": self.grouping}
 
     @property
     def grouping(self) -> str:
-        "A fingerprint of the rows served and how they are grouped: a resume from another grouping is refused."
-        return hashlib.sha256(self.steps.astype(np.int64).tobytes() + f"|{self.group}|{self.given}".encode()).hexdigest()[:16]
+        """A fingerprint of the bins each optimizer step serves: a resume from another grouping is refused. A given
+        grouping is fingerprinted by each step's set of bins (cost balance deals them to ranks by the layout)."""
+        table = np.sort(self.steps, 1) if self.given else self.steps
+        return hashlib.sha256(table.astype(np.int64).tobytes() + f"|{self.given}".encode()).hexdigest()[:16]
 
     def load_state_dict(self, state: dict):
-        want = {"seed": self.seed, "num_replicas": self.num_replicas, "steps": len(self.steps)}
-        missing = sorted({"epoch", "consumed", *want} - set(state))
+        "Restore a position, also one saved on another split of the same global batch (at an optimizer-step boundary)."
+        missing = sorted({"epoch", "consumed", "seed", "steps", "num_replicas"} - set(state))
         if missing: raise ValueError(f"state lacks {missing}: pass what TokenBudgetSampler.state_dict() returned")
-        for k, v in want.items():
+        accum = state.get("grad_accum", 1)  # absent: saved when every rank took one bin per row
+        if state["num_replicas"] * accum != self.num_replicas * self.grad_accum:
+            raise ValueError(f"state was saved with a global batch of num_replicas x grad_accum = {state['num_replicas']} x "
+                             f"{accum} bins per optimizer step but this sampler serves {self.num_replicas} x {self.grad_accum}: "
+                             f"rebuild it with the same global batch (any split of it over ranks and micro-steps)")
+        for k, v in {"seed": self.seed, "steps": len(self.steps)}.items():
             if state[k] != v:
                 raise ValueError(f"state was saved with {k}={state[k]} but this sampler has {k}={v}: rebuild it from the "
-                                 f"same plan, seed and num_replicas as the run that saved it")
+                                 f"same plan, seed and global batch as the run that saved it")
         was = state.get("grouping")  # absent: saved before groupings were recorded, so by the default grouping
         if was != self.grouping and (was is not None or self.given):
             raise ValueError("state was saved by a sampler serving another grouping of the bins (tokens against cost "
-                             "balance, or other steps/group): rebuild it with the steps and group of the run that saved it")
-        if not 0 <= state["consumed"] <= len(self.steps):
-            raise ValueError(f"state has consumed={state['consumed']}, outside [0, {len(self.steps)}]")
-        self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
+                             "balance, or other steps): rebuild it with the steps of the run that saved it")
+        if not 0 <= state["consumed"] <= len(self.steps) * accum:
+            raise ValueError(f"state has consumed={state['consumed']}, outside [0, {len(self.steps) * accum}]")
+        step, micro = divmod(int(state["consumed"]), accum)
+        if micro and accum != self.grad_accum:
+            raise ValueError(f"state was saved after micro-step {micro} of an optimizer step of {accum}: only a state at an "
+                             f"optimizer-step boundary resumes on another split; use grad_accum={accum}")
+        self.epoch, self.consumed = int(state["epoch"]), step * self.grad_accum + micro
         self._roll()
 
 class ResumableLoader(torch.utils.data.DataLoader):

@@ -108,7 +108,7 @@ def plan_run(cfg: TrainConfig, config,
         return bal.plan, bal.sampler(rank, seed=cfg.seed), {"tokens": bal.token_imbalance, "cost": bal.cost_imbalance}
     plan = plan_bins(lengths, cfg.max_tokens, overlong="split", seed=cfg.seed)
     imbalance = {"tokens": token_imbalance(cfg, config, plan)} if cost_modelled(cfg, config) else None
-    return plan, TokenBudgetSampler(plan, seed=cfg.seed, num_replicas=cfg.dp, rank=rank), imbalance
+    return plan, TokenBudgetSampler(plan, seed=cfg.seed, num_replicas=cfg.dp, rank=rank, grad_accum=cfg.grad_accum), imbalance
 
 def check_trained(trained: int, step: int, rows) -> None:
     "Refuse an optimizer step whose bins train no token on any rank: its loss would read 0.0 and AdamW would still move the weights."
@@ -351,7 +351,7 @@ def preflight_run(cfg: TrainConfig) -> tuple[list[dict], object]:
     except KeyError: raise ValueError(f"attn (--attn) {cfg.attn!r}: {config.model_type} models do not look attention up in "
                                       f"transformers' AttentionInterface, so they cannot run a registered one: use sdpa or eager") from None
     cost_modelled(cfg, config)  # balance 'cost' on an architecture the cost model refuses: said here
-    check_out(cfg)
+    check_out(cfg, config)
     features, tokenizer = run_features(cfg)
     check_token_ids(features, config.vocab_size, cfg.data)
     return features, tokenizer
