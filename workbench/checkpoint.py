@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .config import TrainConfig, flag
+from .core import no_hf_bars
 from .fsdp import full_state, is_sharded, load_full_state
 from .tracking import process_rank
 
@@ -88,17 +89,12 @@ def save_model_dir(model,                 # the trained model (plain, Ulysses or
             clean = get_peft_model(clean, copy.deepcopy(lora))
             weights = {f"base_model.model.{k}": v for k, v in weights.items()}  # the PeftModel's names
     clean.load_state_dict(weights, assign=True)  # the full tensors themselves, no copy; strict: every key must match
-    from transformers.utils import logging as hf_logging
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # no "Writing model shards" bar breaking into the training bar at every save
-    try:
+    with no_hf_bars():  # no "Writing model shards" bar breaking into the training bar at every save
         if lora is not None:
             clean.save_pretrained(where / ADAPTER_DIR)
             clean = clean.unload()  # the base model, its layers without the adapters
         clean.tie_weights()  # a tied head is one tensor again (the assignment gave it its own)
         clean.save_pretrained(where / MODEL_DIR)
-    finally:
-        if bars: hf_logging.enable_progress_bar()
     if tokenizer is not None: tokenizer.save_pretrained(where / MODEL_DIR)
     return where / MODEL_DIR
 

@@ -6,6 +6,7 @@
 from __future__ import annotations
 import json
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import torch
 __all__ = ['IGNORE_INDEX', 'SAMPLES', 'SHRINK', 'EXPERTS', 'TOP_K', 'LAYER_KINDS', 'NOT_PER_LAYER', 'cu_seq_lens', 'example_ids',
            'restart_positions', 'lengths_from_positions', 'check_packed_batch', 'shift_labels', 'data_dir',
            'load_records', 'load_tokenizer', 'bos_eos', 'tokenize_records', 'load_sample', 'model_families',
-           'tiny_config', 'tiny_model', 'as_config', 'shrink_config', 'config_sizes', 'shrink_table']
+           'tiny_config', 'tiny_model', 'as_config', 'shrink_config', 'config_sizes', 'shrink_table', 'no_hf_bars']
 
 # %% ../nbs/01_packing/01_core.ipynb #3feea6d6
 IGNORE_INDEX = -100  # the label value that the loss skips
@@ -302,3 +303,14 @@ def _quiet_deepspeed_cpu_guess():
     if not any(type(f).__name__ == "_DeepSpeedCPUGuess" for f in log.filters): log.addFilter(_DeepSpeedCPUGuess())
 
 _quiet_deepspeed_cpu_guess()
+
+# %% ../nbs/01_packing/01_core.ipynb #98a450eb
+@contextmanager
+def no_hf_bars():
+    "transformers' progress bars off inside the block (loading or writing weights), as they were after it."
+    from transformers.utils import logging as hf_logging
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try: yield
+    finally:
+        if bars: hf_logging.enable_progress_bar()

@@ -20,7 +20,7 @@ from .attention import KEY as VARLEN_KEY, register as register_varlen
 from .checkpoint import SAVE_WAIT, check_out, latest_checkpoint, load_checkpoint, plan_id, save_checkpoint
 from .config import DTYPES, TrainConfig, _config, _parser, model_config
 from .cost import BalancedPlan, Dims, bin_costs, check_run, fresh_cpu, measured_mfu, plan_balanced, run_device, run_efficiency, run_options, run_prediction, served_steps, unmodelled
-from .core import model_families
+from .core import model_families, no_hf_bars
 from .data import check_token_ids, run_features
 from .fsdp import reduce_gradients, shard_model
 from .launch import launch
@@ -61,8 +61,9 @@ def build_model(cfg: TrainConfig, attn_implementation: str, device: torch.device
     config = model_config(cfg)
     torch.manual_seed(cfg.seed)
     weights = cfg.model not in model_families() and any(p.suffix in (".safetensors", ".bin") for p in Path(cfg.model).iterdir())
-    model = (AutoModelForCausalLM.from_pretrained(cfg.model, attn_implementation=attn_implementation, dtype=dtype) if weights
-             else AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype))
+    with no_hf_bars():  # no "Loading weights" bar around a notebook's result
+        model = (AutoModelForCausalLM.from_pretrained(cfg.model, attn_implementation=attn_implementation, dtype=dtype) if weights
+                 else AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype))
     if cfg.lora_r: add_lora(model, cfg.lora_r)  # before the patches: a tiled MLP must see the adapters' parameters
     if cfg.checkpointing: checkpoint_layers(model, offload=cfg.offload_checkpoints)
     if cfg.lean_kernels: lean_kernels(model)  # before tile_mlp, whose tiles then run the lean MLP
