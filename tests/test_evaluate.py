@@ -59,6 +59,9 @@ def test_bad_input_is_refused_before_any_process_starts(held_out, tmp_path):
         evaluate(TrainConfig(model="qwen2", max_tokens=64), held_out)
     with pytest.raises(ValueError, match="sp_size=8 is more than the 4 attention heads"):
         evaluate(TrainConfig(model="qwen2", sp=8), held_out)
+    prompts_only = [{"input_ids": f["input_ids"], "labels": [-100] * len(f["input_ids"])} for f in held_out[:2]]
+    with pytest.raises(ValueError, match="none of the 2 examples has a trained target"):
+        evaluate(TrainConfig(model="qwen2", max_tokens=512), prompts_only)
     cli = subprocess.run([sys.executable, "-m", "workbench.evaluate", "--lr", "0.1", "--steps", "3"], capture_output=True,
                          text=True, timeout=120, cwd=ROOT)
     assert cli.returncode == 2 and "--steps, --lr do not apply to evaluation" in cli.stderr, cli.stderr

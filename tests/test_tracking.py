@@ -149,6 +149,22 @@ def test_finish_after_an_error_and_a_failed_start(tmp_path, monkeypatch):
     assert calls(tmp_path / "b") == ["start", "config sp=1", "finish"] and read_metrics(tmp_path / "b") == []
 
 
+def test_sigterm_inside_a_tracker_write_ends_the_run_after_the_row(tmp_path, monkeypatch):
+    """SIGTERM (how launch and torchrun end a rank after Ctrl-C) arriving while a tracker writes: the write completes,
+    then the run ends as SystemExit and finishes every tracker. Raised at once (the old handler), it cut the write off,
+    and a CI run once lost TensorBoard's and the probe's finish that way."""
+    out = tmp_path / "run"
+    def terminated_mid_write(step):
+        if step != 1: return
+        os.kill(os.getpid(), signal.SIGTERM)
+        with (out / "probe" / "calls.txt").open("a") as f: f.write("log 1 written whole\n")
+    monkeypatch.setattr(Probe, "on_log", staticmethod(terminated_mid_write))
+    with pytest.raises(SystemExit) as e: train_rank(TrainConfig(steps=3, report_to="probe", out=str(out), **SMALL))
+    assert e.value.code == 128 + signal.SIGTERM
+    assert calls(out) == ["start", "config sp=1", "log 0", "log 1", "log 1 written whole", "finish"]
+    assert [r["step"] for r in read_metrics(out)] == [0, 1]  # the row in progress was written and logged; no step after it
+
+
 def test_ctrl_c_on_the_cli_finishes_the_trackers(tmp_path):
     out = tmp_path / "run"
     script = f"""

@@ -165,10 +165,13 @@ def evaluate(cfg: TrainConfig,                  # the layout, model, data and to
     else: check_sp(config, cfg.sp, world_size=cfg.world)
     if features is None: features, _ = run_features(cfg)
     check_token_ids(features, config.vocab_size, cfg.data)
-    try: plan_bins(features, cfg.max_tokens, overlong="error", untrained="keep")
+    try: plan = plan_bins(features, cfg.max_tokens, overlong="error", untrained="keep")
     except ValueError as e:
         raise ValueError(f"max_tokens (--max-tokens) {cfg.max_tokens}: {e}. Evaluation keeps every example whole: raise "
                          f"--max-tokens") from None
+    if plan.trained is not None and not plan.trained.any():
+        raise ValueError(f"none of the {len(features)} examples has a trained target (every label is -100 or masked out): "
+                         f"there is nothing to evaluate")
     results = launch(evaluate_rank, cfg, features, num_processes=cfg.world, sp_size=cfg.sp, ring=cfg.ring,
                      model_config=config, timeout_s=cfg.timeout_s)
     print(results[0].summary())

@@ -77,7 +77,9 @@ def open_trackers(cfg: TrainConfig,  # the run: `cfg.report_to` names the tracke
 
 class TrackerSink:
     "Send each metrics row to trackers; `metrics.jsonl` stays the record, so a tracker that raises is named once and training goes on."
-    def __init__(self, trackers: list): self.trackers, self.failures = trackers, {}
+    def __init__(self, trackers: list):
+        self.trackers, self.failures = trackers, {}
+        self.stop = None  # the signal that asked this process to end (`reporting`), acted on once a row is logged
 
     def log(self, row: dict):
         "Log the scalars of one `write_metrics` row (`train/<key>`) at its step."
@@ -89,6 +91,7 @@ class TrackerSink:
                     print(f"warning: tracker {t.name} failed to log step {row['step']} ({type(e).__name__}: {e}); training "
                           f"goes on, metrics.jsonl keeps every row", file=sys.stderr)
                 self.failures[t.name] = self.failures.get(t.name, 0) + 1
+        if self.stop is not None: raise SystemExit(128 + self.stop)  # every tracker has the row: the run ends here
 
     def finish(self):
         "Close every tracker (after a success, an error or an interrupt); name those that failed and how often."
@@ -98,14 +101,14 @@ class TrackerSink:
         for name, n in self.failures.items():
             print(f"warning: tracker {name} missed {n} step(s); metrics.jsonl has them all", file=sys.stderr)
 
-def _exit(signum, frame): raise SystemExit(128 + signum)
-
 @contextlib.contextmanager
 def reporting(cfg: TrainConfig, start: int = 0):
-    "A `TrackerSink` of `open_trackers(cfg, start)`, finished however the block ends: success, error, or SIGTERM (how `launch` and torchrun end a rank after Ctrl-C), which becomes SystemExit inside."
+    """A `TrackerSink` of `open_trackers(cfg, start)`, finished however the block ends: success, error, or SIGTERM (how
+    `launch` and torchrun end a rank after Ctrl-C), which ends the run as `SystemExit` once the row in progress is logged."""
     sink = TrackerSink(open_trackers(cfg, start))
     handle = bool(sink.trackers) and threading.current_thread() is threading.main_thread()  # only it may set handlers
-    old = signal.signal(signal.SIGTERM, _exit) if handle else None
+    def ask_to_stop(signum, frame): sink.stop = signum  # raised here, it could cut a tracker off mid-write (then finish hangs)
+    old = signal.signal(signal.SIGTERM, ask_to_stop) if handle else None
     try: yield sink
     finally:
         if handle: signal.signal(signal.SIGTERM, old)
