@@ -105,8 +105,8 @@ def search(model, levers: Levers, start: int, cap: int, args, device) -> list[di
 
 
 def run(args) -> list[dict]:
-    device = torch.device("cpu" if args.dry_run else "cuda")
-    if device.type == "cuda" and not torch.cuda.is_available(): raise SystemExit("no CUDA GPU: use --dry-run on a CPU")
+    if not args.dry_run and not torch.cuda.is_available(): raise SystemExit("no CUDA GPU: use --dry-run on a CPU")
+    device = torch.device("cpu") if args.dry_run else torch.device("cuda", torch.cuda.current_device())  # an index: the memory cap needs one
     dtype = torch.bfloat16  # the planner's activation terms are measured for 2-byte training
     cfg = preset_config("qwen3-4b", num_hidden_layers=args.layers, **(TINY if args.dry_run else {}))
     rows = []

@@ -104,7 +104,7 @@ def collate(mode: Mode, feats: list[dict], device) -> dict:
     elif mode.layout == "hf_flat":
         from transformers import DataCollatorWithFlattening
         batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": list(f["input_ids"])} for f in feats])
-    else: batch = FlatteningCollator(pad_to_multiple_of=mode.pad_to)(feats)
+    else: batch = FlatteningCollator(pad_to_multiple_of=mode.pad_to, train_all_tokens=True)(feats)  # pretraining-style rows: every token trained, as padded
     return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 

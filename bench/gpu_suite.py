@@ -216,7 +216,7 @@ def part_memory(dry: bool, out: Path) -> dict:
                 points.append(dict(source=f"long_context cap {r['cap_gib']} GiB, {r['levers']}, {r['measured_tokens']:,} tokens",
                                    planned_gib=r["planned_peak_gib"], measured_gib=r["measured_peak_gib"]))
     run_dir = tempfile.mkdtemp(prefix="train_", dir=out)
-    cmd = [sys.executable, "-m", "workbench.train", "--attn", "workbench_varlen", "--steps", "3" if not dry else "2",
+    cmd = [sys.executable, "-m", "workbench.train", "--attn", "workbench_varlen", "--steps", "8" if not dry else "2",
            "--out", run_dir] + (["--max-tokens", "256", "--dtype", "bfloat16"]  # the planner models bf16 (fp32, a CPU's auto, it does not)
                                 if dry else ["--preset", "gpu-long", "--max-tokens", "16384"])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TRAIN_DRY_TIMEOUT_S if dry else 50)
@@ -242,21 +242,18 @@ def _result(out: Path, number: int) -> dict | None:
 def part_step_time(dry: bool, out: Path) -> dict:
     "predict_step against parts 1 and 4's measured steps and part 5's train run; then the factors refitted on them."
     import numpy as np
-    import torch
     import gpu_long_context
     import gpu_packing
     from workbench.core import tiny_config
-    from workbench.cost import (DEVICES, Efficiency, _run_record, _seconds, attention_work, calibrate, calibrate_run, check_run,
-                                cpu_device, predict_step)
+    from workbench.cost import (Efficiency, _run_record, _seconds, attention_work, calibrate, calibrate_run, check_run,
+                                cpu_device, gpu_name, predict_step, run_device)
     from workbench.memory import Levers, preset_config
     not_run, points = [], []  # points: (source, terms, predicted_s, measured_s)
     if dry: dev = cpu_device(1)  # a dry part runs at one thread (OMP_NUM_THREADS=1)
     else:
-        gpu = torch.cuda.get_device_name()
-        hit = [d for k, d in DEVICES.items() if k.split()[0] in gpu]
-        if not hit: return dict(rows=[], not_run=[f"every row: {gpu} has no workbench.cost.DEVICES entry (peak figures)"],
-                                table=f"no prediction: {gpu} is not in workbench.cost.DEVICES")
-        dev = hit[0]
+        dev = run_device()
+        if dev is None: return dict(rows=[], not_run=[f"every row: {gpu_name()} has no workbench.cost.DEVICES entry (peak figures)"],
+                                    table=f"no prediction: {gpu_name()} is not in workbench.cost.DEVICES")
     kind, dtype_bytes = ("cpu", 4) if dry else ("cuda", 2)
     packing = _result(out, 1)
     if packing is None: not_run.append("part 1's rows: part 1 did not finish")
@@ -303,12 +300,14 @@ def part_step_time(dry: bool, out: Path) -> dict:
     if memory is None or not memory.get("run_dir"): not_run.append("part 5's train run: part 5 did not finish")
     else:
         h = check_run(memory["run_dir"], record=False)  # the run's own prediction (its device, its factors), one basis
-        run_refit = calibrate_run(memory["run_dir"])
-        _, run_rows = _run_record(memory["run_dir"], 1)
-        refit_s = np.mean([r["mfu"] * r["step_s"] / run_refit.matmul + run_refit.overhead_s for r in run_rows])
-        rows.append(dict(source=f"part 5 train run ({h.device})", predicted_s=h.predicted_s, measured_s=h.measured_s,
-                         error=h.error, refit_predicted_s=float(refit_s),
-                         refit_error=float(np.mean([r["step_s"] for r in run_rows]) / refit_s - 1)))
+        row = dict(source=f"part 5 train run ({h.device})", predicted_s=h.predicted_s, measured_s=h.measured_s, error=h.error)
+        try: run_refit = calibrate_run(memory["run_dir"])
+        except ValueError as e: not_run.append(f"calibrate_run on part 5's train run: {e}")  # its first error still stands
+        if run_refit is not None:
+            _, run_rows = _run_record(memory["run_dir"], 1)
+            refit_s = np.mean([r["mfu"] * r["step_s"] / run_refit.matmul + run_refit.overhead_s for r in run_rows])
+            row.update(refit_predicted_s=float(refit_s), refit_error=float(np.mean([r["step_s"] for r in run_rows]) / refit_s - 1))
+        rows.append(row)
     table = ["| measured step | predicted s | measured s | error | refitted predicted s | refitted error |",
              "|---|---|---|---|---|---|"]
     table += [f"| {r['source']} | {r['predicted_s']:.4g} | {r['measured_s']:.4g} | {r['error']:+.0%} | "

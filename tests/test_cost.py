@@ -297,3 +297,25 @@ def test_unmodelled_runs_get_no_prediction():
                             (lora, "llama", "does not model LoRA"),
                             (TrainConfig(ring=2, ring_kernel="fused"), "llama", "not the fused one")):
         assert run_prediction(cfg, tiny_config(model), plan) is None and why in unmodelled(cfg, tiny_config(model))
+
+
+@pytest.mark.parametrize("smi, expect", [("NVIDIA H200", "H200 SXM"), ("NVIDIA GeForce RTX 4090", None)])
+def test_a_gpu_is_named_without_initialising_cuda(tmp_path, monkeypatch, smi, expect):
+    """`python -m workbench.train` names the GPU before it forks the ranks: through nvidia-smi, never through
+    `torch.cuda.get_device_name`, which initialises CUDA in the parent so that every forked rank fails (seen on an H200:
+    "CUDA is already initialised"). A GPU without figures in `DEVICES` gets no prediction and `unmodelled` says why."""
+    from workbench import cost
+    from workbench.config import TrainConfig
+    (tmp_path / "nvidia-smi").write_text(f"#!/bin/sh\necho '{smi}'\n"); (tmp_path / "nvidia-smi").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{__import__('os').environ['PATH']}")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: pytest.fail("initialised CUDA before the fork"))
+    cost.gpu_name.cache_clear()
+    try:
+        assert cost.gpu_name() == smi
+        assert run_device(2) is (DEVICES[expect] if expect else None)
+        assert run_efficiency() == Efficiency()
+        why = cost.unmodelled(TrainConfig(), tiny_config("llama"))
+        assert (why is None) if expect else (repr(smi) in why and "DEVICES" in why)
+    finally: cost.gpu_name.cache_clear()

@@ -1,6 +1,7 @@
 "The GPU suite's CPU dry run (bench/gpu_suite.py --dry-run): every part recorded, the loss checks honest, parts isolated."
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -87,6 +88,23 @@ def test_kernels_and_memory_parts_report_real_values(full):
     points = report["parts"][4]["result"]["points"]
     assert len(points) == 3 and all(p["planned_gib"] > 0 and p["measured_gib"] > 0 for p in points)
     assert "workbench.train" in points[-1]["source"]
+
+
+def test_a_train_run_the_refit_cannot_explain_keeps_its_row(full, tmp_path, monkeypatch):
+    """On the H200 a short train run's timed steps left `calibrate_run` a negative compute factor: its ValueError failed
+    part 6 and lost every row. Now the refusal is recorded in `not_run` and the run's first error still stands."""
+    out, _ = full
+    shutil.copytree(out, tmp_path / "out")
+    sys.path.insert(0, str(SUITE.parent))
+    import gpu_suite
+    import workbench.cost
+    def refuse(*args, **kwargs): raise ValueError("the measured steps leave no time for compute (fitted inverse factor -116)")
+    monkeypatch.setattr(workbench.cost, "calibrate_run", refuse)
+    result = gpu_suite.part_step_time(True, tmp_path / "out")
+    last = result["rows"][-1]
+    assert last["source"].startswith("part 5 train run") and last["predicted_s"] > 0 and "refit_error" not in last
+    assert "calibrate_run on part 5's train run: the measured steps leave no time for compute" in " ".join(result["not_run"])
+    assert result["run_refit"] is None and result["refit"] > 0  # the part 1 and 4 refit is untouched
 
 
 def test_a_failing_part_is_recorded_and_the_next_one_runs(tmp_path):

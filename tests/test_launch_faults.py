@@ -311,3 +311,17 @@ def test_ranks_die_with_a_killed_parent():
     ranks = _ranks_of(proc)
     proc.kill(); proc.communicate(timeout=30)  # SIGKILL: the parent's finally never runs
     assert _gone(ranks)
+
+
+def test_importing_the_launcher_keeps_the_cuda_check_off_the_driver():
+    """On the H200, `python -m workbench.train` failed in every forked rank ("Cannot re-initialize CUDA in forked
+    subprocess"): torch.cuda.is_available() in the parent had started CUDA's driver. Importing any entry point that forks
+    (the launcher, the trainer) makes torch ask NVML instead, unless the user set the switch themselves."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_NVML_BASED_CUDA_CHECK"}
+    for module in ("workbench.launch", "workbench.train"):
+        code = f"import os, {module}; print(os.environ.get('PYTORCH_NVML_BASED_CUDA_CHECK'))"
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+        assert out.stdout.strip() == "1", (module, out.stderr[-800:])
+    kept = subprocess.run([sys.executable, "-c", "import os, workbench.launch; print(os.environ['PYTORCH_NVML_BASED_CUDA_CHECK'])"],
+                          capture_output=True, text=True, env={**env, "PYTORCH_NVML_BASED_CUDA_CHECK": "0"}, timeout=120)
+    assert kept.stdout.strip() == "0"

@@ -9,6 +9,7 @@ import functools
 import json
 import math
 import os
+import subprocess
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -32,11 +33,11 @@ __all__ = ['ATTENTION_WORK', 'ADAMW_BYTES', 'CPU_FLOP_FORMULAS', 'DEVICES', 'RAN
            'HELD_OUT_SOURCES', 'device_of', 'FIT_GROUPS', 'HF_BLOG_QWEN3_4B', 'HF_BLOG_FIT', 'HF_BLOG_RUN', 'SPLITS',
            'LAYOUT_LEVERS', 'RANK_BY', 'attention_work', 'Dims', 'rows_of', 'document_pairs', 'ring_blocks',
            'interacting_blocks', 'StepCost', 'step_cost', 'FlopCount', 'measured_flops', 'bin_costs', 'BalancedPlan',
-           'served_steps', 'plan_balanced', 'Device', 'cpu_device', 'device', 'run_device', 'Efficiency', 'HeldOut',
-           'held_out', 'held_out_errors', 'Prediction', 'predict_step', 'calibrate', 'run_source', 'calibrate_run',
-           'check_run', 'hf_blog_prediction', 'blog_source', 'hf_blog_table', 'run_options', 'cpu_efficiency',
-           'fresh_cpu', 'run_efficiency', 'unmodelled', 'run_prediction', 'measured_mfu', 'layout_name', 'Layouts',
-           'plan_layout']
+           'served_steps', 'plan_balanced', 'Device', 'cpu_device', 'device', 'gpu_name', 'run_device', 'Efficiency',
+           'HeldOut', 'held_out', 'held_out_errors', 'Prediction', 'predict_step', 'calibrate', 'run_source',
+           'calibrate_run', 'check_run', 'hf_blog_prediction', 'blog_source', 'hf_blog_table', 'run_options',
+           'cpu_efficiency', 'fresh_cpu', 'run_efficiency', 'unmodelled', 'run_prediction', 'measured_mfu',
+           'layout_name', 'Layouts', 'plan_layout']
 
 # %% ../nbs/04_planning/03_cost.ipynb #64bb0f7a
 ATTENTION_WORK = {  # how much of each document's query x key square an attention implementation computes
@@ -471,14 +472,24 @@ def device(name) -> Device:
     if name not in DEVICES: raise ValueError(f"unknown device {name!r}: choose one of {[*DEVICES, 'cpu']} or pass a `Device`")
     return DEVICES[name]
 
+@functools.cache
+def gpu_name() -> str | None:
+    "This machine's first CUDA GPU by name (None without CUDA), read without initialising CUDA in this process: `launch` forks its ranks from it, and a forked rank cannot use a CUDA its parent initialised."
+    if not torch.cuda.is_available(): return None
+    if torch.cuda.is_initialized(): return torch.cuda.get_device_name()
+    unnamed = "a CUDA GPU that nvidia-smi did not name"
+    try: smi = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired): return unnamed
+    names = smi.stdout.splitlines()
+    return names[0].strip() if names else unnamed
+
 def run_device(processes: int = 1,  # the run's processes (ranks), computing at once on this machine
-              ) -> Device:
-    "The device a training rank runs on: the CUDA GPU by its name when it is in `DEVICES`, else this CPU at `RANK_THREADS` threads (what every rank really has), measured while `processes` ranks compute at once."
-    if torch.cuda.is_available():
-        gpu = torch.cuda.get_device_name()
-        hit = [d for k, d in DEVICES.items() if k.split()[0] in gpu]
-        if hit: return hit[0]
-    return cpu_device(RANK_THREADS, processes)
+              ) -> Device | None:
+    "The device a training rank runs on: the CUDA GPU by its name when it is in `DEVICES` (None when it is not: `unmodelled` says so), else this CPU at `RANK_THREADS` threads (what every rank really has), measured while `processes` ranks compute at once."
+    gpu = gpu_name()
+    if gpu is None: return cpu_device(RANK_THREADS, processes)
+    hit = [d for k, d in DEVICES.items() if k.split()[0] in gpu]
+    return hit[0] if hit else None
 
 # %% ../nbs/04_planning/03_cost.ipynb #6366b898
 @dataclass(frozen=True)
@@ -738,10 +749,12 @@ def fresh_cpu(max_age_s: float = 60.0):
 
 def run_efficiency() -> Efficiency:
     "The factors a run's prediction uses: the defaults on a GPU, `cpu_efficiency` (measured at a rank's threads) on a CPU."
-    return cpu_efficiency(RANK_THREADS) if _kind(run_device().name) == "cpu" else Efficiency()
+    return cpu_efficiency(RANK_THREADS) if gpu_name() is None else Efficiency()
 
 def unmodelled(cfg, config) -> str | None:
     "Why `run_prediction` predicts nothing for this run (None: it predicts): what the cost model does not count."
+    if gpu_name() is not None and run_device() is None:
+        return f"workbench.cost has no figures for the GPU {gpu_name()!r}: add its `Device` to workbench.cost.DEVICES"
     if getattr(cfg, "lora_r", 0): return "workbench.cost does not model LoRA (frozen weights take no weight gradients)"
     if getattr(cfg, "ring", 1) > 1 and getattr(cfg, "ring_kernel", "plain") != "plain":
         return f"workbench.cost counts the ring's plain block-pair kernel, not the {cfg.ring_kernel} one"

@@ -26,6 +26,8 @@ import torch.distributed as dist
 
 from .sp.grid import check_layout, check_sp
 
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # torch.cuda.is_available() asks NVML instead of starting CUDA's driver, which no forked rank could then use
+
 # %% auto #0
 __all__ = ['MIXED_PRECISION', 'GRACE_S', 'WAKE_S', 'RankError', 'Layout', 'free_port', 'preflight', 'launch']
 
