@@ -142,6 +142,23 @@ def test_accelerate_trainer_same_verdicts():
     assert "SCALED" in str(report) and "| LEAKS |" in report._repr_markdown_()
 
 
+def test_trl_sft_trainer_through_alst():
+    """TRL's SFTTrainer through ALST, as its users configure it (SFTConfig(parallelism_config=..., deepspeed=...)): its own
+    loss path (the fused LM head) and metrics. Packed rows under sdpa leak (the broken case) and the verdict flips to
+    scaled (HF's SP loss: gradients SP x) with workbench_varlen; unpacked rows are scaled."""
+    from accelerate.parallelism_config import ParallelismConfig
+    report = prove_config(ParallelismConfig(sp_size=2, sp_backend="deepspeed"), family=FAMILY, deadline_s=300, trainer="trl")
+    unpacked, leak = report.find(packed=False), report.find(packed=True, attention="sdpa")
+    fixed = report.find(packed=True, attention="workbench_varlen")
+    assert {v.run.engine for v in report.verdicts} == {"trl_alst"}
+    assert unpacked.status == "scaled" and abs(unpacked.diff["grad_scale"] - 2) < 1e-5, unpacked
+    assert leak.status == "leaks" and leak.leak_diff <= LOSS_TOL < leak.diff["loss"], leak
+    assert fixed.status == "scaled" and fixed.diff["loss"] <= LOSS_TOL and fixed.diff["grads_rescaled"] <= GRAD_TOL, fixed
+    assert all(v.diff["same_rows"] and v.diff["ranks_agree"] for v in report.verdicts)
+    assert "SFTConfig" in leak.fix and "workbench_varlen" in leak.fix
+    with pytest.raises(ValueError, match="trainer must be one of"): prove_config(ParallelismConfig(sp_size=2, sp_backend="deepspeed"), trainer="sft")
+
+
 def test_bad_runs_refused_before_launch():
     for run, message in [(Run(engine="nccl_magic"), "no engine 'nccl_magic'"),
                          (Run(sp=2), "runs in one process"),

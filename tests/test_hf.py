@@ -237,6 +237,40 @@ def test_packed_eval_split_equals_unpacked(flan, tmp_path, cls):
         assert abs(a["eval_loss"] - b["eval_loss"]) < 1e-5
 
 
+def _predict_rank(rows, out_dir):
+    import torch.distributed as dist
+    from pathlib import Path
+    ev = prepare_dataset(Dataset.from_list(rows))
+    torch.manual_seed(0)
+    t = PackedTrainer(model=tiny_model("llama"), args=args(Path(out_dir) / str(dist.get_rank()), per_device_eval_batch_size=4),
+                      eval_dataset=ev, compute_metrics=_metrics)
+    p = t.predict(ev)
+    return dict(world_size=t.args.world_size, predictions=p.predictions, label_ids=p.label_ids, metrics=p.metrics)
+
+
+def test_packed_eval_on_two_ranks_equals_one_process_unpacked(flan, tmp_path):
+    """DP 2: each rank predicts its own packed batches (4 examples each); Trainer gathers them across the ranks (padding
+    each to the longest and dropping the repeats that even out the last batches). Per example, the logits and labels
+    equal one process's padded predictions, and so do accuracy, trained tokens and the target logits."""
+    rows = flan[N:N + 10]  # 10 examples over 2 ranks × 4: the last round repeats two, which must not be counted
+    res = launch(_predict_rank, rows, str(tmp_path), num_processes=2, deadline_s=120, quiet=True)
+    assert [r["world_size"] for r in res] == [2, 2]
+    torch.manual_seed(0)
+    ev = prepare_dataset(Dataset.from_list(rows))
+    q = Trainer(model=tiny_model("llama"), args=args(tmp_path / "one"), eval_dataset=ev, compute_metrics=_metrics,
+                data_collator=PaddingCollator()).predict(ev)
+    lengths = [len(x) for x in ev["input_ids"]]
+    for r in res:
+        p = r["predictions"]
+        assert p.shape[0] == 10, p.shape  # every example once, in the dataset's order
+        for i, n in enumerate(lengths):
+            np.testing.assert_allclose(p[i, :n], q.predictions[i, :n], atol=1e-5, rtol=0)
+            np.testing.assert_array_equal(r["label_ids"][i, :n], q.label_ids[i, :n])
+            assert (r["label_ids"][i, n:] == IGNORE_INDEX).all()
+        assert r["metrics"]["test_accuracy"] == q.metrics["test_accuracy"] and r["metrics"]["test_n"] == q.metrics["test_n"]
+        assert abs(r["metrics"]["test_target_logit"] - q.metrics["test_target_logit"]) < 1e-6
+
+
 def test_split_packed_by_cu_or_positions():
     batch = FlatteningCollator(train_all_tokens=True)([{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}])
     for b in (batch["cu_seq_lens_q"], batch["position_ids"]):

@@ -15,8 +15,8 @@ from .engines import ENGINES, Run, train_runs
 from .sp.grid import check_sp
 
 # %% auto #0
-__all__ = ['TOLERANCE', 'ledger_table', 'ledger_figure', 'compare', 'golden_of', 'Verdict', 'judge', 'EngineReport', 'references',
-           'prove_engine', 'prove_config']
+__all__ = ['TOLERANCE', 'TRAINER_ENGINES', 'ledger_table', 'ledger_figure', 'compare', 'golden_of', 'Verdict', 'judge',
+           'EngineReport', 'references', 'prove_engine', 'prove_config']
 
 # %% ../nbs/05_ecosystem/05_engine_proofs.ipynb #3fd6b04e
 def ledger_table(results: list,            # `train_runs` results (or `EngineReport.results`)
@@ -199,7 +199,7 @@ def prove_engine(engines=("workbench", "alst"),   # engines to prove (keys of `E
     family = family or "llama"
     _check_golden(tiny_config(family))
     t = time.time()
-    loss = {"alst": "hf_sp", "alst_accelerate": "hf_sp", **(loss or {})}
+    loss = {"alst": "hf_sp", "alst_accelerate": "hf_sp", "trl_alst": "hf_sp", **(loss or {})}
     steps = math.lcm(*sp_sizes)  # ALST's adapter serves a step from every SP rank in turn
     runs = [Run(engine=e, sp=p, packed=k, attention=attention, family=family, dtype=dtype, steps=steps,
                 loss=loss.get(e, "exact"), max_grad_norm=max_grad_norm) for e in engines for p in sp_sizes for k in packed]
@@ -211,18 +211,22 @@ def prove_engine(engines=("workbench", "alst"),   # engines to prove (keys of `E
     return EngineReport(verdicts, time.time() - t, results)
 
 # %% ../nbs/05_ecosystem/05_engine_proofs.ipynb #9b6d8825
+TRAINER_ENGINES = {"hf": "alst_accelerate", "trl": "trl_alst"}  # `prove_config`'s trainer -> its engine
+
 def prove_config(parallelism_config,         # the accelerate `ParallelismConfig` a cluster run will use
                  family: str | None = None,  # the shipped tiny config standing in for the model (default 'llama3')
                  max_grad_norm: float | None = None,  # the run's TrainingArguments.max_grad_norm (None: no clipping)
                  deadline_s: float = 600,
                  model=None,                 # your model instead of `family`: a model directory, a config or a model instance
+                 trainer: str = "hf",        # "hf": the HF Trainer; "trl": TRL's SFTTrainer
                 ) -> EngineReport:
-    "Judge the ALST setup of a `ParallelismConfig` (its SP size and attention) through accelerate + the HF Trainer on CPU."
+    "Judge the ALST setup of a `ParallelismConfig` (its SP size and attention) through accelerate and the HF Trainer or TRL's SFTTrainer on CPU."
     pc = parallelism_config
     if getattr(pc, "sp_backend", None) != "deepspeed" or not getattr(pc, "sp_size", 1) > 1:
         raise ValueError(f"prove_config proves DeepSpeed ALST: a ParallelismConfig with sp_backend='deepspeed' and "
                          f"sp_size > 1, got sp_backend={getattr(pc, 'sp_backend', None)!r}, sp_size={getattr(pc, 'sp_size', None)!r}")
+    if trainer not in TRAINER_ENGINES: raise ValueError(f"trainer must be one of {sorted(TRAINER_ENGINES)}, got {trainer!r}")
     attention = getattr(pc.sp_handler, "sp_attn_implementation", None) or "sdpa"  # accelerate's default
-    return prove_engine(engines=("alst_accelerate",), sp_sizes=(pc.sp_size,), attention=attention,
+    return prove_engine(engines=(TRAINER_ENGINES[trainer],), sp_sizes=(pc.sp_size,), attention=attention,
                         family=family or (None if model is not None else "llama3"), deadline_s=deadline_s,
                         max_grad_norm=max_grad_norm, model=model)

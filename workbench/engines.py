@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import attention  # registers 'workbench_varlen' with transformers (the ALST fix)
-from .core import IGNORE_INDEX, load_records, tiny_config
+from .core import IGNORE_INDEX, load_records, load_tokenizer, tiny_config
 from .launch import launch
 from .sp.proofs import Case, case_model, case_rows
 from .sp.grid import check_sp, ParallelGrid
@@ -23,10 +23,11 @@ from .sp.shard import pad_for_sp, shard_batch
 from .sp.ulysses import register_ulysses, sp_forward
 
 # %% auto #0
-__all__ = ['ENGINES', 'HF_SP_GLOO', 'ALST_KEYS', 'ALST_FIX', 'ACCELERATE_ENV', 'Run', 'run_rows', 'fingerprint', 'row_id',
-           'Recorder', 'Engine', 'register_engine', 'check_engine', 'train_one_process', 'train_no_mask', 'hf_sp_loss',
-           'train_workbench', 'alst_batch', 'ds_config', 'train_alst', 'train_runs', 'alst_parallelism_config',
-           'trainer_ds_config', 'train_alst_accelerate', 'accelerate_yaml', 'accelerate_script']
+__all__ = ['ENGINES', 'HF_SP_GLOO', 'ALST_KEYS', 'ALST_FIX', 'ACCELERATE_ENV', 'ACCELERATE_FIX', 'Run', 'run_rows', 'fingerprint',
+           'row_id', 'Recorder', 'Engine', 'register_engine', 'check_engine', 'train_one_process', 'train_no_mask',
+           'hf_sp_loss', 'train_workbench', 'alst_batch', 'ds_config', 'train_alst', 'train_runs',
+           'alst_parallelism_config', 'trainer_ds_config', 'train_alst_accelerate', 'train_trl_alst', 'accelerate_yaml',
+           'accelerate_script']
 
 # %% ../nbs/05_ecosystem/04_engines.ipynb #a60c371b
 @dataclass(frozen=True)
@@ -351,59 +352,80 @@ def trainer_ds_config(zero_stage: int = 2) -> dict:
 
 def _check_accelerate(run: Run):
     _check_alst(run)
-    if run.dp != 1: raise ValueError(f"engine 'alst_accelerate' trains DP 1 × SP >= 2 here; got {run.layout}")
-    if run.loss != "hf_sp": raise ValueError("the HF Trainer computes HF's SP loss: use loss='hf_sp' with engine 'alst_accelerate'")
+    if run.dp != 1: raise ValueError(f"engine {run.engine!r} trains DP 1 × SP >= 2 here; got {run.layout}")
+    if run.loss != "hf_sp": raise ValueError(f"the HF Trainer computes HF's SP loss: use loss='hf_sp' with engine {run.engine!r}")
 
 # what a CPU run needs (a GPU cluster: none): DeepSpeed on CPU ops, and not the MULTI_CPU type that `launch`'s
 # ACCELERATE_USE_CPU=true would give (ParallelismConfig refuses it)
 ACCELERATE_ENV = dict(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_USE_CPU="false", DS_ACCELERATOR="cpu")
 
-@register_engine("alst_accelerate", requires=("deepspeed",), leak_fix=ALST_FIX.replace("register ALST with core_attn_implementation"
-                 "='workbench_varlen'", "pass parallelism_config=alst_parallelism_config(sp_size) to TrainingArguments"),
-                 validate=_check_accelerate,
-                 summary="ALST the way users run it: TrainingArguments(parallelism_config=ParallelismConfig(sp_size, "
-                         "sp_backend='deepspeed'), deepspeed=...) and the HF Trainer")
-def train_alst_accelerate(run: Run, rows: list) -> dict:
+def _train_through_trainer(run: Run, rows: list, trainer_cls, args_cls, args_extra: dict | None = None, **trainer_extra) -> dict:
+    "ALST through an HF `Trainer` class (the Trainer, TRL's `SFTTrainer`) as users configure it, its ledger recorded."
     os.environ.update(ACCELERATE_ENV)
     _probe_ops_quietly()
-    from transformers import Trainer, TrainerCallback, TrainingArguments
+    from accelerate.state import PartialState
+    from datasets import Dataset
+    from transformers import TrainerCallback
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     from transformers.trainer_callback import PrinterCallback
     model = case_model(run.case, run.attention)
     original = ALL_ATTENTION_FUNCTIONS.get(run.attention)
     rec = Recorder(run, model)
     tokens = [sum(_trained(r) for r in s) for s in rows]
+    # accelerate's state over the launch's gloo group: on CPU its DeepSpeed state otherwise has no backend and counts one
+    # process, so a metric gather (TRL's token accuracy) fails; the Trainer then uses this state (use_configured_state)
+    PartialState(backend="gloo")
 
-    # On CPU accelerate does not shard the Trainer's dataloader over the SP ranks (its state is MULTI_CPU, not DEEPSPEED,
-    # and that branch counts DP dimensions only): every rank iterates every item. So each item holds the rows of all
-    # SP ranks and a rank's collator keeps its own, which is what accelerate's sharding gives each rank on GPUs.
+    # Each item holds the rows of all SP ranks and a rank's collator keeps its own: what accelerate's sharding gives each
+    # SP rank on GPUs, and what ALST's adapter then gathers (it serves step s from SP rank s mod P: its (s // P)-th batch).
     sp_rank = dist.get_rank() % run.sp
+    items = [[alst_batch(rows[k + j][0], run.sp) for j in range(run.sp)] for k in range(0, len(rows), run.sp)]
     collated = []  # the rows this process gave the Trainer, in order (checked against the ledger's row checksums)
     def collate(features):
-        collated.append(features[0][sp_rank]["input_ids"])
-        return features[0][sp_rank]
+        batch = items[features[0]["item"]][sp_rank]
+        collated.append(batch["input_ids"])
+        return batch
     class Ledger(TrainerCallback):
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "loss" in logs:
                 by_rank = [None] * run.sp
                 dist.all_gather_object(by_rank, collated)
-                s = len(rec.steps)  # ALST's adapter serves step s from SP rank s mod P: its (s // P)-th batch
+                s = len(rec.steps)
                 rec.step(logs["loss"], tokens[s], logs["grad_norm"], [{"input_ids": by_rank[s % run.sp][s // run.sp]}])
 
     with tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(output_dir=out, per_device_train_batch_size=1, max_steps=run.steps, learning_rate=run.lr,
-                                 optim="sgd", lr_scheduler_type="constant", weight_decay=0.0, warmup_steps=0,
-                                 max_grad_norm=run.max_grad_norm or 0.0, logging_steps=1, report_to="none",
-                                 save_strategy="no", train_sampling_strategy="sequential", remove_unused_columns=False,
-                                 deepspeed=trainer_ds_config(), parallelism_config=alst_parallelism_config(run.sp, run.attention),
-                                 disable_tqdm=True, seed=0)
-        data = [[alst_batch(rows[k + j][0], run.sp) for j in range(run.sp)] for k in range(0, len(rows), run.sp)]
-        trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collate, callbacks=[Ledger()])
+        args = args_cls(output_dir=out, per_device_train_batch_size=1, max_steps=run.steps, learning_rate=run.lr,
+                        optim="sgd", lr_scheduler_type="constant", weight_decay=0.0, warmup_steps=0,
+                        max_grad_norm=run.max_grad_norm or 0.0, logging_steps=1, report_to="none",
+                        save_strategy="no", train_sampling_strategy="sequential", remove_unused_columns=False,
+                        deepspeed=trainer_ds_config(), parallelism_config=alst_parallelism_config(run.sp, run.attention),
+                        accelerator_config={"use_configured_state": True}, disable_tqdm=True, seed=0, **(args_extra or {}))
+        trainer = trainer_cls(model=model, args=args, train_dataset=Dataset.from_dict({"item": list(range(len(items)))}),
+                              data_collator=collate, callbacks=[Ledger()], **trainer_extra)
         trainer.remove_callback(PrinterCallback)
         try: trainer.train()
         finally: _release_alst(run.attention, original)
     _reset_accelerate()
     return rec.result()
+
+ACCELERATE_FIX = ALST_FIX.replace("register ALST with core_attn_implementation='workbench_varlen'",
+                                  "pass parallelism_config=alst_parallelism_config(sp_size) to TrainingArguments")
+
+@register_engine("alst_accelerate", requires=("deepspeed",), leak_fix=ACCELERATE_FIX, validate=_check_accelerate,
+                 summary="ALST the way users run it: TrainingArguments(parallelism_config=ParallelismConfig(sp_size, "
+                         "sp_backend='deepspeed'), deepspeed=...) and the HF Trainer")
+def train_alst_accelerate(run: Run, rows: list) -> dict:
+    from transformers import Trainer, TrainingArguments
+    return _train_through_trainer(run, rows, Trainer, TrainingArguments)
+
+@register_engine("trl_alst", requires=("deepspeed",), leak_fix=ACCELERATE_FIX.replace("TrainingArguments", "SFTConfig"),
+                 validate=_check_accelerate,
+                 summary="TRL's SFTTrainer through ALST: SFTConfig(parallelism_config=ParallelismConfig(sp_size, "
+                         "sp_backend='deepspeed'), deepspeed=...), its own loss path (fused LM head) and metrics")
+def train_trl_alst(run: Run, rows: list) -> dict:
+    from trl import SFTConfig, SFTTrainer
+    return _train_through_trainer(run, rows, SFTTrainer, SFTConfig, processing_class=load_tokenizer(),
+                                  args_extra=dict(bf16=False, dataset_kwargs={"skip_prepare_dataset": True}))  # fp32, rows already tokenized
 
 def _reset_accelerate():
     "Forget accelerate's process-wide state, so that the next Trainer of the same process builds its own."
