@@ -1,7 +1,7 @@
 """workbench.evaluate: per-example loss and token accuracy under Ulysses 2, ring 2 and DP 2 (fp32, within 1e-6 relative)
 and Ulysses 2 x ring 2 (fp64, within 1e-12) equal one process evaluating each example alone, unpacked (the fp32 2 x 2 is
-in nbs/03_runtime/09_evaluate.ipynb); bad input is refused before any process starts; the command line writes
-eval.jsonl."""
+in nbs/03_runtime/10_evaluate.ipynb); so does evaluation during training (`--eval-data`, Ulysses 2) against each step's
+checkpoint; bad input is refused before any process starts; the command line writes eval.jsonl."""
 import json
 import subprocess
 import sys
@@ -29,13 +29,41 @@ def held_out():
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> str:
-    "A run's checkpoint model after 12 steps: a random model's argmax is never the label, so its accuracy proves nothing."
-    from workbench.checkpoint import latest_checkpoint
+def run_dir(tmp_path_factory, held_out) -> Path:
+    """A 12-step Ulysses 2 run that evaluates the ten held-out examples (as a file of prompt + completion rows) after steps
+    6 and 12 and keeps the checkpoints of both: a random model's argmax is never the label, so its accuracy proves nothing."""
+    from workbench.core import load_tokenizer
+    from workbench.data import load_features
     from workbench.train import run
     out = tmp_path_factory.mktemp("trained")
-    run(TrainConfig(model="qwen2", data="orca_like", steps=12, lr=1e-2, max_tokens=512, out=str(out)))
-    return str(latest_checkpoint(out, say=lambda _: None)[0] / "model")
+    rows = (ROOT / "data_samples" / "orca_like.jsonl").read_text().splitlines()[-10:]
+    (out / "held_out.jsonl").write_text("\n".join(rows) + "\n")
+    assert load_features(str(out / "held_out.jsonl"), load_tokenizer()) == held_out
+    run(TrainConfig(model="qwen2", data="orca_like", steps=12, lr=1e-2, max_tokens=512, sp=2, save_every=6,
+                    eval_data=str(out / "held_out.jsonl"), eval_every=6, out=str(out / "run")))
+    return out / "run"
+
+
+@pytest.fixture(scope="module")
+def trained(run_dir) -> str:
+    "The run's last checkpoint model."
+    from workbench.checkpoint import latest_checkpoint
+    return str(latest_checkpoint(run_dir, say=lambda _: None)[0] / "model")
+
+
+def test_evaluation_during_training_equals_each_example_alone_on_the_checkpoint(run_dir, held_out):
+    """Evaluated between steps under Ulysses 2, each example's loss equals that step's checkpoint evaluating the example
+    alone on one process: after the step's update, before the next (an evaluation a step early or late differs)."""
+    from workbench.tracking import EVALUATIONS, read_metrics
+    rows = read_metrics(run_dir, EVALUATIONS)
+    assert [r["step"] for r in rows] == [5, 11] and all(r["examples"] == 10 for r in rows)
+    for r in rows:
+        model = run_dir / "checkpoints" / f"step-{r['step'] + 1:06d}" / "model"
+        reference = each_alone(TrainConfig(model=str(model), max_tokens=512), held_out)
+        assert np.max(np.abs(np.array(r["example_loss"]) - reference.loss) / reference.loss) < 1e-6, (r["step"], r, reference)
+        assert abs(r["loss"] - reference.mean_loss()) < 1e-6 * reference.mean_loss() and r["accuracy"] == reference.mean_accuracy()
+        assert r["tokens"] == int(reference.tokens.sum())
+    assert rows[1]["loss"] < rows[0]["loss"]  # the model learned between them
 
 
 def close(got, want, rtol: float) -> bool:
@@ -65,6 +93,16 @@ def test_bad_input_is_refused_before_any_process_starts(held_out, tmp_path):
     cli = subprocess.run([sys.executable, "-m", "workbench.evaluate", "--lr", "0.1", "--steps", "3"], capture_output=True,
                          text=True, timeout=120, cwd=ROOT)
     assert cli.returncode == 2 and "--steps, --lr do not apply to evaluation" in cli.stderr, cli.stderr
+    # evaluation during training: refused when built, or before any process starts
+    with pytest.raises(ValueError, match=r"eval_every \(--eval-every\) 2 evaluates held-out data: name it with eval_data"):
+        TrainConfig(eval_every=2)
+    with pytest.raises(ValueError, match=r"loss_chunk \(--loss-chunk\) exists to avoid"): TrainConfig(eval_data="x.jsonl", loss_chunk=64)
+    from workbench.train import preflight_run
+    rows = (ROOT / "data_samples" / "orca_like.jsonl").read_text().splitlines()[-2:]
+    (tmp_path / "two.jsonl").write_text("\n".join(rows) + "\n")
+    with pytest.raises(ValueError, match=r"eval_data \(--eval-data\) .*two.jsonl.*max_tokens \(--max-tokens\) 64: .*raise --max-tokens"):
+        preflight_run(TrainConfig(model="qwen2", data="orca_like", max_tokens=64, eval_data=str(tmp_path / "two.jsonl"),
+                                  out=str(tmp_path / "run")))
 
 
 def test_the_command_line_writes_one_row_per_example(held_out, trained, tmp_path):

@@ -24,7 +24,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch
 
 BALANCES = ("tokens", "cost")  # how a step's bins are grouped over ranks and micro-steps
 
-_AT_LEAST = dict(sp=1, ring=1, dp=1, steps=1, max_tokens=1, grad_accum=1, seed=0, loss_chunk=0, mlp_chunk=0, save_every=0, keep=1, lora_r=0)
+_AT_LEAST = dict(sp=1, ring=1, dp=1, steps=1, max_tokens=1, grad_accum=1, seed=0, loss_chunk=0, mlp_chunk=0, save_every=0, keep=1, lora_r=0,
+                 eval_every=0)
 
 def flag(name: str) -> str:
     "The command-line flag of a `TrainConfig` field."
@@ -84,6 +85,8 @@ class TrainConfig:
     out: str = "runs/latest"    # run directory: config.json, metrics.jsonl, checkpoints/
     name: str = ""              # label of the run in dashboards
     report_to: tuple[str, ...] = ()  # trackers also fed every metrics row, on rank 0: tensorboard,wandb,mlflow,... or all / none
+    eval_data: str = ""         # held-out examples evaluated during training, per example, under the run's layout (as --data; '': none)
+    eval_every: int = 0         # evaluate --eval-data after every this many steps and after the last (0: after the last only)
 
     @property
     def world(self) -> int: return self.sp * self.ring * self.dp
@@ -121,6 +124,12 @@ class TrainConfig:
                              f"run has no ring: set ring (--ring) to 2 or more, or drop --ring-kernel")
         if self.cpu_offload and not self.shard:
             raise ValueError("cpu_offload offloads the sharded states: set shard=True as well")
+        if self.eval_data and self.loss_chunk:
+            raise ValueError("eval_data (--eval-data) scores each shard's full logits (its tokens x the vocabulary), which "
+                             "loss_chunk (--loss-chunk) exists to avoid: drop one of them, or evaluate a checkpoint with "
+                             "python -m workbench.evaluate at a smaller --max-tokens")
+        if self.eval_every and not self.eval_data:
+            raise ValueError(f"eval_every (--eval-every) {self.eval_every} evaluates held-out data: name it with eval_data (--eval-data)")
         self.report_to = tracker_names(self.report_to)  # a missing package is named here, before anything trains
 
 PRESETS = {

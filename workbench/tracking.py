@@ -17,19 +17,25 @@ import torch.distributed as dist
 from .config import TrainConfig
 
 # %% auto #0
-__all__ = ['PROJECT', 'process_rank', 'write_metrics', 'read_metrics', 'replace_file', 'truncate_metrics', 'hparams',
-           'open_trackers', 'TrackerSink', 'reporting']
+__all__ = ['EVALUATIONS', 'PROJECT', 'process_rank', 'write_metrics', 'write_evaluation', 'read_metrics', 'replace_file',
+           'truncate_metrics', 'hparams', 'open_trackers', 'TrackerSink', 'reporting']
 
 # %% ../nbs/03_runtime/04_tracking.ipynb #41bff324
 def process_rank() -> int: return dist.get_rank() if dist.is_initialized() else 0
+
+EVALUATIONS = "evaluations.jsonl"  # one row per evaluation during training: its step, the summary and every example's loss
 
 def write_metrics(out: Path, **row):
     "Append one JSON line to `out/metrics.jsonl`."
     with (out / "metrics.jsonl").open("a") as f: f.write(json.dumps(row) + "\n")
 
-def read_metrics(out: Path) -> list[dict]:
-    "The rows of `out/metrics.jsonl`, skipping a line a killed process left half-written."
-    path = Path(out) / "metrics.jsonl"
+def write_evaluation(out: Path, row: dict):
+    "Append one evaluation's row to `out/evaluations.jsonl`."
+    with (out / EVALUATIONS).open("a") as f: f.write(json.dumps(row) + "\n")
+
+def read_metrics(out: Path, name: str = "metrics.jsonl") -> list[dict]:
+    "The rows of `out/metrics.jsonl` (or of `name`, as `EVALUATIONS`), skipping a line a killed process left half-written."
+    path = Path(out) / name
     rows = []
     for line in (path.read_text().splitlines() if path.exists() else []):
         try: rows.append(json.loads(line))
@@ -42,8 +48,11 @@ def replace_file(path: Path, text: str):
     tmp.write_text(text); tmp.replace(path)
 
 def truncate_metrics(out: Path, step: int):
-    "Keep only the rows of steps before `step` (the steps a resumed run will not train again)."
-    replace_file(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in read_metrics(out) if r["step"] < step))
+    "Keep only the rows of steps before `step` (the steps a resumed run will not train again), and the evaluations after them."
+    for name in ("metrics.jsonl", EVALUATIONS):
+        if name == "metrics.jsonl" or (out / name).exists():
+            kept = [r for r in read_metrics(out, name) if r["step"] < step]
+            replace_file(out / name, "".join(json.dumps(r) + "\n" for r in kept))
 
 # %% ../nbs/03_runtime/04_tracking.ipynb #3fec9dd4
 PROJECT = "workbench"  # the tracker project (wandb project, mlflow experiment, ...) every run reports to
@@ -81,9 +90,9 @@ class TrackerSink:
         self.trackers, self.failures = trackers, {}
         self.stop = None  # the signal that asked this process to end (`reporting`), acted on once a row is logged
 
-    def log(self, row: dict):
-        "Log the scalars of one `write_metrics` row (`train/<key>`) at its step."
-        values = {f"train/{k}": v for k, v in row.items() if k not in ("step", "rank") and isinstance(v, (int, float))}
+    def log(self, row: dict, prefix: str = "train"):
+        "Log the scalars of one `write_metrics` row (`train/<key>`; an evaluation's: `eval/<key>`) at its step."
+        values = {f"{prefix}/{k}": v for k, v in row.items() if k not in ("step", "rank") and isinstance(v, (int, float))}
         for t in self.trackers:
             try: t.log(values, step=row["step"])
             except Exception as e:
