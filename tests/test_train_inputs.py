@@ -93,6 +93,15 @@ def test_a_chat_file_trains_only_its_assistant_turns(tmp_path):
     assert [r["trained"] for r in read_metrics(tmp_path / "run")] == [answers]  # both conversations fit one row
 
 
+def test_reading_a_data_file_draws_no_third_party_bar(tmp_path, capfd):
+    "datasets draws 'Generating train split' while it reads a file: --data and --eval-data files are read without it."
+    from workbench.data import load_features
+    (tmp_path / "t.jsonl").write_text('{"text": "a fresh file, so datasets generates its split"}\n')
+    assert len(load_features(str(tmp_path / "t.jsonl"))) == 1
+    out, err = capfd.readouterr()
+    assert "Generating" not in out + err, out + err
+
+
 def test_load_features_names_the_row_in_every_json_shape(tmp_path):
     "A JSON array, blank lines, an empty CSV cell, booleans for ids: each read or named by its row or line."
     from workbench.data import load_features

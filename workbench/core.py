@@ -307,10 +307,13 @@ _quiet_deepspeed_cpu_guess()
 # %% ../nbs/01_packing/01_core.ipynb #98a450eb
 @contextmanager
 def no_hf_bars():
-    "transformers' progress bars off inside the block (loading or writing weights), as they were after it."
+    "transformers' and datasets' progress bars off inside the block (loading or writing weights, reading a data file), as they were after it."
+    import datasets
     from transformers.utils import logging as hf_logging
-    bars = hf_logging.is_progress_bar_enabled()
+    bars, data_bars = hf_logging.is_progress_bar_enabled(), datasets.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
+    datasets.disable_progress_bars()
     try: yield
     finally:
         if bars: hf_logging.enable_progress_bar()
+        if data_bars: datasets.enable_progress_bars()

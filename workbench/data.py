@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 from .config import TrainConfig
-from .core import SAMPLES, bos_eos, data_dir, load_sample, load_tokenizer, model_families, tokenize_records
+from .core import SAMPLES, bos_eos, data_dir, load_sample, load_tokenizer, model_families, no_hf_bars, tokenize_records
 
 # %% auto #0
 __all__ = ['TOKENIZER_FILES', 'chat_features', 'tokenize_rows', 'load_features', 'run_tokenizer', 'run_features',
@@ -91,7 +91,8 @@ def _read_rows(data: str, path: Path) -> tuple[list[dict], str]:
     "The rows of `path` read with `datasets` and their kind; a JSON file that fails is reread as written to name the row."
     from datasets import load_dataset
     reader = _READERS[path.suffix]
-    try: rows = load_dataset(reader, data_files=str(path), split="train").to_list()
+    try:
+        with no_hf_bars(): rows = load_dataset(reader, data_files=str(path), split="train").to_list()  # no "Generating train split" bar
     except Exception as e:
         if reader == "json":  # valid JSON Arrow refuses (datasets < 5 refuses blank lines) is read as written; else the line is named
             rows = _json_rows(path)

@@ -170,7 +170,8 @@ def read_run_data(cfg: TrainConfig, config) -> tuple[list[dict], object, list[di
     features, tokenizer = run_features(cfg)  # the model directory's tokenizer (or --tokenizer)
     check_token_ids(features, config.vocab_size, cfg.data)
     if not cfg.eval_data: return features, tokenizer, None
-    eval_features, _ = run_features(replace(cfg, data=cfg.eval_data))  # read as --data is, with the same tokenizer
+    try: eval_features, _ = run_features(replace(cfg, data=cfg.eval_data))  # read as --data is, with the same tokenizer
+    except ValueError as e: raise ValueError(str(e).replace("data (--data)", "eval_data (--eval-data)")) from None
     check_eval_features(eval_features, cfg.max_tokens, config.vocab_size, f"eval_data (--eval-data) {cfg.eval_data!r}")
     return features, tokenizer, eval_features
 
