@@ -96,7 +96,7 @@ def rank_figure(view: RankView, title: str = "") -> go.Figure:
     owner = torch.empty(len(view.doc), dtype=torch.long)
     for rank in range(processes): owner[view.plan[rank]] = rank
     fig = make_subplots(rows=2, cols=2, specs=[[{"colspan": 2}, None], [{}, {}]], vertical_spacing=0.18,
-                        subplot_titles=("tokens by the process holding them (lines: document starts; hatched: padding)",
+                        subplot_titles=("tokens by the process holding them (lines: document starts; grey: padding)",
                                         "ring block pairs: query-key work per head",
                                         "per process: attention work and trained targets"))
     fig.add_trace(go.Heatmap(z=[owner.tolist()], colorscale="Viridis", showscale=False, zmin=0, zmax=max(processes - 1, 1),
@@ -104,7 +104,7 @@ def rank_figure(view: RankView, title: str = "") -> go.Figure:
     starts = torch.nonzero(torch.diff(view.doc)).flatten() + 1
     for s in starts.tolist(): fig.add_vline(x=s - 0.5, line_color="white", line_width=2, row=1, col=1)
     if view.real < len(view.doc):
-        fig.add_vrect(x0=view.real - 0.5, x1=len(view.doc) - 0.5, fillpattern_shape="/", line_width=0, row=1, col=1)
+        fig.add_vrect(x0=view.real - 0.5, x1=len(view.doc) - 0.5, fillcolor="lightgrey", opacity=0.8, line_width=0, row=1, col=1)
     work = view.pair_work.double().masked_fill(~view.pairs, float("nan"))
     labels = [[f"{w:,}" if met else "skipped" for w, met in zip(ws, mets)] for ws, mets in zip(view.pair_work.tolist(), view.pairs.tolist())]
     fig.add_trace(go.Heatmap(z=work.tolist(), colorscale="Blues", showscale=False, text=labels,
