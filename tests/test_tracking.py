@@ -186,3 +186,18 @@ main(["--nproc", "2", "--sp", "2", "--steps", "500", "--max-tokens", "256", "--r
     assert calls(out)[-1] == "finish" and calls(out).count("finish") == 1, calls(out)
     logged = {s for s, _ in scalars(out)["train/loss"]}
     assert {r["step"] for r in read_metrics(out) if r["rank"] == 0} == logged  # every row written was logged
+
+
+def test_a_resume_keeps_the_evaluations_of_the_steps_before_its_checkpoint(tmp_path):
+    "truncate_metrics: the rows of steps a resumed run trains again go, from metrics.jsonl and evaluations.jsonl alike."
+    from workbench.tracking import EVALUATIONS, read_metrics, truncate_metrics, write_evaluation, write_metrics
+    for step in range(4): write_metrics(tmp_path, step=step, rank=0, loss=1.0)
+    for step in (1, 3): write_evaluation(tmp_path, dict(step=step, loss=2.0))
+    truncate_metrics(tmp_path, 2)
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1]
+    assert [r["step"] for r in read_metrics(tmp_path, EVALUATIONS)] == [1]
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    write_metrics(alone, step=0, rank=0, loss=1.0)
+    truncate_metrics(alone, 0)
+    assert read_metrics(alone) == [] and not (alone / EVALUATIONS).exists()  # a run without evaluations gets no file
