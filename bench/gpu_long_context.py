@@ -40,6 +40,8 @@ def parse_args(argv=None):
     p.add_argument("--max-trials", type=int, default=10, help="trials per lever set and cap")
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, peaks from live tensors, the cap simulated")
+    p.add_argument("--profile", type=int, metavar="TOKENS",
+                   help="instead of the search: one step of each lever set at TOKENS under torch.profiler, its top ops")
     args = p.parse_args(argv)
     if args.dry_run: args.cap_gib = [0.002]
     return args
@@ -104,11 +106,38 @@ def search(model, levers: Levers, start: int, cap: int, args, device) -> list[di
     return trials
 
 
+def profile(cfg, n: int, device, dtype, top: int = 12) -> list[dict]:
+    "One forward + backward at `n` tokens per lever set under torch.profiler: seconds, peak and the ops that took the most time."
+    from torch.profiler import ProfilerActivity
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sort_key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    rows = []
+    for name, levers in LEVER_SETS.items():
+        model = build(cfg, levers, device, dtype)
+        step_bytes(model, min(n, 256), levers, device)  # warm-up: kernels chosen and loaded
+        t0 = time.perf_counter()
+        try:
+            with torch.profiler.profile(activities=activities) as prof:
+                peak = step_bytes(model, n, levers, device)
+        except torch.OutOfMemoryError:
+            print(f"{name}, {n:,} tokens: out of memory", flush=True)
+            rows.append(dict(levers=name, tokens=n, seconds=None, peak_gib=None, top_ops="out of memory"))
+            del model
+            continue
+        seconds = time.perf_counter() - t0
+        ops = prof.key_averages().table(sort_by=sort_key, row_limit=top)
+        print(f"{name}, {n:,} tokens: {seconds:.2f} s, peak {peak / 2**30:.2f} GiB\n{ops}", flush=True)
+        rows.append(dict(levers=name, tokens=n, seconds=seconds, peak_gib=peak / 2**30, top_ops=ops))
+        del model
+    return rows
+
+
 def run(args) -> list[dict]:
     if not args.dry_run and not torch.cuda.is_available(): raise SystemExit("no CUDA GPU: use --dry-run on a CPU")
     device = torch.device("cpu") if args.dry_run else torch.device("cuda", torch.cuda.current_device())  # an index: the memory cap needs one
     dtype = torch.bfloat16  # the planner's activation terms are measured for 2-byte training
     cfg = preset_config("qwen3-4b", num_hidden_layers=args.layers, **(TINY if args.dry_run else {}))
+    if args.profile: return profile(cfg, args.profile, device, dtype)
     rows = []
     for cap_gib in args.cap_gib:
         if device.type == "cuda":
@@ -153,7 +182,7 @@ def main(argv=None):
     if torch.cuda.is_available() and not args.dry_run:
         print(torch.cuda.get_device_name(), f"torch {torch.__version__}", flush=True)
     rows = run(args)
-    print(table(rows))
+    if not args.profile: print(table(rows))
     if args.json:
         with open(args.json, "w") as f: json.dump(dict(args=vars(args), rows=rows), f, indent=1)
     return rows

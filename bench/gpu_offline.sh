@@ -4,8 +4,8 @@
 #
 #   bash bench/gpu_offline.sh fetch        # here, with a registry: the wheels into .gpuwheels/ (git-ignored: add it to
 #                                          # .git/info/exclude, and name it in the device call's carry)
-#   bash bench/gpu_offline.sh run OUT      # there: install the carried wheels (no index, no dependencies), check the
-#                                          # imports, run bench/gpu_suite.py into OUT
+#   bash bench/gpu_offline.sh run OUT [ARGS]  # there: install the carried wheels (no index, no dependencies), check the
+#                                          # imports, run bench/gpu_suite.py into OUT (ARGS go to it: --parts 2 3)
 #
 # The image's own torch (CUDA) stays: only pure-Python packages and tokenizers' abi3 wheel travel, at the versions the
 # workbench pins. Measured 2026-12-04 on an H200 image with torch 2.11.0+cu130 and Python 3.12: 28 MB of wheels.
@@ -21,11 +21,11 @@ case "${1:-}" in
       --implementation cp -d "$WHEELS" "${PACKAGES[@]}"
     du -sh "$WHEELS" ;;
   run)
-    out="${2:?usage: bash bench/gpu_offline.sh run OUT}"
+    out="${2:?usage: bash bench/gpu_offline.sh run OUT [gpu_suite.py arguments]}"
     export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD" TOKENIZERS_PARALLELISM=false
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     python3 -m pip install -q --no-index --no-deps "$WHEELS"/*.whl 2>&1 | grep -v "Running pip as" || true
     python3 -c "import torch, transformers, trl, datasets, workbench.train, workbench.sp.ring; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-    timeout -k 5 450 python3 bench/gpu_suite.py --out "$out" ;;
-  *) echo "usage: bash bench/gpu_offline.sh fetch | run OUT" >&2; exit 2 ;;
+    timeout -k 5 450 python3 bench/gpu_suite.py --out "$out" "${@:3}" ;;
+  *) echo "usage: bash bench/gpu_offline.sh fetch | run OUT [gpu_suite.py arguments]" >&2; exit 2 ;;
 esac

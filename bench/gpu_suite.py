@@ -168,6 +168,61 @@ def part_kernels(dry: bool, repeats: int = 10, warmup: int = 3) -> dict:
 
 
 ULYSSES = 4  # the Ulysses degree whose head shard part 3 times (H/4 heads over the whole row)
+RING = 4     # the ring whose block pairs part 3 runs in one process (zigzag blocks of the row)
+
+
+def ring_in_one_process(q, k, v, grad, ring_index, doc) -> list:
+    """Every block pair of a ring run in one process through the fused kernel (no exchange): the row's output and its q, k,
+    v gradients `[T, H, D]` in fp32, each block's gradients from its merged output and log-sum-exp, as the ring computes them."""
+    import torch
+    from workbench.sp.ring import fused_backward, fused_calls, fused_forward
+    qb, kb, vb, gb = (x.transpose(0, 1)[None] for x in (q, k, v, grad))  # [1, H, T, D]
+    scale = q.shape[-1] ** -0.5
+    merged = []
+    for rows in ring_index:  # forward: each query block against every key block, merged as the ring merges them
+        out = torch.zeros(qb[:, :, rows].shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(out.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        for cols in ring_index:
+            fused_forward(qb[:, :, rows], kb[:, :, cols], vb[:, :, cols], fused_calls(rows, cols, doc), scale, out, lse)
+        merged.append((out, lse))
+    out_row, dq, dk, dv = (torch.zeros(qb.shape, dtype=torch.float32, device=q.device) for _ in range(4))
+    for rows, (out, lse) in zip(ring_index, merged):  # backward: each block's share from the merged statistics
+        out_row[:, :, rows] = out
+        dq_block = torch.zeros(out.shape, dtype=torch.float32, device=q.device)
+        for cols in ring_index:
+            dk_block, dv_block = torch.zeros_like(dq_block), torch.zeros_like(dq_block)
+            fused_backward(qb[:, :, rows], kb[:, :, cols], vb[:, :, cols], gb[:, :, rows], out.to(q.dtype), lse,
+                           fused_calls(rows, cols, doc), scale, dq_block, dk_block, dv_block)
+            dk[:, :, cols] += dk_block
+            dv[:, :, cols] += dv_block
+        dq[:, :, rows] = dq_block
+    return [x[0].transpose(0, 1) for x in (out_row, dq, dk, dv)]
+
+
+def ring_check(tensors, cu, doc, dtype, repeats: int) -> dict:
+    """The fused kernel over a ring of RING zigzag blocks in one process (off-diagonal pairs, split documents) against
+    the fp32 reference of the whole row: max |Δ| of the output and every gradient, and the median time of all its pairs."""
+    import torch
+    from workbench.attention import reference_varlen
+    from workbench.sp.balance import zigzag_plan
+    T = tensors[0].shape[0]
+    ring_index = zigzag_plan(T, RING).to(doc.device)
+    q32, k32, v32, g32 = tensors
+    leaves = [x.detach().clone().requires_grad_() for x in (q32, k32, v32)]
+    ref_out = reference_varlen(*leaves, cu)
+    ref_out.backward(g32)
+    ref = [ref_out.detach(), *(x.grad for x in leaves)]
+    low = [x.to(dtype) for x in tensors]
+    got = ring_in_one_process(*low, ring_index, doc)
+    times = []
+    for _ in range(repeats):
+        if q32.is_cuda: torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        ring_in_one_process(*low, ring_index, doc)
+        if q32.is_cuda: torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return dict(impl=f"ring {RING} zigzag, every block pair in one process (fused)", fwd_bwd_ms=statistics.median(times),
+                **{f"max_abs_d_{t}": (a - b).abs().max().item() for t, a, b in zip(("out", "dq", "dk", "dv"), got, ref)})
 
 
 def part_sp_kernels(dry: bool, repeats: int = 10, warmup: int = 3) -> dict:
@@ -180,10 +235,13 @@ def part_sp_kernels(dry: bool, repeats: int = 10, warmup: int = 3) -> dict:
     ring_index = torch.arange(T, device=device)[None]  # one ring block holding the whole row: the block pair with itself
     to_bhtd = lambda x: x.transpose(0, 1)[None]
     varlen = lambda q, k, v: varlen_attention(q, k, v, cu, int(lengths.max()))
-    impls = {f"ring block pair (ring_attend, tile {QUERY_TILE})":
+    impls = {f"ring block pair, plain kernel (tile {QUERY_TILE})":
                  lambda q, k, v: ring_attend(to_bhtd(q), to_bhtd(k), to_bhtd(v), ring_index, doc)[0].transpose(0, 1),
+             "ring block pair, fused kernel":
+                 lambda q, k, v: ring_attend(to_bhtd(q), to_bhtd(k), to_bhtd(v), ring_index, doc, kernel="fused")[0].transpose(0, 1),
              f"workbench_varlen ({pick_kernel(tensors[0].to(dtype))})": varlen}
     rows = compare(impls, lambda q, k, v: reference_varlen(q, k, v, cu), tensors, dtype, device, repeats, warmup)
+    rows.append(ring_check(tensors, cu, doc, dtype, repeats))
     shard = slice(0, H // ULYSSES)  # the heads one of ULYSSES ranks holds after the all-to-all, over the whole row
     rows += [dict(r, impl=f"Ulysses local, head shard {H // ULYSSES}/{H}: {r['impl']}")
              for r in compare({"workbench_varlen": varlen}, lambda q, k, v: reference_varlen(q, k, v, cu), tensors, dtype,

@@ -52,10 +52,11 @@ def test_gpu_caps_fit_in_8_minutes():
 def test_sp_kernels_and_step_time_report_real_values(full):
     _, report = full
     sp = report["parts"][2]["result"]
-    ring, varlen, local = sp["rows"]
-    assert ring["impl"].startswith("ring block pair") and local["impl"].startswith("Ulysses local, head shard 1/4")
+    plain, fused, varlen, ring, local = sp["rows"]
+    assert plain["impl"].startswith("ring block pair, plain") and fused["impl"].startswith("ring block pair, fused")
+    assert ring["impl"].startswith("ring 4 zigzag") and local["impl"].startswith("Ulysses local, head shard 1/4")
     assert all(0 <= r[f"max_abs_d_{t}"] < 1e-4 for r in sp["rows"] for t in ("out", "dq", "dk", "dv"))
-    assert ring["max_abs_d_dq"] > 0  # the ring's own kernel, really compared against the fp32 reference
+    assert all(r["max_abs_d_dq"] > 0 for r in (plain, fused, ring))  # the ring's own kernels, really compared against fp32
     assert all(r["fwd_bwd_ms"] > 0 for r in sp["rows"])
     step = report["parts"][5]["result"]
     sources = [r["source"] for r in step["rows"]]
@@ -183,3 +184,15 @@ def test_a_killed_suite_ends_its_running_part(tmp_path):
         assert running_with(str(tmp_path)) == []  # the part, in its own session, did not outlive the suite
     finally:
         if proc.poll() is None: proc.kill(); proc.wait()
+
+
+def test_the_long_context_diagnoses_run_dry(capsys):
+    "The part 4 diagnoses (a profiled step per lever set; SDPA per backend and length, each in its own capped process)."
+    sys.path.insert(0, str(SUITE.parent))
+    import gpu_long_context, sdpa_lengths
+    rows = gpu_long_context.main(["--dry-run", "--profile", "128"])
+    assert [r["levers"] for r in rows] == list(gpu_long_context.LEVER_SETS) and all(r["seconds"] > 0 for r in rows)
+    assert "Self CPU time total" in capsys.readouterr().out  # the profiler's table of the ops that took the time
+    timed = sdpa_lengths.main(["--dry-run", "--backends", "default", "--cap-s", "60"])
+    assert [(r["tokens"], r["backend"]) for r in timed] == [(64, "default"), (128, "default")]
+    assert all(r["seconds"] > 0 for r in timed)

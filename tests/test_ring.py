@@ -304,8 +304,8 @@ def test_train_ring_from_the_notebook_launcher_torchrun_nodes_and_accelerate_equ
     assert nodes_config["ring_kernel"] == "fused" and nodes_config["expected_peak_bytes"] is None and "predicted" not in nodes_config
 
 
-def test_training_runs_the_configured_ring_kernel_and_refuses_fused_on_a_gpu(tmp_path, monkeypatch):
-    "--ring-kernel reaches the ring (a spy in place of ring_forward); on CUDA 'fused' is refused before any process starts."
+def test_training_runs_the_configured_ring_kernel_and_refuses_fused_in_fp32_on_a_gpu(tmp_path, monkeypatch):
+    "--ring-kernel reaches the ring (a spy in place of ring_forward); on CUDA 'fused' in fp32 is refused before any process starts."
     from workbench.config import TrainConfig
     from workbench.train import forward_backward, run
     seen = []  # the training step hands the configured kernel to the ring (a spy in place of ring_forward)
@@ -315,10 +315,10 @@ def test_training_runs_the_configured_ring_kernel_and_refuses_fused_on_a_gpu(tmp
             m.setattr("workbench.train.ring_forward", spy)
             forward_backward(None, [{"num_items_in_batch": 1}], None, TrainConfig(ring=2, ring_kernel=kernel), torch.device("cpu"))
     assert seen == list(KERNELS)
-    with monkeypatch.context() as m:  # on a GPU the fused kernel is refused before any process starts
+    with monkeypatch.context() as m:  # CUDA's flash kernel computes in bf16: an fp32 run is refused before any process starts
         m.setattr("workbench.train._device", lambda: torch.device("cuda", 0))
-        with pytest.raises(ValueError, match=r"'fused' runs PyTorch's CPU flash attention and this run trains on cuda"):
-            run(TrainConfig(model="qwen2", ring=2, ring_kernel="fused", steps=1, out=str(tmp_path / "gpu")))
+        with pytest.raises(ValueError, match=r"'fused' runs CUDA's flash attention, which computes in bfloat16, and this run trains in float32"):
+            run(TrainConfig(model="qwen2", ring=2, ring_kernel="fused", dtype="float32", steps=1, out=str(tmp_path / "gpu")))
     assert not (tmp_path / "gpu").exists()
 
 
@@ -347,3 +347,68 @@ def test_cost_balanced_steps_with_a_ring_train_as_without_it(tmp_path):
     assert len(ring) == 3 and close_losses(ring, plain), (ring, plain)
     saved = json.loads((tmp_path / "ring" / "config.json").read_text())
     assert set(saved["imbalance"]) == {"tokens", "cost"} and saved["predicted"]["step_s"] > 0
+
+
+def _flash_varlen_emulated(q, k, v, cu_q, cu_k, max_q, max_k, dropout, causal, debug, *, scale):
+    "CUDA's varlen flash forward in plain products, per sequence: `[T, H, D]` in, out `[T, H, D]` and log-sum-exp `[H, T]`."
+    outs, lses = [], []
+    for (q0, q1), (k0, k1) in zip(zip(cu_q[:-1].tolist(), cu_q[1:].tolist()), zip(cu_k[:-1].tolist(), cu_k[1:].tolist())):
+        s = torch.einsum("qhd,khd->hqk", q[q0:q1], k[k0:k1]) * scale
+        if causal:  # bottom-right aligned, as flash-attn's causal mask for q_len != k_len
+            s = s.masked_fill(torch.ones(q1 - q0, k1 - k0, dtype=torch.bool).tril(k1 - k0 - (q1 - q0)).logical_not(), float("-inf"))
+        lse = torch.logsumexp(s, -1)
+        outs.append(torch.einsum("hqk,khd->qhd", torch.exp(s - lse[..., None]), v[k0:k1]))
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses, 1), None, None, None
+
+
+def _flash_varlen_backward_emulated(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout, causal, rng, unused, *, scale):
+    "Its backward from the given (merged) out and log-sum-exp, as flash computes it."
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for (q0, q1), (k0, k1) in zip(zip(cu_q[:-1].tolist(), cu_q[1:].tolist()), zip(cu_k[:-1].tolist(), cu_k[1:].tolist())):
+        s = torch.einsum("qhd,khd->hqk", q[q0:q1], k[k0:k1]) * scale
+        if causal:
+            s = s.masked_fill(torch.ones(q1 - q0, k1 - k0, dtype=torch.bool).tril(k1 - k0 - (q1 - q0)).logical_not(), float("-inf"))
+        p = torch.exp(s - lse[:, q0:q1, None])
+        do, o = dout[q0:q1], out[q0:q1]
+        dv[k0:k1] = torch.einsum("hqk,qhd->khd", p, do)
+        ds = p * (torch.einsum("qhd,khd->hqk", do, v[k0:k1]) - (do * o).sum(-1).T[..., None])
+        dq[q0:q1] = torch.einsum("hqk,khd->qhd", ds, k[k0:k1]) * scale
+        dk[k0:k1] = torch.einsum("hqk,qhd->khd", ds, q[q0:q1]) * scale
+    return dq, dk, dv
+
+
+def test_the_cuda_varlen_path_gathers_offsets_and_merges_as_the_cpu_path(monkeypatch):
+    """The fused kernel's CUDA path (two varlen calls per block pair: gathered rows, per-sequence offsets, the merge and the
+    gradients' scatter, duplicated key rows included) equals its CPU path on every pair of a zigzag ring of 4, in fp64,
+    with CUDA's varlen flash kernel emulated in plain products (the GPU suite's part 3 runs the real one)."""
+    import workbench.sp.ring as ring_module
+    monkeypatch.setattr(ring_module, "_flash_cuda", _flash_varlen_emulated)
+    monkeypatch.setattr(ring_module, "_flash_cuda_backward", _flash_varlen_backward_emulated)
+    torch.manual_seed(0)
+    doc = documents(torch.tensor([0, 2, 20, 24]))  # doc 1 over most chunks: one key stretch seen by two query stretches
+    blocks = zigzag_plan(24, 4)
+    q, k, v, g = (torch.randn(1, 2, 24, 8, dtype=torch.float64) for _ in range(4))
+    results = {}
+    for path in ("cpu", "cuda"):
+        forward, backward = getattr(ring_module, f"_{path}_forward"), getattr(ring_module, f"_{path}_backward")
+        out, lse = torch.zeros_like(q), torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
+        grads = [torch.zeros_like(q) for _ in range(3)]
+        for rows in blocks:
+            o, l = out[:, :, rows], lse[:, :, rows]
+            for cols in blocks: forward(q[:, :, rows], k[:, :, cols], v[:, :, cols], ring_module.fused_calls(rows, cols, doc), 8 ** -0.5, o, l)
+            out[:, :, rows], lse[:, :, rows] = o, l
+        for rows in blocks:
+            dq = torch.zeros_like(q[:, :, rows])
+            for cols in blocks:
+                dk, dv = torch.zeros_like(dq), torch.zeros_like(dq)
+                backward(q[:, :, rows], k[:, :, cols], v[:, :, cols], g[:, :, rows], out[:, :, rows], lse[:, :, rows],
+                         ring_module.fused_calls(rows, cols, doc), 8 ** -0.5, dq, dk, dv)
+                grads[1][:, :, cols] += dk
+                grads[2][:, :, cols] += dv
+            grads[0][:, :, rows] = dq
+        results[path] = [out, lse, *grads]
+    whole_keys = ring_module.varlen_calls(ring_module.fused_calls(blocks[1], blocks[0], doc), "cpu")[0][1]
+    assert len(whole_keys.unique()) < len(whole_keys)  # key rows gathered twice: their gradients must add, not overwrite
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), results["cpu"], results["cuda"]):
+        assert (a - b).abs().max() < 1e-12, name

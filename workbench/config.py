@@ -60,7 +60,7 @@ class TrainConfig:
     tokenizer: str = ""         # the tokenizer of the data and the checkpoints ('': the model directory's own; the shipped one for a shipped family)
     sp: int = 1                 # processes sharing one sequence (Ulysses)
     ring: int = 1               # ring attention degree: a row is split over sp x ring processes (Ulysses inside a node, the ring across)
-    ring_kernel: str = "plain"  # the ring's block-pair kernel: plain (masked products, any device) or fused (CPU flash attention per document stretch)
+    ring_kernel: str = "plain"  # the ring's block-pair kernel: plain (masked products, any device) or fused (flash attention per document stretch: CPU, or CUDA in bf16)
     dp: int = 1                 # data-parallel replicas
     steps: int = 10             # optimizer steps (a resumed run continues up to this step)
     max_tokens: int = 2048      # tokens per packed row (one row per micro-step per DP replica, cut into `sp` shards)
@@ -118,7 +118,7 @@ class TrainConfig:
                              "--attn other than sdpa, --loss-chunk or --shard yet: drop them or use --ring 1")
         if self.ring_kernel not in KERNELS:
             raise ValueError(f"ring_kernel (--ring-kernel) {self.ring_kernel!r} is not one of {KERNELS}: plain computes each "
-                             f"block pair as masked matrix products, fused as CPU flash-attention calls per document stretch")
+                             f"block pair as masked matrix products, fused as flash-attention calls per document stretch (CPU, or CUDA in bf16)")
         if self.ring_kernel != "plain" and self.ring == 1:
             raise ValueError(f"ring_kernel (--ring-kernel) {self.ring_kernel!r} chooses the ring's block-pair kernel, and this "
                              f"run has no ring: set ring (--ring) to 2 or more, or drop --ring-kernel")

@@ -368,9 +368,12 @@ def train_rank(cfg: TrainConfig,
 def preflight_run(cfg: TrainConfig) -> tuple[list[dict], object, list[dict] | None]:
     "Refuse, before any process starts, a run that would fail inside one: model, attention, run directory, data; return the run's `(features, tokenizer, eval_features)`, read once for every rank it forks."
     device = _device().type
-    if cfg.ring_kernel == "fused" and device != "cpu":
-        raise ValueError(f"ring_kernel (--ring-kernel) 'fused' runs PyTorch's CPU flash attention and this run trains on "
-                         f"{device}: use --ring-kernel plain there (exact on any device)")
+    if cfg.ring_kernel == "fused" and device == "cuda" and run_dtype(cfg, device) not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"ring_kernel (--ring-kernel) 'fused' runs CUDA's flash attention, which computes in bfloat16, and this "
+                         f"run trains in {cfg.dtype}: use --dtype bfloat16 or --ring-kernel plain (exact in any dtype)")
+    if cfg.ring_kernel == "fused" and device not in ("cpu", "cuda"):
+        raise ValueError(f"ring_kernel (--ring-kernel) 'fused' runs PyTorch's flash attention on CPU or CUDA and this run trains "
+                         f"on {device}: use --ring-kernel plain there (exact on any device)")
     config = model_config(cfg)
     if cfg.ring > 1: check_layout(config, cfg.sp, cfg.ring, world_size=cfg.world)  # Ulysses degree vs heads; the ring the rest
     else: check_sp(config, cfg.sp, world_size=cfg.world)

@@ -16,9 +16,9 @@ from .shard import SHARD_KEYS
 from .ulysses import register_key, to_head_shards, to_token_shards
 
 # %% auto #0
-__all__ = ['QUERY_TILE', 'KERNELS', 'KEY', 'block_mask', 'block_attention', 'merge', 'stretches', 'fused_calls', 'fused_forward',
-           'fused_backward', 'ring_attend', 'documents', 'ring_attention', 'register_ring', 'ring_forward',
-           'block_pairs', 'ring_p2p_elements', 'comm_elements', 'comm_bytes']
+__all__ = ['QUERY_TILE', 'KERNELS', 'KEY', 'block_mask', 'block_attention', 'merge', 'stretches', 'fused_calls', 'varlen_calls',
+           'fused_forward', 'fused_backward', 'ring_attend', 'documents', 'ring_attention', 'register_ring',
+           'ring_forward', 'block_pairs', 'ring_p2p_elements', 'comm_elements', 'comm_bytes']
 
 # %% ../../nbs/02_sequence_parallel/06_sp_ring.ipynb #fc561692
 def block_mask(q_index: torch.Tensor,   # [m] global indices of the query tokens
@@ -70,6 +70,8 @@ def merge(out, lse, out_b, lse_b):
 # %% ../../nbs/02_sequence_parallel/06_sp_ring.ipynb #e4f02931
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # private: the only CPU kernel that returns the log-sum-exp
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward  # its own backward, from out and lse
+_flash_cuda = torch.ops.aten._flash_attention_forward  # private: varlen_attn's backward cannot take the merged out and lse
+_flash_cuda_backward = torch.ops.aten._flash_attention_backward  # the backward every flash ring calls with them
 
 KERNELS = ("plain", "fused")  # a block pair as masked matrix products, or as fused flash calls per document stretch
 
@@ -77,16 +79,13 @@ def stretches(index: torch.Tensor,  # [m] global indices of a block's tokens
               doc: torch.Tensor,    # [T] document of every token of the row
              ) -> list[tuple[int, int, int, int]]:
     "A block cut where its global positions jump or its document changes: `(first row, end row, first position, document)` each."
-    positions = index.tolist()
-    docs = doc[index].tolist()
-    found = []
-    start = 0
-    for i in range(1, len(positions) + 1):
-        ends = i == len(positions) or positions[i] != positions[i - 1] + 1 or docs[i] != docs[i - 1]
-        if ends:
-            found.append((start, i, positions[start], docs[start]))
-            start = i
-    return found
+    positions = index.cpu()  # a plan: computed on the CPU, whatever device the tensors live on
+    if len(positions) == 0: return []
+    docs = doc.cpu()[positions]
+    cut = (positions.diff() != 1) | (docs.diff() != 0)  # row i+1 starts a new stretch
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), cut.nonzero().flatten() + 1])
+    ends = torch.cat([starts[1:], torch.tensor([len(positions)])])
+    return list(zip(starts.tolist(), ends.tolist(), positions[starts].tolist(), docs[starts].tolist()))
 
 def fused_calls(q_index: torch.Tensor, k_index: torch.Tensor, doc: torch.Tensor, causal: bool = True) -> list:
     """The fused calls of one block pair: per query stretch, the key rows of its document it sees whole (one call) and
@@ -109,19 +108,55 @@ def fused_calls(q_index: torch.Tensor, k_index: torch.Tensor, doc: torch.Tensor,
             calls.append((slice(q0, q1), torch.cat(whole) if whole else None, own))
     return calls
 
-def fused_forward(q, k, v, calls: list, scale: float, out: torch.Tensor, lse: torch.Tensor):
-    "Add one block pair to the running `out`, `lse` of its queries with fused flash calls, merged by log-sum-exp."
+def varlen_calls(calls: list, device) -> list[tuple]:
+    """The fused calls of one block pair as at most two varlen calls (CUDA's flash kernel takes many sequences at once):
+    the whole-key calls, then the causal ones. `(query rows, key rows, cu_q, cu_k, max_q, max_k, causal)` each."""
+    grouped = []
+    for causal in (False, True):
+        q_rows, k_rows, q_lens, k_lens = [], [], [0], [0]
+        for rows, whole, own in calls:
+            keys = own if causal else whole
+            if keys is None: continue
+            keys = torch.arange(keys.start, keys.stop) if isinstance(keys, slice) else keys
+            q_rows.append(torch.arange(rows.start, rows.stop))
+            k_rows.append(keys)
+            q_lens.append(rows.stop - rows.start)
+            k_lens.append(len(keys))
+        if not q_rows: continue
+        cu_q = torch.tensor(q_lens).cumsum(0).to(device, torch.int32)
+        cu_k = torch.tensor(k_lens).cumsum(0).to(device, torch.int32)
+        grouped.append((torch.cat(q_rows).to(device), torch.cat(k_rows).to(device), cu_q, cu_k, max(q_lens), max(k_lens), causal))
+    return grouped
+
+def _tokens_first(x: torch.Tensor, b: int, rows: torch.Tensor) -> torch.Tensor:
+    return x[b].index_select(1, rows).transpose(0, 1).contiguous()  # rows of batch b as [tokens, heads, D]: varlen's layout
+
+def _cpu_forward(q, k, v, calls, scale, out, lse):
     for rows, whole, own in calls:
-        if whole is not None:
-            part, part_lse = _flash(q[:, :, rows], k[:, :, whole], v[:, :, whole], 0.0, False, scale=scale)
-            out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], part, part_lse)
-        if own is not None:
-            part, part_lse = _flash(q[:, :, rows], k[:, :, own], v[:, :, own], 0.0, True, scale=scale)
+        for keys, is_causal in ((whole, False), (own, True)):
+            if keys is None: continue
+            part, part_lse = _flash(q[:, :, rows], k[:, :, keys], v[:, :, keys], 0.0, is_causal, scale=scale)
             out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], part, part_lse)
 
-def fused_backward(q, k, v, dout, out, lse, calls: list, scale: float, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor):
-    """Add one block pair's gradients with the fused kernel's own backward, given the *merged* output and log-sum-exp
-    (each block's share of dQ, dK and dV is then exact, as in every flash ring)."""
+def _cuda_forward(q, k, v, calls, scale, out, lse):
+    for q_rows, k_rows, cu_q, cu_k, max_q, max_k, causal in varlen_calls(calls, q.device):
+        for b in range(q.shape[0]):
+            qs = _tokens_first(q, b, q_rows)
+            part, part_lse = _flash_cuda(qs, _tokens_first(k, b, k_rows), _tokens_first(v, b, k_rows), cu_q, cu_k,
+                                         max_q, max_k, 0.0, causal, False, scale=scale)[:2]
+            if tuple(part_lse.shape) != (qs.shape[1], qs.shape[0]):
+                raise RuntimeError(f"this torch's CUDA flash kernel returned a log-sum-exp of shape {tuple(part_lse.shape)}, "
+                                   f"not [heads, tokens] = {[qs.shape[1], qs.shape[0]]}: use kernel='plain'")
+            merged, merged_lse = merge(out[b][:, q_rows], lse[b][:, q_rows], part.transpose(0, 1).to(out.dtype), part_lse)
+            out[b, :, q_rows] = merged
+            lse[b, :, q_rows] = merged_lse
+
+def fused_forward(q, k, v, calls: list, scale: float, out: torch.Tensor, lse: torch.Tensor):
+    "Add one block pair to the running `out`, `lse` of its queries with fused flash calls (per stretch on CPU, varlen on CUDA), merged by log-sum-exp."
+    if q.is_cuda: _cuda_forward(q, k, v, calls, scale, out, lse)
+    else: _cpu_forward(q, k, v, calls, scale, out, lse)
+
+def _cpu_backward(q, k, v, dout, out, lse, calls, scale, dq, dk, dv):
     for rows, whole, own in calls:
         for keys, is_causal in ((whole, False), (own, True)):
             if keys is None: continue
@@ -134,6 +169,25 @@ def fused_backward(q, k, v, dout, out, lse, calls: list, scale: float, dq: torch
             else:
                 dk.index_add_(2, keys, g_k)
                 dv.index_add_(2, keys, g_v)
+
+def _cuda_backward(q, k, v, dout, out, lse, calls, scale, dq, dk, dv):
+    rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: the kernel never reads it
+    unused = torch.empty(0, device=q.device)
+    for q_rows, k_rows, cu_q, cu_k, max_q, max_k, causal in varlen_calls(calls, q.device):
+        for b in range(q.shape[0]):
+            g_q, g_k, g_v = _flash_cuda_backward(_tokens_first(dout, b, q_rows), _tokens_first(q, b, q_rows),
+                                                 _tokens_first(k, b, k_rows), _tokens_first(v, b, k_rows),
+                                                 _tokens_first(out, b, q_rows), lse[b][:, q_rows].contiguous(),
+                                                 cu_q, cu_k, max_q, max_k, 0.0, causal, rng_state, unused, scale=scale)
+            dq[b].index_add_(1, q_rows, g_q.transpose(0, 1).to(dq.dtype))
+            dk[b].index_add_(1, k_rows, g_k.transpose(0, 1).to(dk.dtype))  # a key row seen by two query stretches adds twice
+            dv[b].index_add_(1, k_rows, g_v.transpose(0, 1).to(dv.dtype))
+
+def fused_backward(q, k, v, dout, out, lse, calls: list, scale: float, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor):
+    """Add one block pair's gradients with the fused kernel's own backward, given the *merged* output and log-sum-exp
+    (each block's share of dQ, dK and dV is then exact, as in every flash ring)."""
+    if q.is_cuda: _cuda_backward(q, k, v, dout, out, lse, calls, scale, dq, dk, dv)
+    else: _cpu_backward(q, k, v, dout, out, lse, calls, scale, dq, dk, dv)
 
 # %% ../../nbs/02_sequence_parallel/06_sp_ring.ipynb #5cc3a778
 def _peers(group) -> tuple[int, int]:
@@ -161,14 +215,17 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, ring_index, doc, group, scale, window, causal, stats, tile, fused):
         n, r = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
         groups, acc = q.shape[1] // k.shape[1], torch.promote_types(q.dtype, torch.float32)  # statistics in at least fp32
-        qa, up = q.to(acc), lambda x: _expand(x, groups).to(acc)
+        work = q.dtype if fused and q.is_cuda else acc  # the kernels' dtype: CUDA's flash computes only in fp16 / bf16
+        qa, up = q.to(work), lambda x: _expand(x, groups).to(work)
         out, lse = torch.zeros(q.shape, dtype=acc, device=q.device), torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
         kv = torch.stack([k, v])  # [2, B, H_kv, m, D] in the inputs' dtype (bf16 travels as bf16): one message per step
+        plans = []  # each step's fused calls, planned once for the forward and the backward
         for step in range(n):
             if step < n - 1: works, nxt = _pass_on(kv, group, stats)  # the next block travels while this one computes
             pair = ring_index[r], ring_index[(r - step) % n], doc, window, causal, tile
             stats.pairs += 1
             calls = fused_calls(pair[0], pair[1], doc, causal) if fused else None
+            plans.append(calls)
             if fused and calls:
                 fused_forward(qa, up(kv[0]), up(kv[1]), calls, scale, out, lse)
             elif not fused and _meets(*pair):
@@ -181,7 +238,7 @@ class _RingAttention(torch.autograd.Function):
             if step < n - 1: _wait(works, stats); kv = nxt
         ctx.save_for_backward(q, k, v, out, lse, ring_index, doc)
         ctx.group, ctx.scale, ctx.window, ctx.causal, ctx.stats, ctx.tile = group, scale, window, causal, stats, tile
-        ctx.fused = fused
+        ctx.fused, ctx.plans = fused, plans
         return out.to(q.dtype)
 
     @staticmethod
@@ -190,18 +247,21 @@ class _RingAttention(torch.autograd.Function):
         group, scale = ctx.group, ctx.scale
         n, r = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
         groups, acc = q.shape[1] // k.shape[1], out.dtype
-        qa, dout, up = q.to(acc), dout.to(acc), lambda x: _expand(x, groups).to(acc)
-        dq, delta = torch.zeros_like(qa), (dout * out).sum(-1, keepdim=True)  # [B, H, m, 1]
+        work = q.dtype if ctx.fused and q.is_cuda else acc
+        qa, dout, up = q.to(work), dout.to(work), lambda x: _expand(x, groups).to(work)
+        out_w = out.to(work)  # the merged output, as the fused backward reads it
+        dq, delta = torch.zeros(q.shape, dtype=acc, device=q.device), (dout * out_w).sum(-1, keepdim=True)  # [B, H, m, 1]
         kv, incoming = torch.stack([k, v]), None  # incoming: (works, buffer) of the block gradients on their way here
         for step in range(n):
             if step < n - 1: works, nxt = _pass_on(kv, group, ctx.stats)
             pair = ring_index[r], ring_index[(r - step) % n], doc, ctx.window, ctx.causal, ctx.tile
             mine = torch.zeros(2, *k.shape, dtype=acc, device=k.device)  # this process's share of the block's dK, dV
-            calls = fused_calls(pair[0], pair[1], doc, ctx.causal) if ctx.fused else None
+            calls = ctx.plans[step]
             if ctx.fused and calls:
                 ke, ve = up(kv[0]), up(kv[1])
-                dke, dve = torch.zeros_like(ke), torch.zeros_like(ve)  # over the expanded heads, summed per group below
-                fused_backward(qa, ke, ve, dout, out, lse, calls, scale, dq, dke, dve)
+                dke = torch.zeros(ke.shape, dtype=acc, device=ke.device)  # over the expanded heads, summed per group below
+                dve = torch.zeros(ve.shape, dtype=acc, device=ve.device)
+                fused_backward(qa, ke, ve, dout, out_w, lse, calls, scale, dq, dke, dve)
                 mine[0] += _grouped(dke, groups)
                 mine[1] += _grouped(dve, groups)
                 del ke, ve, dke, dve
@@ -237,22 +297,25 @@ def ring_attend(q: torch.Tensor,            # [B, H, m, D] this process's querie
                 causal: bool = True,        # causal (else bidirectional) attention
                 stats: RingStats | None = None,  # counts block pairs met and skipped
                 tile: int = QUERY_TILE,     # query rows computed at once: a block pair's scores are [heads, tile, m]
-                kernel: str = "plain",      # "plain" (masked products in tiles) or "fused" (flash calls per document stretch, CPU)
+                kernel: str = "plain",      # "plain" (masked products in tiles) or "fused" (flash calls: per document stretch on CPU, varlen on CUDA)
                ) -> torch.Tensor:
     "Exact attention of this ring block's queries over every block's keys: `[B, H, m, D]`, differentiable."
     if not isinstance(tile, int) or isinstance(tile, bool) or tile < 2 * q.shape[-1]:  # shorter: scores smaller than a gradient product
         raise ValueError(f"tile must be an integer of at least 2 x head_dim = {2 * q.shape[-1]} query rows, got {tile!r}")
     if q.shape[1] % k.shape[1]: raise ValueError(f"{q.shape[1]} query heads do not group over {k.shape[1]} key/value heads")
     if kernel not in KERNELS: raise ValueError(f"kernel {kernel!r} is not one of {KERNELS}")
-    if kernel == "fused" and q.device.type != "cpu":
-        raise ValueError(f"the fused ring kernel runs PyTorch's CPU flash attention; these tensors are on {q.device}: use kernel='plain'")
+    if kernel == "fused" and q.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"the fused ring kernel runs PyTorch's flash attention on CPU or CUDA; these tensors are on {q.device}: use kernel='plain'")
+    if kernel == "fused" and q.is_cuda and q.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"the fused ring kernel on CUDA runs flash attention, which computes in float16 or bfloat16; these tensors "
+                         f"are {q.dtype}: train in bfloat16 or use kernel='plain'")
     n = 1 if group is None else dist.get_world_size(group)
     if tuple(ring_index.shape) != (n, q.shape[2]):
         raise ValueError(f"ring_index is {tuple(ring_index.shape)} but the ring has {n} blocks of {q.shape[2]} tokens: "
                          f"build the shards with ring_shard for this grid")
     return _RingAttention.apply(q, k, v, ring_index.to(q.device), doc.to(q.device), group,
                                 q.shape[-1] ** -0.5 if scale is None else scale, window, causal, stats or RingStats(), tile,
-                                kernel == "fused" and not window)  # a sliding window runs the plain kernel: the CPU flash kernel has none
+                                kernel == "fused" and not window)  # a sliding window runs the plain kernel (the CPU flash kernel has none)
 
 # %% ../../nbs/02_sequence_parallel/06_sp_ring.ipynb #178fdaa3
 def documents(cu_seq_lens: torch.Tensor) -> torch.Tensor:
