@@ -108,7 +108,10 @@ def test_dashboard_in_jupyterlab(tmp_path):
         assert partial, f"no partial SP=1 curve was ever drawn: {sorted(drawn)}"
         last_run_starts = min(t for (run, points), t in drawn.items() if run == "DP=2" and points > 0)
         assert last_run_starts - min(partial) > 0.5, drawn
-        page.wait_for_function("() => document.querySelectorAll('.workbench-dashboard .js-plotly-plot').length == 12")
+        page.wait_for_function("() => document.querySelectorAll('.workbench-dashboard .js-plotly-plot').length == 14")  # 2 x 7 figures
+        uneven = {t["name"]: t for t in plots["slowest rank's forward + backward (dashed: predicted)"]}
+        assert {"SP=2", "DP=2", "DP=2 predicted"} <= set(uneven) and "SP=1" not in uneven, uneven  # one rank: nothing to compare
+        assert uneven["DP=2"]["x"] == list(range(steps)) and all(y >= 1.0 for y in uneven["DP=2"]["y"]), uneven
         again = page.evaluate(DASHBOARD_STATE, 1)
         assert (again["plots"], again["bars"]) == (plots, state["bars"]), again
 

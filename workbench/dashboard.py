@@ -18,11 +18,12 @@ import plotly.graph_objects as go
 
 # %% auto #0
 __all__ = ['METRIC_KEYS', 'CPU_CAVEAT', 'PLOTLY_MIME', 'COMM_TITLE', 'MetricsReader', 'RunProgress', 'run_progress',
-           'figure_output', 'Dashboard']
+           'RankBalance', 'rank_balance', 'figure_output', 'Dashboard']
 
 # %% ../nbs/03_runtime/09_dashboard.ipynb #9c5d2370
 METRIC_KEYS = ("step", "rank", "loss", "tokens", "trained", "tokens_per_s", "peak_mem_bytes", "a2a_share", "ring_share",
-               "a2a_bytes", "ring_bytes", "time", "step_s", "mfu")  # mfu only where the cost model predicts the run (not LoRA, not mixture of experts)
+               "a2a_bytes", "ring_bytes", "time", "step_s", "compute_s",
+               "predicted_flops", "mfu")  # these two only where the cost model describes the run (not LoRA, not mixture of experts)
 _HEAD = 256  # bytes of the file's start remembered to notice a rewrite in place
 
 class MetricsReader:
@@ -100,6 +101,55 @@ def run_progress(name: str,              # the run's label
         eta = elapsed / session * max(total - done, 0)
     return RunProgress(name, done, total, elapsed, eta)
 
+# %% ../nbs/03_runtime/09_dashboard.ipynb #711f5f80
+@dataclass
+class RankBalance:
+    "How one run's ranks shared each step: the slowest rank's forward + backward against the ranks' mean, measured and predicted."
+    steps: list                  # the steps every rank reported
+    slowest: list                # per step, the rank whose forward + backward took longest
+    measured: list               # per step, that rank's time / the ranks' mean time (1.0: perfectly even)
+    predicted_slowest: list | None  # per step, the rank with the most predicted FLOPs (None: the run has no prediction)
+    predicted: list | None       # per step, its FLOPs / the ranks' mean FLOPs
+
+    @property
+    def worst(self) -> int:
+        "Index (into `steps`) of the most uneven step."
+        return max(range(len(self.steps)), key=lambda i: self.measured[i])
+
+    def __str__(self):
+        i = self.worst
+        line = (f"slowest rank {self.slowest[i]} at step {self.steps[i]}: its forward + backward took "
+                f"{self.measured[i]:.2f}x the ranks' mean (mean over {len(self.steps)} steps {sum(self.measured) / len(self.steps):.2f}x)")
+        if self.predicted is None: return line + "; no prediction for this run"
+        return (line + f"; predicted from the bins' FLOPs: rank {self.predicted_slowest[i]}, {self.predicted[i]:.2f}x "
+                f"(mean {sum(self.predicted) / len(self.steps):.2f}x)")
+
+def _uneven(values: dict) -> tuple[int, float]:
+    "The rank with the largest value and that value / the ranks' mean."
+    rank = max(values, key=values.get)
+    mean = sum(values.values()) / len(values)
+    return rank, values[rank] / mean if mean > 0 else 1.0
+
+def rank_balance(rows: list[dict]) -> RankBalance | None:
+    "The per-step straggler of one run's metrics rows (None: fewer than two ranks recorded their forward + backward time)."
+    by_step = {}
+    for r in rows:
+        if "compute_s" in r: by_step.setdefault(r["step"], {})[r["rank"]] = r
+    ranks = {rank for reports in by_step.values() for rank in reports}
+    steps = [s for s in sorted(by_step) if len(by_step[s]) == len(ranks)]  # a step some rank has not written yet waits
+    if len(ranks) < 2 or not steps: return None
+    slowest, measured, predicted_slowest, predicted = [], [], [], []
+    for s in steps:
+        rank, ratio = _uneven({k: r["compute_s"] for k, r in by_step[s].items()})
+        slowest.append(rank)
+        measured.append(ratio)
+        if all("predicted_flops" in r for r in by_step[s].values()):
+            rank, ratio = _uneven({k: r["predicted_flops"] for k, r in by_step[s].items()})
+            predicted_slowest.append(rank)
+            predicted.append(ratio)
+    if len(predicted) != len(steps): predicted_slowest, predicted = None, None
+    return RankBalance(steps, slowest, measured, predicted_slowest, predicted)
+
 # %% ../nbs/03_runtime/09_dashboard.ipynb #25658473
 _COLORS = ("#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2")
 _RANK_DASH = ("solid", "dot", "dash", "dashdot")
@@ -136,7 +186,7 @@ def _measured_on(config: dict) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 class Dashboard:
-    "Live or replayed figures of one or more runs: loss, tokens/s, per-rank memory, all-to-all and ring shares, progress per run."
+    "Live or replayed figures of one or more runs: loss, tokens/s, per-rank memory, all-to-all and ring shares, the slowest rank, progress per run."
     def __init__(self, *runs,                       # run directories, or the `TrainConfig`s of the runs
                  names: list[str] | None = None,    # a label per run (default: the config's name, else SP/DP, else the folder)
                  total_steps: int | None = None):   # steps of every run (default: each run's own `steps`)
@@ -153,16 +203,20 @@ class Dashboard:
         self.comm = _figure(COMM_TITLE, "share of rank 0's step", steps)
         self.step_time = _figure("step time (dashed: predicted)", "seconds", steps)
         self.mfu = _figure("MFU (dashed: predicted)", "model FLOPs utilisation", steps)
+        self.balance = _figure("slowest rank's forward + backward (dashed: predicted)", "x the ranks' mean", steps)
         self.bars = [widgets.IntProgress(min=0, max=1, style={"description_width": "initial"}) for _ in self.readers]
         self.texts = [widgets.Label() for _ in self.readers]
         self.status = widgets.HTML()
         self.views = [widgets.Output() for _ in self._all_figures()]  # where each figure is drawn on the page
-        loss, speed, memory, comm, step_time, mfu = self.views
+        loss, speed, memory, comm, step_time, mfu, balance = self.views
         self._cost = widgets.HBox([step_time, mfu], layout=widgets.Layout(display="none"))
+        self.ranks_text = widgets.HTML()  # each run's slowest rank, in words
+        self._ranks = widgets.HBox([balance, self.ranks_text], layout=widgets.Layout(display="none"))
         self.widget = widgets.VBox([*(widgets.HBox([b, t]) for b, t in zip(self.bars, self.texts)), self.status,
-                                    widgets.HBox([loss, speed]), widgets.HBox([memory, comm]), self._cost])
+                                    widgets.HBox([loss, speed]), widgets.HBox([memory, comm]), self._cost, self._ranks])
         self.widget.add_class("workbench-dashboard")  # a page (or a test) finds the dashboard's own bars among other widgets
         self._traces, self._drawn = {}, [None] * len(self.readers)
+        self._balances = [None] * len(self.readers)  # each run's `rank_balance` as last drawn
         self._stop, self._thread, self.error, self.runs = threading.Event(), None, None, []
         self.refresh()
 
@@ -184,7 +238,7 @@ class Dashboard:
         return [f"{l} #{out[:i].count(l) + 1}" if out.count(l) > 1 else l for i, l in enumerate(out)]
 
     def _all_figures(self) -> list[go.Figure]:
-        return [self.loss, self.speed, self.memory, self.comm, self.step_time, self.mfu]
+        return [self.loss, self.speed, self.memory, self.comm, self.step_time, self.mfu, self.balance]
 
     def figures(self) -> list[go.Figure]:
         "The figures that hold data (step time and MFU only when the runs record them)."
@@ -208,6 +262,12 @@ class Dashboard:
                 out[f"predicted {key}"] = (fig, f"{label} predicted", [0, last], [predicted[key]] * 2, "dash")
         if rows and config.get("expected_peak_bytes"):  # the planner's per-rank peak, drawn beside the measured ones
             out["planned"] = (self.memory, f"{label} planned", [0, last], [config["expected_peak_bytes"] / 2**30] * 2, "longdash")
+        balance = rank_balance(rows)
+        self._balances[i] = balance  # the words beside the figure say the same
+        if balance is not None:
+            out["balance"] = (self.balance, label, balance.steps, balance.measured, dash)
+            if balance.predicted is not None:
+                out["predicted balance"] = (self.balance, f"{label} predicted", balance.steps, balance.predicted, "dash")
         for rank in sorted({r["rank"] for r in rows}):
             mine = [r for r in rows if r["rank"] == rank and "peak_mem_bytes" in r]
             out[f"rank {rank}"] = (self.memory, f"{label} rank {rank}", [r["step"] for r in mine],
@@ -264,6 +324,9 @@ class Dashboard:
         annotated = self._annotate()
         if changed or annotated: self._show()
         if any(f is self.step_time or f is self.mfu for f in self.figures()): self._cost.layout.display = None
+        uneven = [f"<b>{html.escape(l)}</b>: {html.escape(str(b), quote=False)}" for l, b in zip(labels, self._balances) if b is not None]
+        self.ranks_text.value = "<br>".join(uneven)
+        self._ranks.layout.display = None if uneven else "none"
         self.runs = [run_progress(l, rd.rows, t) for l, rd, t in zip(labels, self.readers, self.totals)]
         for bar, text, p, rd in zip(self.bars, self.texts, self.runs, self.readers):
             bar.max = max(p.total or p.done, 1); bar.value = min(p.done, bar.max); bar.description = p.name

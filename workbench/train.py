@@ -148,6 +148,7 @@ class RankRun:
     tokenizer: object            # saved beside the model in every checkpoint (None: token-id data)
     save_group: object           # the gloo group checkpoint saves wait on, outside the collective timeout
     eval_features: list | None   # the held-out examples evaluated during training (`--eval-data`; None: none)
+    bin_flops: dict | None       # predicted FLOPs of every bin, by its pieces (`bin_costs`; None: not modelled)
 
 def check_world(cfg: TrainConfig) -> int:
     "The number of processes running, or an error when it is not the `sp x ring x dp` the config asks for."
@@ -195,11 +196,16 @@ def setup_rank(cfg: TrainConfig,
         print(balance_readout(cfg, imbalance))
         print(predicted or f"no step prediction: {unmodelled(cfg, model.config)}")
     pieces = plan.dataset(features)
+    bin_flops = None  # each bin's predicted work: the per-rank view sets a rank's measured time beside it
+    if cost_modelled(cfg, model.config):
+        opts = run_options(cfg)
+        costs = bin_costs(model.config, plan, opts["attention"], opts["levers"])
+        bin_flops = {tuple(b.tolist()): float(c) for b, c in zip(plan.bins, costs)}
     collate = FlatteningCollator(pad_to_multiple_of=cfg.sp, train_all_tokens=True)  # load_features decided the masks
     trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
     opt = torch.optim.AdamW(trainable, lr=cfg.lr)
     return RankRun(cfg, device, grid, model, opt, plan, sampler, imbalance, predicted, pieces, collate, tokenizer, save_group,
-                   eval_features)
+                   eval_features, bin_flops)
 
 def write_run_config(out: Path, rank_run: RankRun):
     "Rank 0's `config.json`: the config, the plan, the planner's peak, and the predicted imbalance and step time."
@@ -283,6 +289,7 @@ def row_tokens(shard: dict, cfg: TrainConfig) -> int:
 def step_metrics(rank_run: RankRun, step: int, loss: float, bins: list, shards: list[dict],
                  totals: torch.Tensor,  # the step's `[real, trained]` over every replica (`step_totals`)
                  seconds: float,        # this step's wall time
+                 compute_s: float,      # of which in this rank's forward and backward (before the gradients wait for the other ranks)
                  a2a_s: float,          # of which in the all-to-alls
                  ring_s: float,         # of which in the ring's exchanges
                  elapsed: float,        # since the run started
@@ -297,10 +304,12 @@ def step_metrics(rank_run: RankRun, step: int, loss: float, bins: list, shards: 
         row_sizes.append(row_tokens(shard, cfg))
     sent = step_bytes(model.config, row_sizes, cfg, model.dtype.itemsize)
     mfu = measured_mfu(model.config, [plan.length[b] for b in bins], cfg, seconds, rank_run.predicted)
+    work = {}  # this replica's bins' predicted FLOPs: the per-rank view's prediction
+    if rank_run.bin_flops is not None: work["predicted_flops"] = sum(rank_run.bin_flops[tuple(b)] for b in bins)
     return dict(step=step, rank=process_rank(), loss=loss, tokens=mine, trained=int(totals[1]),
                 tokens_per_s=totals[0].item() / seconds, peak_mem_bytes=peak_memory_bytes(rank_run.device),
                 a2a_share=a2a_s / seconds, ring_share=ring_s / seconds, **sent,
-                time=elapsed, step_s=seconds, **mfu)
+                time=elapsed, step_s=seconds, compute_s=compute_s, **work, **mfu)
 
 # %% ../nbs/03_runtime/08_train.ipynb #266fa8a8
 def train_step(rank_run: RankRun, step: int, bins: list,
@@ -314,11 +323,13 @@ def train_step(rank_run: RankRun, step: int, bins: list,
     shards = step_shards(bins, rank_run.pieces, rank_run.collate, grid, rank_run.cfg)
     totals = step_totals(bins, shards, rank_run.plan, grid, rank_run.device)
     check_trained(int(totals[1]), step, bins)  # before any forward: no step is taken on nothing
+    t_compute = time.perf_counter()
     step_loss = forward_backward(rank_run.model, shards, grid, rank_run.cfg, rank_run.device)
+    compute_s = time.perf_counter() - t_compute
     optimizer_step(rank_run.model, rank_run.opt, grid)
     loss = global_loss(step_loss, grid)
     seconds = time.perf_counter() - t0
-    return step_metrics(rank_run, step, loss, bins, shards, totals, seconds,
+    return step_metrics(rank_run, step, loss, bins, shards, totals, seconds, compute_s,
                         a2a_s=grid.clock.seconds - a2a_before, ring_s=grid.stats.seconds - ring_before,
                         elapsed=time.perf_counter() - started)
 
