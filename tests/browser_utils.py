@@ -31,8 +31,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def jupyter_env(tmp: Path) -> dict:
-    "Environment of a test server: a test-only Jupyter config (no news toast), offline hub, one thread, this checkout."
+def jupyter_env(tmp: Path, lab_defaults: bool = False) -> dict:
+    """Environment of a test server: a test-only Jupyter config (no news toast), offline hub, one thread, this checkout;
+    with `lab_defaults`, JupyterLab's own notebook settings (cells scrolled away are windowed out, as a user gets them)."""
     assert Path(CHROMIUM).exists(), "Debian's chromium is missing: apt-get install -y chromium (.ci/run does it)"
     ARTIFACTS.mkdir(exist_ok=True)
     config = tmp / "jupyter-config"
@@ -40,8 +41,9 @@ def jupyter_env(tmp: Path) -> dict:
     (config / "labconfig" / "page_config.json").write_text(json.dumps(
         {"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}}))  # no news toast
     settings = tmp / "lab-settings" / "@jupyterlab" / "notebook-extension"
-    settings.mkdir(parents=True, exist_ok=True)  # every cell stays attached: a cell scrolled away keeps its rendered output
-    (settings / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
+    settings.mkdir(parents=True, exist_ok=True)
+    if not lab_defaults:  # every cell stays attached: a cell scrolled away keeps its rendered output
+        (settings / "tracker.jupyterlab-settings").write_text(json.dumps({"windowingMode": "none"}))
     return {**os.environ, "JUPYTER_CONFIG_DIR": str(config), "JUPYTERLAB_SETTINGS_DIR": str(tmp / "lab-settings"),
             "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 

@@ -46,8 +46,9 @@ def notebook_texts() -> list[str]:
 
 @pytest.fixture
 def workdir(tmp_path):
-    "A copy of the explorer notebook (JupyterLab may autosave what it opens) and a test-only Jupyter config."
-    env = jupyter_env(tmp_path)
+    """A copy of the explorer notebook (JupyterLab may autosave what it opens) and a test-only Jupyter config with
+    JupyterLab's own notebook settings: the explorer must draw on its first display as a user's JupyterLab shows it."""
+    env = jupyter_env(tmp_path, lab_defaults=True)
     shutil.copy(NOTEBOOK, tmp_path / NOTEBOOK.name)
     return tmp_path, env
 
