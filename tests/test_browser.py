@@ -21,7 +21,9 @@ from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 from browser_utils import ARTIFACTS, BIN, ROOT, browser_page, free_port, jupyter_env, jupyterlab, open_notebook, \
     run_all_cells, server
-from workbench.core import load_tokenizer
+from workbench.core import load_tokenizer, tiny_config
+from workbench.packing import FlatteningCollator
+from workbench.sp.ranks import rank_view
 from workbench.viz import readable_tokens
 
 NOTEBOOK = ROOT / "nbs" / "tutorials" / "explore_masks.ipynb"
@@ -36,6 +38,22 @@ FIGURE = """() => {
             yticks: Array.from(document.querySelectorAll('.wb-mask .ytick text'), t => t.textContent),
             stats: document.querySelector('.wb-stats [data-stat="view"]')?.textContent};
 }"""
+
+
+RANKS_TABLE = """() => {  // the explorer's per-process table: column -> values by rank
+    const out = {};
+    for (const td of document.querySelectorAll('.wb-ranks-table td[data-col]')) {
+        (out[td.dataset.col] ??= [])[Number(td.dataset.rank)] = Number(td.textContent);
+    }
+    return out;
+}"""
+RANKS_BARS = """() => {  // the rank figure's attention-work bars, as plotly drew them
+    const gd = document.querySelector('.wb-ranks .js-plotly-plot');
+    const bars = (gd && gd._fullData || []).find(t => t.type === 'bar' && t.name.startsWith('attention work'));
+    return bars ? Array.from(bars.y) : null;
+}"""
+RANKS_BARS_ARE = ("(want) => { const got = (" + RANKS_BARS + ")(); "
+                  "return got !== null && got.length === want.length && got.every((g, i) => Math.abs(g - want[i]) < 1e-9); }")
 
 
 def notebook_texts() -> list[str]:
@@ -163,6 +181,26 @@ def test_explorer_on_your_model_and_data_in_jupyterlab(workdir):
         page.wait_for_selector(".wb-mask .hoverlayer .hovertext", timeout=5000)
         hover = page.locator(".wb-mask .hoverlayer .hovertext").first.text_content()
         assert f"key 1 {first[1]}" in hover and "(example 0)" in hover, hover
+
+        # the processes: Ulysses 2 x ring 2, then other shards; the per-process table and bars read back from the page
+        batch = FlatteningCollator(train_all_tokens=True)([{"input_ids": i} for i in ids])  # the eight examples the explorer shows now
+        heads = tiny_config("gemma2").num_attention_heads // 2  # the notebook's model: a process's head shard under Ulysses 2
+        page.locator(".wb-processes select").select_option("Ulysses 2 x ring 2")
+        for shards in ("zigzag", "contiguous"):
+            page.locator(".wb-shards select").select_option(shards)
+            view = rank_view(batch, 2, 2, shards, window=16)  # computed here, from the row alone (its sliding window: 16)
+            expected = {c: [int(v) for v in view.table[c]] for c in ("tokens", "pairs computed", "pairs skipped")}
+            expected["attention work"] = [int(v) * heads for v in view.table["attention work"]]
+            page.wait_for_function("(s) => (document.querySelector('.wb-ranks-note') || {}).textContent?.includes(s + ' shards')",
+                                   arg=shards, timeout=20000)
+            shown = page.evaluate(RANKS_TABLE)
+            assert {c: shown[c] for c in expected} == expected, (shards, shown, expected)
+            share = [w / max(expected["attention work"]) for w in expected["attention work"]]
+            try:  # the figure's bars: each process's attention work over the largest (the figure may arrive after the table)
+                page.wait_for_function(RANKS_BARS_ARE, arg=share, timeout=20000)
+            except PlaywrightTimeout:
+                raise AssertionError(f"{shards}: the rank figure's bars {page.evaluate(RANKS_BARS)} != {share}") from None
+        page.locator(".wb-explorer").screenshot(path=ARTIFACTS / "explorer_ranks.png")
 
 
 def test_explorer_in_voila(workdir):

@@ -22,10 +22,12 @@ from .masks import (IMPLEMENTATIONS, SDPA_LIKE, MaskReport, eager_attentions, at
 from .packing import (LOSS_MASKS, FlatteningCollator, NaiveConcatCollator, PackingReport, PaddingCollator, TokenBudgetSampler,
                                flatten_features, lengths_of, plan_bins)
 from .plot_view import PlotView, axis_range
+from .sp.balance import PLANS
+from .sp.ranks import rank_figure, rank_view
 
 # %% auto #0
 __all__ = ['TEMPLATE', 'STRATEGIES', 'EXAMPLE_COLORS', 'PAD', 'UNUSED', 'PAD_COLOR', 'CATEGORIES', 'CATEGORY_COLORS',
-           'MASK_COLORSCALE', 'OUTLINE', 'FAMILIES', 'plot_lengths', 'plot_step_tokens', 'strategy_batch',
+           'MASK_COLORSCALE', 'OUTLINE', 'FAMILIES', 'LAYOUTS', 'plot_lengths', 'plot_step_tokens', 'strategy_batch',
            'layout_rows', 'layout_bars', 'layout_title', 'plot_batch_layout', 'mask_blocks', 'clamp_range',
            'view_edges', 'block_edges', 'readable_tokens', 'example_outlines', 'mask_traces', 'mask_layout',
            'plot_mask', 'plot_attention', 'mask_figures', 'render_alone', 'save_figures', 'explorer_data',
@@ -505,6 +507,8 @@ def explorer_tokenizer(tokenizer, model=None):
 
 # %% ../nbs/01_packing/05_viz.ipynb #257bf650
 FAMILIES = ("llama", "mistral")  # shipped tiny model families offered by the explorer (mistral: sliding window 16)
+LAYOUTS = {"one process": (1, 1), "Ulysses 2": (2, 1), "ring 2": (1, 2), "Ulysses 2 x ring 2": (2, 2), "ring 4": (1, 4),
+           "Ulysses 4": (4, 1)}  # the explorer's process layouts: (Ulysses degree, ring degree)
 
 def _vocab(tokenizer=None, config=None) -> int | None:
     "The smallest vocabulary ids must fit: the tokenizer's and the model's (its text config's)."
@@ -530,6 +534,8 @@ class MaskExplorer:
                  tokenizer=None,                         # your tokenizer (object or folder) for your data's token text
                  model=None,                             # your model: a folder with config.json, or a model object
                  data_name: str = "your data",           # how your data is named in the dataset menu
+                 processes: str = "one process",         # processes the row is split over: one of LAYOUTS (Ulysses x ring)
+                 shards: str = "balanced",               # how the row is cut into shards: one of workbench.sp.balance.PLANS
                  ):
         import ipywidgets as W
         self.max_cells, self.leak_tokens, self._plans, self._models, self._quiet = max_cells, leak_tokens, {}, {}, False
@@ -538,10 +544,11 @@ class MaskExplorer:
         for f in FAMILIES:
             for kind, window in attention_kinds(tiny_config(f)).items(): self._models_by_label[f"{f} ({kind})"] = (f, window)
         user_config, self._user_model = None, None
+        self._configs = {f: tiny_config(f) for f in FAMILIES}  # heads and window of each model: what a layout may split
         if model is not None:
             name, user_config, load = explorer_model(model)
             name = f"{name} (yours)" if name in FAMILIES else name
-            self._user_model, self._loaders[name] = name, load
+            self._user_model, self._loaders[name], self._configs[name] = name, load, user_config
             self._models_by_label = {f"{name} ({k})": (name, w) for k, w in attention_kinds(user_config).items()} | self._models_by_label
         tok = explorer_tokenizer(tokenizer, model)
         self._sources = {s: (None, _shipped_tokenizer) for s in SAMPLES}  # name -> (data or None for shipped, tokenizer getter)
@@ -563,7 +570,9 @@ class MaskExplorer:
             family=W.Dropdown(options=labels, value=chosen[0], description="model"),
             attn_implementation=W.Dropdown(options=IMPLEMENTATIONS, value=attn, description="attention"),
             use_cache=W.Checkbox(value=use_cache, description="use_cache (trap 1)", indent=False),
-            ones_mask=W.Checkbox(value=ones_mask, description="all-ones attention_mask (trap 2)", indent=False))
+            ones_mask=W.Checkbox(value=ones_mask, description="all-ones attention_mask (trap 2)", indent=False),
+            processes=W.Dropdown(options=list(LAYOUTS), value=processes, description="processes"),
+            shards=W.Dropdown(options=PLANS, value=shards, description="shards"))
         for name, w in c.items(): w.add_class(f"wb-{name}")
         self.stats = W.HTML().add_class("wb-stats")
         self._compute()
@@ -577,12 +586,17 @@ class MaskExplorer:
             xaxis=dict(title="token position"), yaxis=dict(title="row", autorange="reversed")))
         self.mask_view, self.layout_view = PlotView(self.mask_fig), PlotView(self.layout_fig)
         self._render_stats()
+        self.ranks_note, self.ranks_table = W.HTML().add_class("wb-ranks-note"), W.HTML().add_class("wb-ranks-table")
+        self.ranks_fig = go.Figure()
+        self.ranks_view = PlotView(self.ranks_fig)
+        self.ranks_box = W.VBox([self.ranks_note, W.Box([self.ranks_view]).add_class("wb-ranks"), self.ranks_table])
+        self._draw_ranks()
         box = lambda w, cls, width: W.Box([w], layout=W.Layout(min_width=width)).add_class(cls)
         self.widget = W.VBox([W.HBox([W.VBox([c["sample"], c["strategy"], c["size"], c["step"], c["row"]]),
                                       W.VBox([c["family"], c["attn_implementation"], c["use_cache"], c["ones_mask"]])]),
                               W.HBox([box(self.mask_view, "wb-mask", f"{self.mask_fig.layout.width}px"),
-                                      W.VBox([box(self.layout_view, "wb-layout", f"{self.layout_fig.layout.width}px"), self.stats])])
-                              ]).add_class("wb-explorer")
+                                      W.VBox([box(self.layout_view, "wb-layout", f"{self.layout_fig.layout.width}px"), self.stats])]),
+                              W.HBox([c["processes"], c["shards"]]), self.ranks_box]).add_class("wb-explorer")
         for w in c.values(): w.observe(self._changed, names="value")
         self.mask_view.observe(self._relayout, names="relayout")  # zooms, pans and double-clicks in the page
 
@@ -697,17 +711,47 @@ class MaskExplorer:
         queries = axis_range(event, "yaxis") or (q0, q1)
         self.zoom(keys, queries)
 
+    def rank_view(self):
+        "The row under the chosen layout and shards (`workbench.sp.ranks.rank_view`, what training cuts), or why there is none."
+        s = self.state
+        ulysses, ring = LAYOUTS[s["processes"]]
+        if ulysses * ring == 1: return None, ""
+        if self.batch["input_ids"].shape[0] != 1 or "cu_seq_lens_q" not in self.batch:
+            return None, "sequence parallelism splits one packed row: choose flattening or token-budget packing"
+        name, window = self._models_by_label[s["family"]]
+        row = {k: v for k, v in self.batch.items() if k != "attention_mask"}  # the row as a sequence-parallel run takes it
+        try: view = rank_view(row, ulysses, ring, s["shards"], self._configs.get(name), window)
+        except ValueError as e: return None, f"{s['processes']} cannot run this model: {e}"
+        return view, f"{s['processes']}, {s['shards']} shards: the slowest process has {view.imbalance():.2f}x the mean attention work"
+
+    def _draw_ranks(self):
+        "The rank view below the mask: the row by process, the ring's block pairs, each process's work (hidden for one process)."
+        view, note = self.rank_view()
+        columns = ("rank", "tokens", "trained", "pairs computed", "pairs skipped", "attention work", "all-to-all bytes", "ring bytes")
+        rows = [] if view is None else view.table[list(columns)].to_dict("records")
+        head = "".join(f"<th>{c}</th>" for c in columns)
+        body = "".join("<tr>" + "".join(f"<td data-rank='{r['rank']}' data-col='{c}'>{r[c]}</td>" for c in columns) + "</tr>"
+                       for r in rows)
+        self.ranks_table.value = f"<table class='wb-ranks-rows'><tr>{head}</tr>{body}</table>" if rows else ""
+        if view is not None:
+            self.ranks_fig = rank_figure(view)
+            self.ranks_view.show(self.ranks_fig)
+        self.ranks_box.layout.display = None if note else "none"
+        self.ranks_note.value = note  # last: a page that shows the new note has the new table and figure already
+
     def redraw(self):
-        "Recompute the batch and its mask and update both figures and the stats in place (the whole row is shown)."
+        "Recompute the batch and its mask and update every figure and the stats in place (the whole row is shown)."
         self._compute()
         self._draw_mask()
         self.layout_fig.data[0].update(layout_bars(self.report.examples))
         self.layout_fig.layout.title.text = self._layout_title()
         self.layout_view.show(self.layout_fig)
         self._render_stats()
+        self._draw_ranks()
 
     def _changed(self, change):
         if self._quiet: return
+        if change["owner"] in (self.controls["processes"], self.controls["shards"]): return self._draw_ranks()  # the mask stays
         if change["owner"] is self.controls["strategy"]:
             old, new = change["old"], change["new"]
             size = self.controls["size"]
