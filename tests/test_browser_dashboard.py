@@ -109,9 +109,12 @@ def test_dashboard_in_jupyterlab(tmp_path):
         last_run_starts = min(t for (run, points), t in drawn.items() if run == "DP=2" and points > 0)
         assert last_run_starts - min(partial) > 0.5, drawn
         page.wait_for_function("() => document.querySelectorAll('.workbench-dashboard .js-plotly-plot').length == 14")  # 2 x 7 figures
-        uneven = {t["name"]: t for t in plots["slowest rank's forward + backward (dashed: predicted)"]}
-        assert {"SP=2", "DP=2", "DP=2 predicted"} <= set(uneven) and "SP=1" not in uneven, uneven  # one rank: nothing to compare
-        assert uneven["DP=2"]["x"] == list(range(steps)) and all(y >= 1.0 for y in uneven["DP=2"]["y"]), uneven
+        shares = {t["name"]: t for t in plots["forward + backward per rank (dotted: predicted)"]}
+        assert {"SP=2 rank 0", "SP=2 rank 1", "DP=2 rank 0", "DP=2 rank 1", "DP=2 rank 0 predicted"} <= set(shares), shares
+        assert not any(n.startswith("SP=1") for n in shares), shares  # one rank: nothing to compare
+        dp = [shares[f"DP=2 rank {k}"] for k in (0, 1)]
+        assert all(t["x"] == list(range(steps)) for t in dp), dp  # each step's two shares average to the mean:
+        assert all(abs(a + b - 2.0) < 1e-9 for a, b in zip(dp[0]["y"], dp[1]["y"])), dp
         again = page.evaluate(DASHBOARD_STATE, 1)
         assert (again["plots"], again["bars"]) == (plots, state["bars"]), again
 

@@ -176,9 +176,11 @@ def test_the_slowest_rank_is_named_beside_its_figure_and_old_runs_show_none(tmp_
     (old / "metrics.jsonl").write_text("".join(row(s, k) for s in range(3) for k in (0, 1)))  # written before compute_s existed
     dash = Dashboard(uneven, old, names=["uneven", "old"])
     traces = {t.name: list(t.y) for t in dash.balance.data}
-    assert traces == {"uneven": [2.0 / 1.5, 3.0 / 2.0, 1.0], "uneven predicted": [2.0 / 1.5] * 3}
+    assert traces == {"uneven rank 0": [1.0 / 1.5, 1.0 / 2.0, 1.0], "uneven rank 1": [2.0 / 1.5, 3.0 / 2.0, 1.0],
+                      "uneven rank 0 predicted": [2.0 / 3] * 3, "uneven rank 1 predicted": [4.0 / 3] * 3}
     assert dash._ranks.layout.display is None
     assert "uneven</b>: slowest rank 1 at step 1: its forward + backward took 1.50x the ranks' mean" in dash.ranks_text.value
+    assert "predicted from the bins' FLOPs: rank 1, 1.33x" in dash.ranks_text.value
     assert "old" not in dash.ranks_text.value
     only_old = Dashboard(old)
     assert only_old.balance.data == () and only_old._ranks.layout.display == "none" and only_old.ranks_text.value == ""

@@ -104,51 +104,59 @@ def run_progress(name: str,              # the run's label
 # %% ../nbs/03_runtime/09_dashboard.ipynb #711f5f80
 @dataclass
 class RankBalance:
-    "How one run's ranks shared each step: the slowest rank's forward + backward against the ranks' mean, measured and predicted."
+    "How one run's ranks shared each step: each rank's forward + backward over the ranks' mean, measured and predicted."
     steps: list                  # the steps every rank reported
-    slowest: list                # per step, the rank whose forward + backward took longest
-    measured: list               # per step, that rank's time / the ranks' mean time (1.0: perfectly even)
-    predicted_slowest: list | None  # per step, the rank with the most predicted FLOPs (None: the run has no prediction)
-    predicted: list | None       # per step, its FLOPs / the ranks' mean FLOPs
+    measured: dict               # rank -> per step, its forward + backward time / the ranks' mean that step (1.0: even)
+    predicted: dict | None       # rank -> per step, its bins' predicted FLOPs / the ranks' mean (None: no prediction)
+
+    @staticmethod
+    def _top(shares: dict, i: int) -> int: return max(shares, key=lambda rank: shares[rank][i])
 
     @property
-    def worst(self) -> int:
-        "Index (into `steps`) of the most uneven step."
-        return max(range(len(self.steps)), key=lambda i: self.measured[i])
+    def slowest(self) -> list:
+        "Per step, the rank whose forward + backward took longest (the others waited for it)."
+        return [self._top(self.measured, i) for i in range(len(self.steps))]
+
+    @property
+    def predicted_slowest(self) -> list | None:
+        "Per step, the rank with the most predicted work."
+        return None if self.predicted is None else [self._top(self.predicted, i) for i in range(len(self.steps))]
+
+    def peak(self, shares: dict) -> list:
+        "Per step, the largest share: the slowest rank's time (or work) over the ranks' mean."
+        return [max(values[i] for values in shares.values()) for i in range(len(self.steps))]
 
     def __str__(self):
-        i = self.worst
-        line = (f"slowest rank {self.slowest[i]} at step {self.steps[i]}: its forward + backward took "
-                f"{self.measured[i]:.2f}x the ranks' mean (mean over {len(self.steps)} steps {sum(self.measured) / len(self.steps):.2f}x)")
+        measured = self.peak(self.measured)
+        i = max(range(len(self.steps)), key=lambda j: measured[j])  # the most uneven step
+        line = (f"slowest rank {self.slowest[i]} at step {self.steps[i]}: its forward + backward took {measured[i]:.2f}x "
+                f"the ranks' mean (over {len(self.steps)} steps the slowest took {sum(measured) / len(measured):.2f}x on average)")
         if self.predicted is None: return line + "; no prediction for this run"
-        return (line + f"; predicted from the bins' FLOPs: rank {self.predicted_slowest[i]}, {self.predicted[i]:.2f}x "
-                f"(mean {sum(self.predicted) / len(self.steps):.2f}x)")
+        predicted = self.peak(self.predicted)
+        return (line + f"; predicted from the bins' FLOPs: rank {self.predicted_slowest[i]}, {predicted[i]:.2f}x "
+                f"({sum(predicted) / len(predicted):.2f}x on average)")
 
-def _uneven(values: dict) -> tuple[int, float]:
-    "The rank with the largest value and that value / the ranks' mean."
-    rank = max(values, key=values.get)
-    mean = sum(values.values()) / len(values)
-    return rank, values[rank] / mean if mean > 0 else 1.0
+def _shares(reports: dict, key: str) -> dict:
+    "Each rank's `key` over the ranks' mean, for one step's rows (rank -> row)."
+    mean = sum(r[key] for r in reports.values()) / len(reports)
+    return {rank: (r[key] / mean if mean > 0 else 1.0) for rank, r in reports.items()}
 
 def rank_balance(rows: list[dict]) -> RankBalance | None:
-    "The per-step straggler of one run's metrics rows (None: fewer than two ranks recorded their forward + backward time)."
+    "Each rank's share of every step of one run's metrics rows (None: fewer than two ranks recorded their forward + backward time)."
     by_step = {}
     for r in rows:
         if "compute_s" in r: by_step.setdefault(r["step"], {})[r["rank"]] = r
-    ranks = {rank for reports in by_step.values() for rank in reports}
+    ranks = sorted({rank for reports in by_step.values() for rank in reports})
     steps = [s for s in sorted(by_step) if len(by_step[s]) == len(ranks)]  # a step some rank has not written yet waits
     if len(ranks) < 2 or not steps: return None
-    slowest, measured, predicted_slowest, predicted = [], [], [], []
+    measured = {rank: [] for rank in ranks}
+    predicted = {rank: [] for rank in ranks}
     for s in steps:
-        rank, ratio = _uneven({k: r["compute_s"] for k, r in by_step[s].items()})
-        slowest.append(rank)
-        measured.append(ratio)
+        for rank, share in _shares(by_step[s], "compute_s").items(): measured[rank].append(share)
         if all("predicted_flops" in r for r in by_step[s].values()):
-            rank, ratio = _uneven({k: r["predicted_flops"] for k, r in by_step[s].items()})
-            predicted_slowest.append(rank)
-            predicted.append(ratio)
-    if len(predicted) != len(steps): predicted_slowest, predicted = None, None
-    return RankBalance(steps, slowest, measured, predicted_slowest, predicted)
+            for rank, share in _shares(by_step[s], "predicted_flops").items(): predicted[rank].append(share)
+    every_step = all(len(v) == len(steps) for v in predicted.values())
+    return RankBalance(steps, measured, predicted if every_step else None)
 
 # %% ../nbs/03_runtime/09_dashboard.ipynb #25658473
 _COLORS = ("#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2")
@@ -203,7 +211,7 @@ class Dashboard:
         self.comm = _figure(COMM_TITLE, "share of rank 0's step", steps)
         self.step_time = _figure("step time (dashed: predicted)", "seconds", steps)
         self.mfu = _figure("MFU (dashed: predicted)", "model FLOPs utilisation", steps)
-        self.balance = _figure("slowest rank's forward + backward (dashed: predicted)", "x the ranks' mean", steps)
+        self.balance = _figure("forward + backward per rank (dotted: predicted)", "x the ranks' mean", steps)
         self.bars = [widgets.IntProgress(min=0, max=1, style={"description_width": "initial"}) for _ in self.readers]
         self.texts = [widgets.Label() for _ in self.readers]
         self.status = widgets.HTML()
@@ -264,10 +272,11 @@ class Dashboard:
             out["planned"] = (self.memory, f"{label} planned", [0, last], [config["expected_peak_bytes"] / 2**30] * 2, "longdash")
         balance = rank_balance(rows)
         self._balances[i] = balance  # the words beside the figure say the same
-        if balance is not None:
-            out["balance"] = (self.balance, label, balance.steps, balance.measured, dash)
+        for rank in (balance.measured if balance is not None else {}):  # each rank's share of every step, measured and predicted
+            out[f"rank {rank} share"] = (self.balance, f"{label} rank {rank}", balance.steps, balance.measured[rank], dash)
             if balance.predicted is not None:
-                out["predicted balance"] = (self.balance, f"{label} predicted", balance.steps, balance.predicted, "dash")
+                out[f"rank {rank} predicted share"] = (self.balance, f"{label} rank {rank} predicted", balance.steps,
+                                                       balance.predicted[rank], "dot")
         for rank in sorted({r["rank"] for r in rows}):
             mine = [r for r in rows if r["rank"] == rank and "peak_mem_bytes" in r]
             out[f"rank {rank}"] = (self.memory, f"{label} rank {rank}", [r["step"] for r in mine],
