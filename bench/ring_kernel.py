@@ -27,16 +27,16 @@ def row_boundaries(kind: str, n_tokens: int, seed: int = 0) -> torch.Tensor:
     return torch.tensor(cu, dtype=torch.int64)
 
 
-def time_pair(kernel: str, q, k, v, doc) -> float:
+def time_pair(kernel: str, q, k, v, doc, window=None) -> float:
     "Seconds of one forward and backward of the whole row as one block pair."
     from workbench.sp.ring import ring_attend
     qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))
     t = time.perf_counter()
-    ring_attend(qq, kk, vv, torch.arange(q.shape[2])[None], doc, kernel=kernel).sum().backward()
+    ring_attend(qq, kk, vv, torch.arange(q.shape[2])[None], doc, window=window, kernel=kernel).sum().backward()
     return time.perf_counter() - t
 
 
-def block_pairs_table(lengths, rounds: int, heads: int = 4, head_dim: int = 64) -> list:
+def block_pairs_table(lengths, rounds: int, heads: int = 4, head_dim: int = 64, window=None) -> list:
     from workbench.sp.ring import documents, ring_attend
     rows = []
     for kind in ("flan", "long"):
@@ -48,13 +48,13 @@ def block_pairs_table(lengths, rounds: int, heads: int = 4, head_dim: int = 64) 
             outs = {}
             for kernel in ("plain", "fused"):
                 qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
-                out = ring_attend(qq, kk, vv, torch.arange(n)[None], doc, kernel=kernel)
+                out = ring_attend(qq, kk, vv, torch.arange(n)[None], doc, window=window, kernel=kernel)
                 out.square().sum().backward()
                 outs[kernel] = (out.detach(), qq.grad, kk.grad, vv.grad)
             gap = max((a - b).abs().max().item() for a, b in zip(outs["plain"], outs["fused"]))
-            t_plain, t_fused = best_times([lambda: time_pair("plain", q, k, v, doc), lambda: time_pair("fused", q, k, v, doc)],
+            t_plain, t_fused = best_times([lambda: time_pair("plain", q, k, v, doc, window), lambda: time_pair("fused", q, k, v, doc, window)],
                                           rounds if n <= 8192 else 1)
-            rows.append({"row": kind, "tokens": n, "documents": len(cu) - 1, "plain s": t_plain, "fused s": t_fused,
+            rows.append({"row": kind, "tokens": n, "window": window or "none", "documents": len(cu) - 1, "plain s": t_plain, "fused s": t_fused,
                          "fused speedup": t_plain / t_fused, "max |diff|": gap})
             print(rows[-1], flush=True)  # each row as it is measured: a 32K plain pair takes minutes
     return rows
@@ -119,11 +119,13 @@ def main():
     p.add_argument("--lengths", default="2048,8192,32768", help="row lengths of the block-pair timing")
     p.add_argument("--train-tokens", type=int, default=8192, help="row length of the training steps")
     p.add_argument("--steps", type=int, default=4, help="training steps per layout (the first is a warm-up)")
+    p.add_argument("--window", type=int, help="a sliding window for the block-pair timing (Mistral: 4096)")
+    p.add_argument("--no-training", action="store_true", help="the block-pair timing only")
     a = p.parse_args()
     torch.set_num_threads(1)
     lengths = [int(x) for x in a.lengths.split(",")]
-    print_table(block_pairs_table(lengths, a.rounds), "One block pair (a whole row), forward + backward, fp32, 4 heads x 64, one thread")
-    print_table(training_table(a.train_tokens, a.steps), f"Training steps on {a.train_tokens}-token long-document rows, 2 CPU processes, one thread each")
+    print_table(block_pairs_table(lengths, a.rounds, window=a.window), "One block pair (a whole row), forward + backward, fp32, 4 heads x 64, one thread")
+    if not a.no_training: print_table(training_table(a.train_tokens, a.steps), f"Training steps on {a.train_tokens}-token long-document rows, 2 CPU processes, one thread each")
 
 
 if __name__ == "__main__": main()

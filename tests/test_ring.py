@@ -190,11 +190,11 @@ def test_document_aware_sharding_balances_flan_like_rows():
 
 # ---------------------------------------------------------------- equivalence: 2 and 4 processes, one launch each
 
-FUSED = [0, 1, 3, 4]  # of F64: MHA, GQA, one document over every shard, shards of padding only (a window runs the plain kernel)
+FUSED = [0, 1, 2, 3, 4]  # of F64: MHA, GQA, a sliding window (its band as the calls' masks), one document over every shard, padding-only shards
 
 
 def test_ring_of_two_equals_one_process():
-    "Both block-pair kernels, every plan: the plain one on every case, the fused one on every case it runs."
+    "Both block-pair kernels, every plan, every case."
     cases = F64 + F32
     refs = _references(cases, [1])
     fused = [cases[i] for i in FUSED]
@@ -218,14 +218,14 @@ def test_ring_of_four_hybrid_2x2_and_training_equal_one_process():
             (check_ring, (F64[:2] + F32, [(1, 2)], ("zigzag",), _references(F64[:2] + F32, [2]))),  # DP 2 x ring 2
             *[(ring_losses, (f32_model, rows3, layout)) for layout in train],
             *[(ring_losses, (f64_model, rows3[:1], layout)) for layout in train],
-            (check_ring, (F64[:2], [(1, 4), (2, 2)], ("balanced",), _references(F64[:2], [1]), "fused")),  # fused: ring 4, 2 x 2
+            (check_ring, (F64[:3], [(1, 4), (2, 2)], ("balanced",), _references(F64[:3], [1]), "fused")),  # fused: ring 4, 2 x 2
             (check_ring, (F64[:2], [(1, 2)], ("zigzag",), _references(F64[:2], [2]), "fused")),            # fused: DP 2 x ring 2
             (ring_losses, (f32_model, rows3, (1, 4), "balanced", 1e-2, "fused"))]                          # fused: training
     per_rank = launch(_jobs, jobs, num_processes=4, cpu=True, quiet=True, timeout_s=120, deadline_s=300)
     checks = [r for rank in per_rank for job in rank[:2] for r in job]
     assert_ring_results(checks, 4 * (len(F64) * len(f64_layouts) + len(F64[:2] + F32)))
     fused_checks = [r for rank in per_rank for job in rank[6:8] for r in job]
-    assert_ring_results(fused_checks, 4 * (2 * 2 + 2))
+    assert_ring_results(fused_checks, 4 * (3 * 2 + 2))
     ref32, ref64 = _one_thread(ring_losses, f32_model, rows3), _one_thread(ring_losses, f64_model, rows3[:1])
     for rank in per_rank:
         for got, layout in zip(rank[2:4], train):
@@ -319,6 +319,8 @@ def test_training_runs_the_configured_ring_kernel_and_refuses_fused_in_fp32_on_a
         m.setattr("workbench.train._device", lambda: torch.device("cuda", 0))
         with pytest.raises(ValueError, match=r"'fused' runs CUDA's flash attention, which computes in bfloat16, and this run trains in float32"):
             run(TrainConfig(model="qwen2", ring=2, ring_kernel="fused", dtype="float32", steps=1, out=str(tmp_path / "gpu")))
+        with pytest.raises(ValueError, match=r"'fused' has no sliding window on CUDA yet and this model's layers use one"):
+            run(TrainConfig(model="mistral", ring=2, ring_kernel="fused", dtype="bfloat16", steps=1, out=str(tmp_path / "gpu")))
     assert not (tmp_path / "gpu").exists()
 
 

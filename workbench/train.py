@@ -376,6 +376,11 @@ def train_rank(cfg: TrainConfig,
     return losses
 
 # %% ../nbs/03_runtime/08_train.ipynb #d147a1b7
+def _windowed(config) -> bool:
+    "Whether any layer of the model attends through a sliding window (the cost model's reading of its layers)."
+    try: return any(Dims.of(config).windows)
+    except ValueError: return bool(getattr(config, "sliding_window", None))  # an architecture the cost model refuses: its config says
+
 def preflight_run(cfg: TrainConfig) -> tuple[list[dict], object, list[dict] | None]:
     "Refuse, before any process starts, a run that would fail inside one: model, attention, run directory, data; return the run's `(features, tokenizer, eval_features)`, read once for every rank it forks."
     device = _device().type
@@ -386,6 +391,9 @@ def preflight_run(cfg: TrainConfig) -> tuple[list[dict], object, list[dict] | No
         raise ValueError(f"ring_kernel (--ring-kernel) 'fused' runs PyTorch's flash attention on CPU or CUDA and this run trains "
                          f"on {device}: use --ring-kernel plain there (exact on any device)")
     config = model_config(cfg)
+    if cfg.ring_kernel == "fused" and device == "cuda" and _windowed(config):
+        raise ValueError("ring_kernel (--ring-kernel) 'fused' has no sliding window on CUDA yet and this model's layers use one: "
+                         "use --ring-kernel plain (exact with a window on any device)")
     if cfg.ring > 1: check_layout(config, cfg.sp, cfg.ring, world_size=cfg.world)  # Ulysses degree vs heads; the ring the rest
     else: check_sp(config, cfg.sp, world_size=cfg.world)
     from transformers import AutoModelForCausalLM

@@ -87,9 +87,28 @@ def stretches(index: torch.Tensor,  # [m] global indices of a block's tokens
     ends = torch.cat([starts[1:], torch.tensor([len(positions)])])
     return list(zip(starts.tolist(), ends.tolist(), positions[starts].tolist(), docs[starts].tolist()))
 
-def fused_calls(q_index: torch.Tensor, k_index: torch.Tensor, doc: torch.Tensor, causal: bool = True) -> list:
-    """The fused calls of one block pair: per query stretch, the key rows of its document it sees whole (one call) and
-    the stretch it sees causally (its own, on the diagonal pair). `(query rows, whole key rows or None, causal rows or None)`."""
+def _band(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int, causal: bool) -> torch.Tensor:
+    "Which query sees which key inside the window, by global positions `[q, k]`: the mask a windowed fused call carries."
+    distance = q_pos[:, None] - k_pos[None, :]
+    allowed = distance < window
+    return allowed & (distance >= 0) if causal else allowed
+
+def _windowed(rows: slice, keys: torch.Tensor, q_index, k_index, window: int, causal: bool):
+    "A call's query rows trimmed to those that see a key, and its band mask (None where the window hides nothing)."
+    mask = _band(q_index[rows], k_index[keys], window, causal)
+    seen = int(mask.any(1).sum())  # the queries that see a key: a prefix (later queries are further from earlier keys)
+    mask = mask[:seen]
+    return slice(rows.start, rows.start + seen), (None if bool(mask.all()) else mask)
+
+def fused_calls(q_index: torch.Tensor,   # [m] global indices of the query block's tokens
+                k_index: torch.Tensor,   # [m] global indices of the key/value block's tokens
+                doc: torch.Tensor,       # [T] document of every token of the row
+                causal: bool = True,     # causal (else bidirectional) attention
+                window: int | None = None,  # sliding window: each call carries its band as a mask
+               ) -> list:
+    """The fused calls of one block pair: per query stretch, the keys of its document it sees whole (one call), then
+    itself causally (on the diagonal pair). `(query rows, key rows, causal, band mask or None)` each; with a window the
+    rows are trimmed to those it lets meet, and the diagonal stretch is cut into query chunks of at least the window."""
     calls = []
     keys_of = {}  # document -> its key stretches: a query stretch looks only at its own document's
     for k0, k1, k_pos, k_doc in stretches(k_index, doc): keys_of.setdefault(k_doc, []).append((k0, k1, k_pos))
@@ -103,9 +122,22 @@ def fused_calls(q_index: torch.Tensor, k_index: torch.Tensor, doc: torch.Tensor,
                 raise ValueError(f"query stretch at positions {q_pos}..{q_pos + q1 - q0} and key stretch at {k_pos}..{k_pos + k1 - k0} "
                                  f"overlap without being the same tokens: build the blocks with ring_shard")
             if causal and same: own = slice(k0, k1)  # the same tokens: causal within them
-            elif not causal or before: whole.append(torch.arange(k0, k1))
-        if whole or own is not None:
-            calls.append((slice(q0, q1), torch.cat(whole) if whole else None, own))
+            elif not causal or before:
+                if window and before: k0 = max(k0, k0 + q_pos - window + 1 - k_pos)  # keys older than the window: seen by none
+                if k0 < k1: whole.append(torch.arange(k0, k1))
+        if whole:
+            keys = torch.cat(whole)
+            rows, mask = slice(q0, q1), None
+            if window: rows, mask = _windowed(rows, keys, q_index, k_index, window, causal=False)
+            if rows.stop > rows.start: calls.append((rows, keys, False, mask))
+        if own is not None and not window:
+            calls.append((slice(q0, q1), own, True, None))
+        elif own is not None:  # query chunks of at least the window, each against the keys its band reaches
+            chunk = max(window, QUERY_TILE)
+            for c0 in range(q0, q1, chunk):
+                c1 = min(c0 + chunk, q1)
+                rows, keys = slice(c0, c1), slice(own.start + max(0, c0 - window + 1 - q0), own.start + c1 - q0)
+                calls.append((rows, keys, False, _band(q_index[rows], k_index[keys], window, causal=True)))
     return calls
 
 def varlen_calls(calls: list, device) -> list[tuple]:
@@ -114,9 +146,9 @@ def varlen_calls(calls: list, device) -> list[tuple]:
     grouped = []
     for causal in (False, True):
         q_rows, k_rows, q_lens, k_lens = [], [], [0], [0]
-        for rows, whole, own in calls:
-            keys = own if causal else whole
-            if keys is None: continue
+        for rows, keys, is_causal, mask in calls:
+            if is_causal != causal: continue
+            if mask is not None: raise ValueError("CUDA's varlen calls carry no band mask: a sliding window runs kernel='plain' on CUDA")
             keys = torch.arange(keys.start, keys.stop) if isinstance(keys, slice) else keys
             q_rows.append(torch.arange(rows.start, rows.stop))
             k_rows.append(keys)
@@ -131,12 +163,14 @@ def varlen_calls(calls: list, device) -> list[tuple]:
 def _tokens_first(x: torch.Tensor, b: int, rows: torch.Tensor) -> torch.Tensor:
     return x[b].index_select(1, rows).transpose(0, 1).contiguous()  # rows of batch b as [tokens, heads, D]: varlen's layout
 
+def _additive(mask, dtype):
+    return None if mask is None else torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, float("-inf"))  # the kernel's mask form
+
 def _cpu_forward(q, k, v, calls, scale, out, lse):
-    for rows, whole, own in calls:
-        for keys, is_causal in ((whole, False), (own, True)):
-            if keys is None: continue
-            part, part_lse = _flash(q[:, :, rows], k[:, :, keys], v[:, :, keys], 0.0, is_causal, scale=scale)
-            out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], part, part_lse)
+    for rows, keys, is_causal, mask in calls:
+        part, part_lse = _flash(q[:, :, rows], k[:, :, keys], v[:, :, keys], 0.0, is_causal, attn_mask=_additive(mask, q.dtype),
+                                scale=scale)
+        out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], part, part_lse)
 
 def _cuda_forward(q, k, v, calls, scale, out, lse):
     for q_rows, k_rows, cu_q, cu_k, max_q, max_k, causal in varlen_calls(calls, q.device):
@@ -157,18 +191,16 @@ def fused_forward(q, k, v, calls: list, scale: float, out: torch.Tensor, lse: to
     else: _cpu_forward(q, k, v, calls, scale, out, lse)
 
 def _cpu_backward(q, k, v, dout, out, lse, calls, scale, dq, dk, dv):
-    for rows, whole, own in calls:
-        for keys, is_causal in ((whole, False), (own, True)):
-            if keys is None: continue
-            g_q, g_k, g_v = _flash_backward(dout[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys],
-                                            out[:, :, rows], lse[:, :, rows], 0.0, is_causal, scale=scale)
-            dq[:, :, rows] += g_q
-            if isinstance(keys, slice):
-                dk[:, :, keys] += g_k
-                dv[:, :, keys] += g_v
-            else:
-                dk.index_add_(2, keys, g_k)
-                dv.index_add_(2, keys, g_v)
+    for rows, keys, is_causal, mask in calls:
+        g_q, g_k, g_v = _flash_backward(dout[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys], out[:, :, rows],
+                                        lse[:, :, rows], 0.0, is_causal, attn_mask=_additive(mask, q.dtype), scale=scale)
+        dq[:, :, rows] += g_q
+        if isinstance(keys, slice):
+            dk[:, :, keys] += g_k
+            dv[:, :, keys] += g_v
+        else:
+            dk.index_add_(2, keys, g_k)
+            dv.index_add_(2, keys, g_v)
 
 def _cuda_backward(q, k, v, dout, out, lse, calls, scale, dq, dk, dv):
     rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: the kernel never reads it
@@ -224,7 +256,7 @@ class _RingAttention(torch.autograd.Function):
             if step < n - 1: works, nxt = _pass_on(kv, group, stats)  # the next block travels while this one computes
             pair = ring_index[r], ring_index[(r - step) % n], doc, window, causal, tile
             stats.pairs += 1
-            calls = fused_calls(pair[0], pair[1], doc, causal) if fused else None
+            calls = fused_calls(pair[0], pair[1], doc, causal, window) if fused else None
             plans.append(calls)
             if fused and calls:
                 fused_forward(qa, up(kv[0]), up(kv[1]), calls, scale, out, lse)
@@ -306,6 +338,8 @@ def ring_attend(q: torch.Tensor,            # [B, H, m, D] this process's querie
     if kernel not in KERNELS: raise ValueError(f"kernel {kernel!r} is not one of {KERNELS}")
     if kernel == "fused" and q.device.type not in ("cpu", "cuda"):
         raise ValueError(f"the fused ring kernel runs PyTorch's flash attention on CPU or CUDA; these tensors are on {q.device}: use kernel='plain'")
+    if kernel == "fused" and q.is_cuda and window:
+        raise ValueError(f"the fused ring kernel on CUDA has no sliding window yet (this model's is {window}): use kernel='plain'")
     if kernel == "fused" and q.is_cuda and q.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"the fused ring kernel on CUDA runs flash attention, which computes in float16 or bfloat16; these tensors "
                          f"are {q.dtype}: train in bfloat16 or use kernel='plain'")
@@ -315,7 +349,7 @@ def ring_attend(q: torch.Tensor,            # [B, H, m, D] this process's querie
                          f"build the shards with ring_shard for this grid")
     return _RingAttention.apply(q, k, v, ring_index.to(q.device), doc.to(q.device), group,
                                 q.shape[-1] ** -0.5 if scale is None else scale, window, causal, stats or RingStats(), tile,
-                                kernel == "fused" and not window)  # a sliding window runs the plain kernel (the CPU flash kernel has none)
+                                kernel == "fused")
 
 # %% ../../nbs/02_sequence_parallel/06_sp_ring.ipynb #178fdaa3
 def documents(cu_seq_lens: torch.Tensor) -> torch.Tensor:
