@@ -93,7 +93,7 @@ def example_sums(logits: torch.Tensor,     # [1, n, vocab]: this process's logit
 def eval_shard(row: dict, grid: ParallelGrid, cfg: TrainConfig) -> tuple[dict, torch.Tensor]:
     "This process's shard of a packed row and the row position of each of its tokens (the ring deals them out of order)."
     if cfg.ring > 1:
-        shard = ring_batch(row, grid)
+        shard = ring_batch(row, grid)  # the plan only balances work: evaluation is exact under any plan
         return shard, shard["token_index"]
     shard = shard_batch(row, grid.sp_rank, cfg.sp)
     width = shard["input_ids"].shape[1]

@@ -29,7 +29,7 @@ from .scoring import check_eval_features, evaluate_model
 from .readouts import balance_readout, memory_comparison, memory_readout, peak_memory_bytes, plan_readout, watch_memory
 from .tiling import checkpoint_layers, lean_kernels, tile_mlp
 from .tracking import process_rank, read_metrics, replace_file, reporting, truncate_metrics, write_evaluation, write_metrics
-from .sp.balance import ring_batch
+from .sp.balance import plan_window, ring_batch
 from .sp.grid import check_layout, check_sp, ParallelGrid
 from .sp.loss import global_loss
 from .sp.ring import comm_bytes, register_ring, ring_forward
@@ -237,12 +237,13 @@ def step_shards(bins: list,       # this replica's plan bins of one optimizer st
                 collate,          # the collator that packs a bin's pieces into one row
                 grid,             # the `ParallelGrid` of this process
                 cfg: TrainConfig,
+                window: int | None = None,  # the sliding window the ring's document-aware plan balances by (`plan_window`)
                ) -> list[dict]:
     "Each micro-step's packed row, cut into this process's shard (labels shifted over the whole row first)."
     shards = []
     for bin_ids in bins:
         row = collate([pieces[i] for i in bin_ids])
-        if cfg.ring > 1: shard = ring_batch(row, grid)
+        if cfg.ring > 1: shard = ring_batch(row, grid, window=window)
         else: shard = shard_batch(row, grid.sp_rank, cfg.sp)
         shards.append(shard)
     return shards
@@ -320,7 +321,7 @@ def train_step(rank_run: RankRun, step: int, bins: list,
     t0 = time.perf_counter()
     a2a_before = grid.clock.seconds   # seconds in the all-to-alls so far
     ring_before = grid.stats.seconds  # and in the ring's exchanges
-    shards = step_shards(bins, rank_run.pieces, rank_run.collate, grid, rank_run.cfg)
+    shards = step_shards(bins, rank_run.pieces, rank_run.collate, grid, rank_run.cfg, plan_window(rank_run.model.config))
     totals = step_totals(bins, shards, rank_run.plan, grid, rank_run.device)
     check_trained(int(totals[1]), step, bins)  # before any forward: no step is taken on nothing
     t_compute = time.perf_counter()

@@ -11,7 +11,8 @@ from ..core import check_packed_batch, cu_seq_lens
 from .shard import contiguous_plan, pad_for_sp, ring_shard
 
 # %% auto #0
-__all__ = ['PLANS', 'token_work', 'shard_work', 'imbalance', 'zigzag_plan', 'balanced_plan', 'plan_row', 'ring_batch', 'unshard']
+__all__ = ['PLANS', 'token_work', 'shard_work', 'imbalance', 'zigzag_plan', 'balanced_plan', 'plan_row', 'ring_batch',
+           'plan_window', 'unshard']
 
 # %% ../../nbs/02_sequence_parallel/07_sp_balance.ipynb #9144626c
 def token_work(cu_seq_lens,                # global document boundaries [n + 1] (tensor or array)
@@ -86,6 +87,14 @@ def ring_batch(batch: dict,                 # a packed batch (the contract): the
     "This process's shard of a packed row under a plan: what `ring_forward` takes (every process computes the same plan)."
     padded, plan = plan_row(batch, grid.sp_size, strategy, chunks, window)
     return ring_shard(padded, plan, grid.sp_rank, grid.ulysses)
+
+def plan_window(config) -> int | None:
+    "The sliding window the document-aware plan balances by: the model's, when every layer attends through it (else None)."
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False: return None
+    types = getattr(config, "layer_types", None) or []
+    if any(t != "sliding_attention" for t in types): return None  # some layers attend in full: their work dominates
+    return window
 
 # %% ../../nbs/02_sequence_parallel/07_sp_balance.ipynb #d8e9a30c
 def unshard(pieces: list,          # per shard, a `[1, n, ...]` tensor in its plan order (logits, hidden states)

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from ..core import IGNORE_INDEX, load_records, load_tokenizer, tiny_model, tokenize_records
 from ..launch import launch
 from ..packing import FlatteningCollator
-from .balance import plan_row, ring_batch
+from .balance import plan_row, plan_window, ring_batch
 from .grid import ParallelGrid
 from .loss import global_loss, sync_gradients
 from .ring import comm_elements, register_ring, ring_forward
@@ -193,7 +193,7 @@ def check_ring(cases: list,                # the `workbench.sp.proofs.Case`s to 
             if case.checkpointing: model.train().activation_checkpointing_enable({"use_reentrant": case.reentrant})
             cfg, layers = model.config, model.config.num_hidden_layers
             row = ref["rows"][grid.rank("dp")]
-            batch, plan = plan_row(row, grid.sp_size, strategy)  # the padded row too: its length is in the formulas
+            batch, plan = plan_row(row, grid.sp_size, strategy, window=plan_window(cfg))  # as training cuts it; the padded row: its length is in the formulas
             shard = ring_shard(batch, plan, grid.sp_rank, u)
             skipped = grid.stats.skipped
             with CountComm() as fwd: logits, loss = ring_forward(model, shard, grid, kernel)
@@ -245,7 +245,7 @@ def ring_losses(make_model,          # attn_implementation -> model (the same we
             logits = model(**{k: row[k] for k in SHARD_KEYS}, use_cache=False).logits
             loss = F.cross_entropy(logits[0, :-1].to(torch.promote_types(logits.dtype, torch.float32)), row["labels"][0, 1:], ignore_index=IGNORE_INDEX, reduction="sum") / max(n, 1)
         else:
-            _, loss = ring_forward(model, ring_batch(row, grid, strategy), grid, kernel)
+            _, loss = ring_forward(model, ring_batch(row, grid, strategy, window=plan_window(model.config)), grid, kernel)
         loss.backward()
         if grid is not None: sync_gradients(model, grid)
         grads = grads or [p.grad.clone() for p in model.parameters()]

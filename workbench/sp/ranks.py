@@ -13,7 +13,7 @@ import torch
 from plotly.subplots import make_subplots
 
 from ..core import IGNORE_INDEX, check_packed_batch, cu_seq_lens, shift_labels
-from .balance import PLANS, plan_row
+from .balance import PLANS, plan_row, plan_window
 from .grid import check_layout
 from .ring import QUERY_TILE, block_mask, block_pairs, comm_bytes, documents
 
@@ -63,7 +63,8 @@ def rank_view(batch: dict,                  # a packed row (the contract): input
         window = window or getattr(config, "sliding_window", None)
     processes = ulysses * ring
     real = batch["input_ids"].shape[1]
-    padded, plan = plan_row(batch, processes, strategy)  # as training cuts it (`ring_batch(row, grid)`: the window does not steer the plan)
+    steer = plan_window(config) if config is not None else None  # as training cuts it: the window steers the balanced plan
+    padded, plan = plan_row(batch, processes, strategy, window=steer)
     cu = torch.from_numpy(cu_seq_lens(check_packed_batch(padded)))
     doc = documents(cu)
     ring_index = plan.reshape(ring, -1)  # ring block j: the shards of processes j·ulysses … (j+1)·ulysses − 1
