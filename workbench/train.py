@@ -305,8 +305,9 @@ def step_metrics(rank_run: RankRun, step: int, loss: float, bins: list, shards: 
         row_sizes.append(row_tokens(shard, cfg))
     sent = step_bytes(model.config, row_sizes, cfg, model.dtype.itemsize)
     mfu = measured_mfu(model.config, [plan.length[b] for b in bins], cfg, seconds, rank_run.predicted)
-    work = {}  # this replica's bins' predicted FLOPs: the per-rank view's prediction
-    if rank_run.bin_flops is not None: work["predicted_flops"] = sum(rank_run.bin_flops[tuple(b)] for b in bins)
+    work = {}  # this replica's bins' predicted FLOPs: the per-rank view's prediction (none for a bin the plan does not hold)
+    flops = [rank_run.bin_flops.get(tuple(b)) for b in bins] if rank_run.bin_flops is not None else [None]
+    if None not in flops: work["predicted_flops"] = sum(flops)
     return dict(step=step, rank=process_rank(), loss=loss, tokens=mine, trained=int(totals[1]),
                 tokens_per_s=totals[0].item() / seconds, peak_mem_bytes=peak_memory_bytes(rank_run.device),
                 a2a_share=a2a_s / seconds, ring_share=ring_s / seconds, **sent,
