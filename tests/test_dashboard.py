@@ -177,7 +177,8 @@ def test_the_slowest_rank_is_named_beside_its_figure_and_old_runs_show_none(tmp_
     dash = Dashboard(uneven, old, names=["uneven", "old"])
     traces = {t.name: list(t.y) for t in dash.balance.data}
     assert traces == {"uneven rank 0": [1.0 / 1.5, 1.0 / 2.0, 1.0], "uneven rank 1": [2.0 / 1.5, 3.0 / 2.0, 1.0],
-                      "uneven rank 0 predicted": [2.0 / 3] * 3, "uneven rank 1 predicted": [4.0 / 3] * 3}
+                      "uneven rank 0 predicted": [2.0 / 3] * 3, "uneven rank 1 predicted": [4.0 / 3] * 3,
+                      "uneven rank 0 tokens": [1.0] * 3, "uneven rank 1 tokens": [1.0] * 3}  # equal tokens, unequal time
     assert dash._ranks.layout.display is None
     assert "uneven</b>: slowest rank 1 at step 1: its forward + backward took 1.50x the ranks' mean" in dash.ranks_text.value
     assert "predicted from the bins' FLOPs: rank 1, 1.33x" in dash.ranks_text.value

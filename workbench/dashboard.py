@@ -104,10 +104,11 @@ def run_progress(name: str,              # the run's label
 # %% ../nbs/03_runtime/09_dashboard.ipynb #711f5f80
 @dataclass
 class RankBalance:
-    "How one run's ranks shared each step: each rank's forward + backward over the ranks' mean, measured and predicted."
+    "How one run's ranks shared each step: each rank's forward + backward, predicted work and tokens over the ranks' mean."
     steps: list                  # the steps every rank reported
     measured: dict               # rank -> per step, its forward + backward time / the ranks' mean that step (1.0: even)
     predicted: dict | None       # rank -> per step, its bins' predicted FLOPs / the ranks' mean (None: no prediction)
+    tokens: dict                 # rank -> per step, its tokens / the ranks' mean (what `--balance tokens` evens out)
 
     @staticmethod
     def _top(shares: dict, i: int) -> int: return max(shares, key=lambda rank: shares[rank][i])
@@ -151,12 +152,14 @@ def rank_balance(rows: list[dict]) -> RankBalance | None:
     if len(ranks) < 2 or not steps: return None
     measured = {rank: [] for rank in ranks}
     predicted = {rank: [] for rank in ranks}
+    tokens = {rank: [] for rank in ranks}
     for s in steps:
         for rank, share in _shares(by_step[s], "compute_s").items(): measured[rank].append(share)
+        for rank, share in _shares(by_step[s], "tokens").items(): tokens[rank].append(share)
         if all("predicted_flops" in r for r in by_step[s].values()):
             for rank, share in _shares(by_step[s], "predicted_flops").items(): predicted[rank].append(share)
     every_step = all(len(v) == len(steps) for v in predicted.values())
-    return RankBalance(steps, measured, predicted if every_step else None)
+    return RankBalance(steps, measured, predicted if every_step else None, tokens)
 
 # %% ../nbs/03_runtime/09_dashboard.ipynb #25658473
 _COLORS = ("#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2")
@@ -211,7 +214,7 @@ class Dashboard:
         self.comm = _figure(COMM_TITLE, "share of rank 0's step", steps)
         self.step_time = _figure("step time (dashed: predicted)", "seconds", steps)
         self.mfu = _figure("MFU (dashed: predicted)", "model FLOPs utilisation", steps)
-        self.balance = _figure("forward + backward per rank (dotted: predicted)", "x the ranks' mean", steps)
+        self.balance = _figure("per rank: forward + backward (dotted: predicted FLOPs, dash-dot: tokens)", "x the ranks' mean", steps)
         self.bars = [widgets.IntProgress(min=0, max=1, style={"description_width": "initial"}) for _ in self.readers]
         self.texts = [widgets.Label() for _ in self.readers]
         self.status = widgets.HTML()
@@ -277,6 +280,7 @@ class Dashboard:
             if balance.predicted is not None:
                 out[f"rank {rank} predicted share"] = (self.balance, f"{label} rank {rank} predicted", balance.steps,
                                                        balance.predicted[rank], "dot")
+            out[f"rank {rank} tokens share"] = (self.balance, f"{label} rank {rank} tokens", balance.steps, balance.tokens[rank], "dashdot")
         for rank in sorted({r["rank"] for r in rows}):
             mine = [r for r in rows if r["rank"] == rank and "peak_mem_bytes" in r]
             out[f"rank {rank}"] = (self.memory, f"{label} rank {rank}", [r["step"] for r in mine],
