@@ -93,25 +93,30 @@ def cost_modelled(cfg: TrainConfig, config) -> bool:
         if cfg.balance != "cost": return False
         raise ValueError(f"balance (--balance) 'cost' needs the cost of this model's steps: {e}; use --balance tokens") from None
 
-def token_imbalance(cfg: TrainConfig, config, plan) -> float:
-    "Predicted max/mean rank cost per optimizer step as the token-budget sampler serves `plan` (what `BalancedPlan.token_imbalance` says, without dealing the cost grouping)."
-    if cfg.dp == 1: return 1.0  # one rank is its own slowest and its own mean: no bin needs costing
-    opts = run_options(cfg)
+def token_imbalance(cfg: TrainConfig, plan, costs) -> float:
+    "Predicted max/mean rank cost per optimizer step as the token-budget sampler serves `plan`, given each bin's `costs` (what `BalancedPlan.token_imbalance` says, without dealing the cost grouping)."
+    if cfg.dp == 1: return 1.0  # one rank is its own slowest and its own mean
     served = served_steps(plan, cfg.dp, cfg.grad_accum, cfg.seed)
-    return BalancedPlan.imbalance(bin_costs(config, plan, opts["attention"], opts["levers"])[served].sum(1))
+    return BalancedPlan.imbalance(costs[served].sum(1))
 
 def plan_run(cfg: TrainConfig, config,
              lengths,  # the run's features (their masks say which pieces train: those that train nothing are left out), or bare lengths
              rank: int = 0):
-    "The run's plan, `rank`'s sampler grouped as `cfg.balance` says, and the predicted max/mean rank cost of the groupings computed: `tokens` (both with `balance='cost'`; None: an architecture `workbench.cost` does not model)."
-    if cfg.balance == "cost" and cost_modelled(cfg, config):  # only this balance deals the bins by cost (a loop per bin)
-        opts = run_options(cfg)  # the attention work and levers of this run: what a bin costs
+    """The run's plan, `rank`'s sampler grouped as `cfg.balance` says, the predicted max/mean rank cost of the groupings
+    computed (`tokens`, both with `balance='cost'`) and every bin's predicted FLOPs (both None: an architecture
+    `workbench.cost` does not model)."""
+    modelled = cost_modelled(cfg, config)
+    opts = run_options(cfg) if modelled else None  # the attention work and levers of this run: what a bin costs
+    if cfg.balance == "cost" and modelled:  # only this balance deals the bins by cost (a loop per bin)
         bal = plan_balanced(lengths, cfg.max_tokens, cfg.dp, config, cfg.grad_accum, opts["attention"], opts["levers"],
                             overlong="split", seed=cfg.seed)
-        return bal.plan, bal.sampler(rank, seed=cfg.seed), {"tokens": bal.token_imbalance, "cost": bal.cost_imbalance}
+        imbalance = {"tokens": bal.token_imbalance, "cost": bal.cost_imbalance}
+        return bal.plan, bal.sampler(rank, seed=cfg.seed), imbalance, bal.costs
     plan = plan_bins(lengths, cfg.max_tokens, overlong="split", seed=cfg.seed)
-    imbalance = {"tokens": token_imbalance(cfg, config, plan)} if cost_modelled(cfg, config) else None
-    return plan, TokenBudgetSampler(plan, seed=cfg.seed, num_replicas=cfg.dp, rank=rank, grad_accum=cfg.grad_accum), imbalance
+    sampler = TokenBudgetSampler(plan, seed=cfg.seed, num_replicas=cfg.dp, rank=rank, grad_accum=cfg.grad_accum)
+    if not modelled: return plan, sampler, None, None
+    costs = bin_costs(config, plan, opts["attention"], opts["levers"])  # once: the imbalance and every step's prediction read it
+    return plan, sampler, {"tokens": token_imbalance(cfg, plan, costs)}, costs
 
 def check_trained(trained: int, step: int, rows) -> None:
     "Refuse an optimizer step whose bins train no token on any rank: its loss would read 0.0 and AdamW would still move the weights."
@@ -189,18 +194,15 @@ def setup_rank(cfg: TrainConfig,
     model = rank_model(cfg, grid, device, world)
     if prepared is None: prepared = read_run_data(cfg, model.config)  # else `preflight_run` read and checked them once for every rank
     features, tokenizer, eval_features = prepared
-    plan, sampler, imbalance = plan_run(cfg, model.config, features, grid.rank("dp"))  # pieces that train nothing are left out
+    plan, sampler, imbalance, costs = plan_run(cfg, model.config, features, grid.rank("dp"))  # pieces that train nothing are left out
     predicted = run_prediction(cfg, model.config, plan, sampler=sampler)  # workbench.cost's roofline (None: not modelled)
     if process_rank() == 0:
         print(plan_readout(plan))
         print(balance_readout(cfg, imbalance))
         print(predicted or f"no step prediction: {unmodelled(cfg, model.config)}")
     pieces = plan.dataset(features)
-    bin_flops = None  # each bin's predicted work: the per-rank view sets a rank's measured time beside it
-    if cost_modelled(cfg, model.config):
-        opts = run_options(cfg)
-        costs = bin_costs(model.config, plan, opts["attention"], opts["levers"])
-        bin_flops = {tuple(b.tolist()): float(c) for b, c in zip(plan.bins, costs)}
+    bin_flops = None  # each bin's predicted work, by its pieces: the per-rank view sets a rank's measured time beside it
+    if costs is not None: bin_flops = {tuple(b.tolist()): float(c) for b, c in zip(plan.bins, costs)}
     collate = FlatteningCollator(pad_to_multiple_of=cfg.sp, train_all_tokens=True)  # load_features decided the masks
     trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
     opt = torch.optim.AdamW(trainable, lr=cfg.lr)
