@@ -153,7 +153,7 @@ def test_a_cost_balanced_dp_run_trains_the_planned_groups_and_refuses_the_other_
     expect, imbalance = {}, {}
     for balance in ("cost", "tokens"):
         for rank in (0, 1):
-            plan, sampler, imbalance[balance], _ = plan_run(TrainConfig(**{**cfg.__dict__, "balance": balance}), model_config(cfg), feats, rank)
+            plan, sampler, imbalance[balance], _, _ = plan_run(TrainConfig(**{**cfg.__dict__, "balance": balance}), model_config(cfg), feats, rank)
             served = sampler.epoch_steps()[:4].reshape(4, 2, 2)[:, :, rank]  # 4 optimizer steps x 2 micro-steps x 2 ranks
             for step, bins in enumerate(served):
                 expect[balance, step, rank] = int(sum(plan.length[plan.bins[b]].sum() for b in bins))

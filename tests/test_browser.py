@@ -22,6 +22,7 @@ from playwright.sync_api import TimeoutError as PlaywrightTimeout
 from browser_utils import ARTIFACTS, BIN, ROOT, browser_page, free_port, jupyter_env, jupyterlab, open_notebook, \
     run_all_cells, server
 from workbench.core import load_tokenizer, tiny_config
+from workbench.cost import attention_work, plan_balanced
 from workbench.packing import FlatteningCollator
 from workbench.sp.ranks import rank_view
 from workbench.viz import readable_tokens
@@ -44,6 +45,13 @@ RANKS_TABLE = """() => {  // the explorer's per-process table: column -> values 
     const out = {};
     for (const td of document.querySelectorAll('.wb-ranks-table td[data-col]')) {
         (out[td.dataset.col] ??= [])[Number(td.dataset.rank)] = Number(td.textContent);
+    }
+    return out;
+}"""
+REPLICAS_TABLE = """() => {  // the explorer's per-replica table: column -> values by replica
+    const out = {};
+    for (const td of document.querySelectorAll('.wb-replicas-table td[data-col]')) {
+        (out[td.dataset.col] ??= [])[Number(td.dataset.replica)] = Number(td.textContent);
     }
     return out;
 }"""
@@ -201,6 +209,31 @@ def test_explorer_on_your_model_and_data_in_jupyterlab(workdir):
             except PlaywrightTimeout:
                 raise AssertionError(f"{shards}: the rank figure's bars {page.evaluate(RANKS_BARS)} != {share}") from None
         page.locator(".wb-explorer").screenshot(path=ARTIFACTS / "explorer_ranks.png")
+
+        # data parallelism: each token-budget step dealt over 2 replicas, by tokens and by cost; the table read back
+        page.locator(".wb-strategy select").select_option("token-budget packing")
+        budget = page.locator(".wb-size input")
+        budget.fill("20"); budget.press("Enter")  # five bins: step 0 differs by tokens (20 and 11) and by cost (20 and 17)
+        page.locator(".wb-replicas select").select_option(label="2")
+        attn = page.locator(".wb-attn_implementation select").input_value()
+        dealt = plan_balanced([len(i) for i in ids], 20, 2, tiny_config("gemma2"), attention=attention_work(attn, "cpu"), overlong="split")
+        for balance in ("tokens", "cost"):
+            page.locator(".wb-balance select").select_option(balance)
+            table = dealt.step_table(0, balance)  # computed here, from the examples' lengths alone
+            expected = {"tokens": table["tokens"].tolist(), "examples": table["examples"].tolist(),
+                        "predicted FLOPs / mean": table["predicted FLOPs / mean"].round(3).tolist()}
+            page.wait_for_function("(b) => (document.querySelector('.wb-replicas-note') || {}).textContent?.includes('--balance ' + b)",
+                                   arg=balance, timeout=20000)
+            shown = page.evaluate(REPLICAS_TABLE)
+            assert {c: shown[c] for c in expected} == expected, (balance, shown, expected)
+        replica = page.locator(".wb-replica input")
+        replica.fill("1"); replica.press("Enter")  # replica 1's row is the one the mask draws
+        try:
+            page.wait_for_function(f"() => {{ const f = ({FIGURE})(); return f && f.x[f.x.length - 1] === {table['tokens'][1]}; }}", timeout=20000)
+        except PlaywrightTimeout:
+            raise AssertionError(f"replica 1's row ({table['tokens'][1]} tokens, --balance cost) is not the row drawn: the "
+                                 f"mask's keys end at {page.evaluate(FIGURE)['x'][-1]}") from None
+        page.locator(".wb-explorer").screenshot(path=ARTIFACTS / "explorer_replicas.png")
 
 
 def test_explorer_in_voila(workdir):

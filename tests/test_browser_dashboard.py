@@ -11,7 +11,7 @@ import re
 import time
 
 from browser_utils import ARTIFACTS, ROOT, browser_page, jupyter_env, jupyterlab, open_notebook, run_all_cells
-from workbench.dashboard import COMM_TITLE
+from workbench.dashboard import BALANCE_TITLE, COMM_TITLE
 
 NOTEBOOK = ROOT / "nbs" / "tutorials" / "launch_sp.ipynb"
 
@@ -109,8 +109,8 @@ def test_dashboard_in_jupyterlab(tmp_path):
         last_run_starts = min(t for (run, points), t in drawn.items() if run == "DP=2" and points > 0)
         assert last_run_starts - min(partial) > 0.5, drawn
         page.wait_for_function("() => document.querySelectorAll('.workbench-dashboard .js-plotly-plot').length == 14")  # 2 x 7 figures
-        shares = {t["name"]: t for t in plots["per rank: forward + backward (dotted: predicted FLOPs, dash-dot: tokens)"]}
-        assert {"SP=2 rank 0", "SP=2 rank 1", "DP=2 rank 0", "DP=2 rank 1", "DP=2 rank 0 predicted", "DP=2 rank 1 tokens"} <= set(shares), shares
+        shares = {t["name"]: t for t in plots[BALANCE_TITLE]}
+        assert {"SP=2 rank 0", "SP=2 rank 1", "DP=2 rank 0", "DP=2 rank 1", "DP=2 rank 0 predicted", "DP=2 rank 0 attention", "DP=2 rank 1 tokens"} <= set(shares), shares
         assert not any(n.startswith("SP=1") for n in shares), shares  # one rank: nothing to compare
         dp = [shares[f"DP=2 rank {k}"] for k in (0, 1)]
         assert all(t["x"] == list(range(steps)) for t in dp), dp  # each step's two shares average to the mean:

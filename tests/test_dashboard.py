@@ -172,16 +172,19 @@ def test_the_slowest_rank_is_named_beside_its_figure_and_old_runs_show_none(tmp_
     uneven, old = tmp_path / "uneven", tmp_path / "old"
     for d in (uneven, old): d.mkdir(); (d / "config.json").write_text(json.dumps({"sp": 1, "dp": 2, "steps": 3}))
     times = {0: (1.0, 2.0), 1: (1.0, 3.0), 2: (2.0, 2.0)}  # step -> (rank 0, rank 1) seconds
-    (uneven / "metrics.jsonl").write_text("".join(row(s, k, compute_s=times[s][k], predicted_flops=1e9 * (1 + k)) for s in times for k in (0, 1)))
+    (uneven / "metrics.jsonl").write_text("".join(row(s, k, compute_s=times[s][k], predicted_flops=1e9 * (1 + k),
+                                                                 predicted_attention_flops=1e8 * (1 + 2 * k)) for s in times for k in (0, 1)))
     (old / "metrics.jsonl").write_text("".join(row(s, k) for s in range(3) for k in (0, 1)))  # written before compute_s existed
     dash = Dashboard(uneven, old, names=["uneven", "old"])
     traces = {t.name: list(t.y) for t in dash.balance.data}
     assert traces == {"uneven rank 0": [1.0 / 1.5, 1.0 / 2.0, 1.0], "uneven rank 1": [2.0 / 1.5, 3.0 / 2.0, 1.0],
                       "uneven rank 0 predicted": [2.0 / 3] * 3, "uneven rank 1 predicted": [4.0 / 3] * 3,
+                      "uneven rank 0 attention": [0.5] * 3, "uneven rank 1 attention": [1.5] * 3,
                       "uneven rank 0 tokens": [1.0] * 3, "uneven rank 1 tokens": [1.0] * 3}  # equal tokens, unequal time
     assert dash._ranks.layout.display is None
     assert "uneven</b>: slowest rank 1 at step 1: its forward + backward took 1.50x the ranks' mean" in dash.ranks_text.value
     assert "predicted from the bins' FLOPs: rank 1, 1.33x" in dash.ranks_text.value
+    assert "their attention: rank 1, 1.50x" in dash.ranks_text.value
     assert "old" not in dash.ranks_text.value
     only_old = Dashboard(old)
     assert only_old.balance.data == () and only_old._ranks.layout.display == "none" and only_old.ranks_text.value == ""

@@ -110,10 +110,10 @@ def test_tokens_balance_never_deals_the_cost_grouping_and_reads_the_same_imbalan
         bal = plan_balanced(lengths, cfg.max_tokens, dp, config, accum, opts["attention"], opts["levers"], overlong="split", seed=0)
         with monkeypatch.context() as m:
             m.setattr(train, "plan_balanced", lambda *a, **k: pytest.fail("a tokens run dealt the cost grouping"))
-            plan, sampler, imbalance, _ = plan_run(cfg, config, lengths, rank=dp - 1)
+            plan, sampler, imbalance, _, _ = plan_run(cfg, config, lengths, rank=dp - 1)
         assert imbalance == {"tokens": bal.token_imbalance} and repr(plan) == repr(bal.plan), (dp, accum)
         assert [list(b) for b in plan.bins] == [list(b) for b in bal.plan.bins]
-        _, _, both, _ = plan_run(TrainConfig(**{**cfg.__dict__, "balance": "cost"}), config, lengths)
+        _, _, both, _, _ = plan_run(TrainConfig(**{**cfg.__dict__, "balance": "cost"}), config, lengths)
         assert both == {"tokens": bal.token_imbalance, "cost": bal.cost_imbalance}
         line = balance_readout(cfg, imbalance)
         assert line.startswith(f"balance: tokens; predicted max/mean rank cost per optimizer step: token-balanced {bal.token_imbalance:.3f}")

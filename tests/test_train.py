@@ -125,7 +125,7 @@ def test_the_run_plans_its_features_so_every_step_trains():
     cfg = TrainConfig(max_tokens=256, dp=2, grad_accum=2)
     feats = load_features(cfg.data)
     for balance in ("tokens", "cost"):
-        plan, sampler, _, _ = plan_run(replace(cfg, balance=balance), model_config(cfg), feats, rank=1)
+        plan, sampler, _, _, _ = plan_run(replace(cfg, balance=balance), model_config(cfg), feats, rank=1)
         assert plan.bin_trained.min() >= 1 and plan.untrained > 0
         assert (plan.bin_trained[sampler.epoch_steps()] > 0).all()  # what the ranks are served
     lengths = plan_run(cfg, model_config(cfg), [len(f["input_ids"]) for f in feats])[0]  # bare lengths: nothing known, nothing left out
@@ -146,7 +146,7 @@ def test_a_step_that_trains_nothing_is_refused(tmp_path, monkeypatch):
     def keep(cfg, config, data, rank=0):  # a plan that keeps what trains nothing (bare lengths or untrained='keep')
         seen.append(data)
         plan = plan_bins(data, cfg.max_tokens, overlong="split", untrained="keep")
-        return plan, TokenBudgetSampler(plan), None, None
+        return plan, TokenBudgetSampler(plan), None, None, None
     monkeypatch.setattr(T, "plan_run", keep)
     with pytest.raises(ValueError, match=r"step 0: its bins \(this rank's: \[\[0\]\]\) train no token on any rank.*untrained='drop'"):
         T.train_rank(T.TrainConfig(steps=2, max_tokens=64, out=str(tmp_path)))

@@ -19,6 +19,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, shape_wrapper
 
+from .config import BALANCES
 from .core import cu_seq_lens, lengths_from_positions
 from .memory import LEVER_LADDER, Levers, Shape, estimate, max_context, preset_config
 from .packing import Plan, TokenBudgetSampler, lengths_of, plan_bins
@@ -29,15 +30,15 @@ from .sp.ring import comm_bytes
 from .sp.shard import contiguous_plan
 
 # %% auto #0
-__all__ = ['ATTENTION_WORK', 'ADAMW_BYTES', 'CPU_FLOP_FORMULAS', 'DEVICES', 'RANK_THREADS', 'FACTORS', 'MEASURED',
-           'HELD_OUT_SOURCES', 'device_of', 'FIT_GROUPS', 'HF_BLOG_QWEN3_4B', 'HF_BLOG_FIT', 'HF_BLOG_RUN', 'SPLITS',
-           'LAYOUT_LEVERS', 'RANK_BY', 'attention_work', 'Dims', 'rows_of', 'document_pairs', 'ring_blocks',
-           'interacting_blocks', 'StepCost', 'step_cost', 'FlopCount', 'measured_flops', 'bin_costs', 'BalancedPlan',
-           'served_steps', 'plan_balanced', 'Device', 'cpu_device', 'device', 'gpu_name', 'run_device', 'Efficiency',
-           'HeldOut', 'held_out', 'held_out_errors', 'Prediction', 'predict_step', 'calibrate', 'run_source',
-           'calibrate_run', 'check_run', 'hf_blog_prediction', 'blog_source', 'hf_blog_table', 'run_options',
-           'cpu_efficiency', 'fresh_cpu', 'run_efficiency', 'unmodelled', 'run_prediction', 'measured_mfu',
-           'layout_name', 'Layouts', 'plan_layout']
+__all__ = ['ATTENTION_WORK', 'ADAMW_BYTES', 'CPU_FLOP_FORMULAS', 'ATTENTION_PARTS', 'DEVICES', 'RANK_THREADS', 'FACTORS',
+           'MEASURED', 'HELD_OUT_SOURCES', 'device_of', 'FIT_GROUPS', 'HF_BLOG_QWEN3_4B', 'HF_BLOG_FIT', 'HF_BLOG_RUN',
+           'SPLITS', 'LAYOUT_LEVERS', 'RANK_BY', 'attention_work', 'Dims', 'rows_of', 'document_pairs', 'ring_blocks',
+           'interacting_blocks', 'StepCost', 'step_cost', 'FlopCount', 'measured_flops', 'bin_work', 'attention_flops',
+           'bin_costs', 'BalancedPlan', 'served_steps', 'plan_balanced', 'Device', 'cpu_device', 'device', 'gpu_name',
+           'run_device', 'Efficiency', 'HeldOut', 'held_out', 'held_out_errors', 'Prediction', 'predict_step',
+           'calibrate', 'run_source', 'calibrate_run', 'check_run', 'hf_blog_prediction', 'blog_source',
+           'hf_blog_table', 'run_options', 'cpu_efficiency', 'fresh_cpu', 'run_efficiency', 'unmodelled',
+           'run_prediction', 'measured_mfu', 'layout_name', 'Layouts', 'plan_layout']
 
 # %% ../nbs/04_planning/03_cost.ipynb #64bb0f7a
 ATTENTION_WORK = {  # how much of each document's query x key square an attention implementation computes
@@ -311,18 +312,32 @@ def measured_flops(model,                       # a transformers causal LM in tr
     return counter.flops
 
 # %% ../nbs/04_planning/03_cost.ipynb #e724834e
-def bin_costs(config,                    # a transformers config or a preset name
-              plan: Plan,                # bins from `plan_bins`
-              attention: str = "causal", # an `ATTENTION_WORK` key
-              levers: Levers = Levers(checkpointing=False),  # checkpointing and the levers that change work
-             ) -> np.ndarray:
-    "Predicted FLOPs of each bin of `plan` (forward, backward, recomputation): `step_cost` of the bin as one row, for all bins at once."
+ATTENTION_PARTS = ("forward attention", "backward attention", "recompute attention")  # `_flops`'s parts that are attention
+
+def bin_work(config,                    # a transformers config or a preset name
+             plan: Plan,                # bins from `plan_bins`
+             attention: str = "causal", # an `ATTENTION_WORK` key
+             levers: Levers = Levers(checkpointing=False),  # checkpointing and the levers that change work
+            ) -> dict:
+    "Predicted FLOPs of each bin of `plan` by part (`step_cost`'s parts, each bin as one row): part -> `[bins]` array."
     d, tokens = Dims.of(config), plan.bin_tokens
     if attention == "row": pairs = tokens * tokens * d.layers
     else:
         per = sum(document_pairs(plan.length, w, attention) for w in d.windows)
         pairs = np.array([per[b].sum() for b in plan.bins], dtype=np.int64)
-    return sum(_flops(d, tokens, pairs, levers, 1).values())
+    return _flops(d, tokens, pairs, levers, 1)
+
+def attention_flops(work: dict) -> np.ndarray:
+    "The attention part of `bin_work`'s parts: what a bin's documents, not its tokens alone, decide."
+    return sum(work[part] for part in ATTENTION_PARTS)
+
+def bin_costs(config,                    # a transformers config or a preset name
+              plan: Plan,                # bins from `plan_bins`
+              attention: str = "causal", # an `ATTENTION_WORK` key
+              levers: Levers = Levers(checkpointing=False),  # checkpointing and the levers that change work
+             ) -> np.ndarray:
+    "Predicted FLOPs of each bin of `plan` (forward, backward, recomputation): the sum of `bin_work`'s parts."
+    return sum(bin_work(config, plan, attention, levers).values())
 
 # %% ../nbs/04_planning/03_cost.ipynb #b23bd402
 @dataclass
@@ -330,6 +345,7 @@ class BalancedPlan:
     "One plan's bins served two ways: as `TokenBudgetSampler` groups them (by tokens) and grouped by predicted cost."
     plan: Plan              # the bins (the same for both: same fill, same token budget)
     costs: np.ndarray       # predicted FLOPs of every bin
+    attention: np.ndarray   # of which attention (`attention_flops`)
     token_steps: np.ndarray # [optimizer steps, grad_accum, dp] bin ids as the sampler serves them
     cost_steps: np.ndarray  # [optimizer steps, grad_accum, dp] bin ids balanced by cost
 
@@ -358,6 +374,31 @@ class BalancedPlan:
         n_steps, grad_accum, dp = self.cost_steps.shape
         steps = self.cost_steps.reshape(n_steps, grad_accum * dp)  # column a * dp + r: micro-step a of rank r
         return TokenBudgetSampler(self.plan, shuffle, seed, dp, rank, steps=steps, grad_accum=grad_accum)
+    def served(self, balance: str = "tokens",  # `--balance`: one of `workbench.config.BALANCES`
+               seed: int = 0,                  # the run's seed
+              ) -> np.ndarray:
+        "`[optimizer steps, grad_accum, dp]` bin ids of the first epoch as a run with `--balance balance` serves them."
+        if balance not in BALANCES: raise ValueError(f"balance={balance!r}; choose one of {BALANCES}")
+        if balance == "tokens": return self.token_steps
+        table = self.sampler(seed=seed).epoch_steps()  # the cost grouping, its steps in the order the run's sampler serves them
+        return table.reshape(len(table), *self.cost_steps.shape[1:])
+    def step_table(self, step: int,            # the optimizer step (of the first epoch; wraps around)
+                   balance: str = "tokens",    # `--balance`: one of `workbench.config.BALANCES`
+                   seed: int = 0,              # the run's seed
+                  ) -> "pd.DataFrame":
+        "One optimizer step as `--balance balance` deals it: per data-parallel rank its bins, tokens, examples, predicted FLOPs and their attention part, each also over the ranks' mean."
+        import pandas as pd
+        served = self.served(balance, seed)
+        bins = served[step % len(served)]  # [grad_accum, dp]: each rank's micro-steps
+        rows = []
+        for rank in range(bins.shape[1]):
+            mine = bins[:, rank]
+            rows.append({"rank": rank, "bins": mine.tolist(), "tokens": int(self.plan.bin_tokens[mine].sum()),
+                         "examples": sum(len(self.plan.bins[b]) for b in mine),
+                         "predicted FLOPs": float(self.costs[mine].sum()), "attention FLOPs": float(self.attention[mine].sum())})
+        table = pd.DataFrame(rows)
+        for column in ("tokens", "predicted FLOPs", "attention FLOPs"): table[f"{column} / mean"] = table[column] / table[column].mean()
+        return table
     def __repr__(self): return "\n".join(f"{k}: {v}" for k, v in self.rows())
     def _repr_markdown_(self): return "\n".join(["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in self.rows()])
 
@@ -398,10 +439,11 @@ def plan_balanced(lengths,                 # per-example token counts (or anythi
         if not isinstance(v, int) or isinstance(v, bool) or v < 1: raise ValueError(f"{name} must be a positive integer, got {v!r}")
     plan = plan_bins(lengths, capacity, overlong=overlong, seed=seed, untrained=untrained)
     if not plan.bins: raise ValueError("no bins to balance: the lengths are empty (or every example was dropped)")
-    costs = bin_costs(config, plan, attention, levers)
+    work = bin_work(config, plan, attention, levers)
+    costs = sum(work.values())
     cost_steps = _deal(np.argsort(-costs, kind="stable"), costs, dp, grad_accum)
     cost_steps = cost_steps[np.random.default_rng(seed).permutation(len(cost_steps))]  # order of steps: no effect on balance
-    return BalancedPlan(plan, costs, served_steps(plan, dp, grad_accum, seed), cost_steps)
+    return BalancedPlan(plan, costs, attention_flops(work), served_steps(plan, dp, grad_accum, seed), cost_steps)
 
 # %% ../nbs/04_planning/03_cost.ipynb #be797c86
 @dataclass(frozen=True)

@@ -17,13 +17,13 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 
 # %% auto #0
-__all__ = ['METRIC_KEYS', 'CPU_CAVEAT', 'PLOTLY_MIME', 'COMM_TITLE', 'MetricsReader', 'RunProgress', 'run_progress',
-           'RankBalance', 'rank_balance', 'figure_output', 'Dashboard']
+__all__ = ['METRIC_KEYS', 'CPU_CAVEAT', 'PLOTLY_MIME', 'COMM_TITLE', 'BALANCE_TITLE', 'MetricsReader', 'RunProgress',
+           'run_progress', 'RankBalance', 'rank_balance', 'figure_output', 'Dashboard']
 
 # %% ../nbs/03_runtime/09_dashboard.ipynb #9c5d2370
 METRIC_KEYS = ("step", "rank", "loss", "tokens", "trained", "tokens_per_s", "peak_mem_bytes", "a2a_share", "ring_share",
                "a2a_bytes", "ring_bytes", "time", "step_s", "compute_s",
-               "predicted_flops", "mfu")  # these two only where the cost model describes the run (not LoRA, not mixture of experts)
+               "predicted_flops", "predicted_attention_flops", "mfu")  # these three only where the cost model describes the run (not LoRA, not mixture of experts)
 _HEAD = 256  # bytes of the file's start remembered to notice a rewrite in place
 
 class MetricsReader:
@@ -104,11 +104,12 @@ def run_progress(name: str,              # the run's label
 # %% ../nbs/03_runtime/09_dashboard.ipynb #711f5f80
 @dataclass
 class RankBalance:
-    "How one run's ranks shared each step: each rank's forward + backward, predicted work and tokens over the ranks' mean."
+    "How one run's ranks shared each step: each rank's forward + backward, predicted work, predicted attention and tokens over the ranks' mean."
     steps: list                  # the steps every rank reported
     measured: dict               # rank -> per step, its forward + backward time / the ranks' mean that step (1.0: even)
     predicted: dict | None       # rank -> per step, its bins' predicted FLOPs / the ranks' mean (None: no prediction)
     tokens: dict                 # rank -> per step, its tokens / the ranks' mean (what `--balance tokens` evens out)
+    attention: dict | None = None  # rank -> per step, its bins' predicted attention FLOPs / the ranks' mean (None: no prediction)
 
     @staticmethod
     def _top(shares: dict, i: int) -> int: return max(shares, key=lambda rank: shares[rank][i])
@@ -134,13 +135,23 @@ class RankBalance:
                 f"the ranks' mean (over {len(self.steps)} steps the slowest took {sum(measured) / len(measured):.2f}x on average)")
         if self.predicted is None: return line + "; no prediction for this run"
         predicted = self.peak(self.predicted)
-        return (line + f"; predicted from the bins' FLOPs: rank {self.predicted_slowest[i]}, {predicted[i]:.2f}x "
-                f"({sum(predicted) / len(predicted):.2f}x on average)")
+        line += (f"; predicted from the bins' FLOPs: rank {self.predicted_slowest[i]}, {predicted[i]:.2f}x "
+                 f"({sum(predicted) / len(predicted):.2f}x on average)")
+        if self.attention is None: return line
+        return line + f"; their attention: rank {self._top(self.attention, i)}, {self.peak(self.attention)[i]:.2f}x"
 
 def _shares(reports: dict, key: str) -> dict:
     "Each rank's `key` over the ranks' mean, for one step's rows (rank -> row)."
     mean = sum(r[key] for r in reports.values()) / len(reports)
     return {rank: (r[key] / mean if mean > 0 else 1.0) for rank, r in reports.items()}
+
+def _predicted_shares(by_step: dict, steps: list, key: str) -> dict | None:
+    "Each rank's share of a predicted `key` at every step, or None where some step's rows lack it (a run the cost model does not describe)."
+    if not all(key in r for s in steps for r in by_step[s].values()): return None
+    shares = {rank: [] for rank in by_step[steps[0]]}
+    for s in steps:
+        for rank, share in _shares(by_step[s], key).items(): shares[rank].append(share)
+    return shares
 
 def rank_balance(rows: list[dict]) -> RankBalance | None:
     "Each rank's share of every step of one run's metrics rows (None: fewer than two ranks recorded their forward + backward time)."
@@ -151,15 +162,13 @@ def rank_balance(rows: list[dict]) -> RankBalance | None:
     steps = [s for s in sorted(by_step) if len(by_step[s]) == len(ranks)]  # a step some rank has not written yet waits
     if len(ranks) < 2 or not steps: return None
     measured = {rank: [] for rank in ranks}
-    predicted = {rank: [] for rank in ranks}
     tokens = {rank: [] for rank in ranks}
     for s in steps:
         for rank, share in _shares(by_step[s], "compute_s").items(): measured[rank].append(share)
         for rank, share in _shares(by_step[s], "tokens").items(): tokens[rank].append(share)
-        if all("predicted_flops" in r for r in by_step[s].values()):
-            for rank, share in _shares(by_step[s], "predicted_flops").items(): predicted[rank].append(share)
-    every_step = all(len(v) == len(steps) for v in predicted.values())
-    return RankBalance(steps, measured, predicted if every_step else None, tokens)
+    predicted = _predicted_shares(by_step, steps, "predicted_flops")
+    attention = _predicted_shares(by_step, steps, "predicted_attention_flops")
+    return RankBalance(steps, measured, predicted, tokens, attention)
 
 # %% ../nbs/03_runtime/09_dashboard.ipynb #25658473
 _COLORS = ("#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2")
@@ -170,6 +179,7 @@ _SYMBOLS = ("circle", "x", "diamond", "square", "triangle-up", "cross")
 _RUN_DASH = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
 COMM_TITLE = "time in communication (solid: all-to-all, dashed: ring)"
+BALANCE_TITLE = "per rank: forward + backward<br>(dotted: predicted FLOPs, long dash: their attention, dash-dot: tokens)"
 _COMM = (("a2a_share", "all-to-all", "solid"), ("ring_share", "ring", "dash"))  # key, trace name, line dash
 
 def _dtick(steps: int) -> int:
@@ -214,7 +224,7 @@ class Dashboard:
         self.comm = _figure(COMM_TITLE, "share of rank 0's step", steps)
         self.step_time = _figure("step time (dashed: predicted)", "seconds", steps)
         self.mfu = _figure("MFU (dashed: predicted)", "model FLOPs utilisation", steps)
-        self.balance = _figure("per rank: forward + backward (dotted: predicted FLOPs, dash-dot: tokens)", "x the ranks' mean", steps)
+        self.balance = _figure(BALANCE_TITLE, "x the ranks' mean", steps)
         self.bars = [widgets.IntProgress(min=0, max=1, style={"description_width": "initial"}) for _ in self.readers]
         self.texts = [widgets.Label() for _ in self.readers]
         self.status = widgets.HTML()
@@ -280,6 +290,9 @@ class Dashboard:
             if balance.predicted is not None:
                 out[f"rank {rank} predicted share"] = (self.balance, f"{label} rank {rank} predicted", balance.steps,
                                                        balance.predicted[rank], "dot")
+            if balance.attention is not None:
+                out[f"rank {rank} attention share"] = (self.balance, f"{label} rank {rank} attention", balance.steps,
+                                                       balance.attention[rank], "longdash")
             out[f"rank {rank} tokens share"] = (self.balance, f"{label} rank {rank} tokens", balance.steps, balance.tokens[rank], "dashdot")
         for rank in sorted({r["rank"] for r in rows}):
             mine = [r for r in rows if r["rank"] == rank and "peak_mem_bytes" in r]

@@ -19,7 +19,7 @@ from tqdm import tqdm  # the text bar: forked ranks cannot draw notebook widgets
 from .attention import KEY as VARLEN_KEY, register as register_varlen
 from .checkpoint import SAVE_WAIT, check_out, latest_checkpoint, load_checkpoint, plan_id, save_checkpoint
 from .config import DTYPES, TrainConfig, _config, _parser, model_config
-from .cost import BalancedPlan, Dims, bin_costs, check_run, fresh_cpu, measured_mfu, plan_balanced, run_device, run_efficiency, run_options, run_prediction, served_steps, unmodelled
+from .cost import BalancedPlan, Dims, attention_flops, bin_work, check_run, fresh_cpu, measured_mfu, plan_balanced, run_device, run_efficiency, run_options, run_prediction, served_steps, unmodelled
 from .core import model_families, no_hf_bars
 from .data import check_token_ids, run_features
 from .fsdp import reduce_gradients, shard_model
@@ -103,20 +103,21 @@ def plan_run(cfg: TrainConfig, config,
              lengths,  # the run's features (their masks say which pieces train: those that train nothing are left out), or bare lengths
              rank: int = 0):
     """The run's plan, `rank`'s sampler grouped as `cfg.balance` says, the predicted max/mean rank cost of the groupings
-    computed (`tokens`, both with `balance='cost'`) and every bin's predicted FLOPs (both None: an architecture
-    `workbench.cost` does not model)."""
+    computed (`tokens`, both with `balance='cost'`), every bin's predicted FLOPs and their attention part (all three
+    None: an architecture `workbench.cost` does not model)."""
     modelled = cost_modelled(cfg, config)
     opts = run_options(cfg) if modelled else None  # the attention work and levers of this run: what a bin costs
     if cfg.balance == "cost" and modelled:  # only this balance deals the bins by cost (a loop per bin)
         bal = plan_balanced(lengths, cfg.max_tokens, cfg.dp, config, cfg.grad_accum, opts["attention"], opts["levers"],
                             overlong="split", seed=cfg.seed)
         imbalance = {"tokens": bal.token_imbalance, "cost": bal.cost_imbalance}
-        return bal.plan, bal.sampler(rank, seed=cfg.seed), imbalance, bal.costs
+        return bal.plan, bal.sampler(rank, seed=cfg.seed), imbalance, bal.costs, bal.attention
     plan = plan_bins(lengths, cfg.max_tokens, overlong="split", seed=cfg.seed)
     sampler = TokenBudgetSampler(plan, seed=cfg.seed, num_replicas=cfg.dp, rank=rank, grad_accum=cfg.grad_accum)
-    if not modelled: return plan, sampler, None, None
-    costs = bin_costs(config, plan, opts["attention"], opts["levers"])  # once: the imbalance and every step's prediction read it
-    return plan, sampler, {"tokens": token_imbalance(cfg, plan, costs)}, costs
+    if not modelled: return plan, sampler, None, None, None
+    work = bin_work(config, plan, opts["attention"], opts["levers"])  # once: the imbalance and every step's prediction read it
+    costs = sum(work.values())
+    return plan, sampler, {"tokens": token_imbalance(cfg, plan, costs)}, costs, attention_flops(work)
 
 def check_trained(trained: int, step: int, rows) -> None:
     "Refuse an optimizer step whose bins train no token on any rank: its loss would read 0.0 and AdamW would still move the weights."
@@ -153,7 +154,7 @@ class RankRun:
     tokenizer: object            # saved beside the model in every checkpoint (None: token-id data)
     save_group: object           # the gloo group checkpoint saves wait on, outside the collective timeout
     eval_features: list | None   # the held-out examples evaluated during training (`--eval-data`; None: none)
-    bin_flops: dict | None       # predicted FLOPs of every bin, by its pieces (`bin_costs`; None: not modelled)
+    bin_flops: dict | None       # predicted FLOPs of every bin and their attention part, by its pieces (`plan_run`; None: not modelled)
 
 def check_world(cfg: TrainConfig) -> int:
     "The number of processes running, or an error when it is not the `sp x ring x dp` the config asks for."
@@ -194,15 +195,15 @@ def setup_rank(cfg: TrainConfig,
     model = rank_model(cfg, grid, device, world)
     if prepared is None: prepared = read_run_data(cfg, model.config)  # else `preflight_run` read and checked them once for every rank
     features, tokenizer, eval_features = prepared
-    plan, sampler, imbalance, costs = plan_run(cfg, model.config, features, grid.rank("dp"))  # pieces that train nothing are left out
+    plan, sampler, imbalance, costs, attention = plan_run(cfg, model.config, features, grid.rank("dp"))  # pieces that train nothing are left out
     predicted = run_prediction(cfg, model.config, plan, sampler=sampler)  # workbench.cost's roofline (None: not modelled)
     if process_rank() == 0:
         print(plan_readout(plan))
         print(balance_readout(cfg, imbalance))
         print(predicted or f"no step prediction: {unmodelled(cfg, model.config)}")
     pieces = plan.dataset(features)
-    bin_flops = None  # each bin's predicted work, by its pieces: the per-rank view sets a rank's measured time beside it
-    if costs is not None: bin_flops = {tuple(b.tolist()): float(c) for b, c in zip(plan.bins, costs)}
+    bin_flops = None  # each bin's predicted work and its attention part, by its pieces: the per-rank view sets a rank's measured time beside them
+    if costs is not None: bin_flops = {tuple(b.tolist()): (float(c), float(a)) for b, c, a in zip(plan.bins, costs, attention)}
     collate = FlatteningCollator(pad_to_multiple_of=cfg.sp, train_all_tokens=True)  # load_features decided the masks
     trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
     opt = torch.optim.AdamW(trainable, lr=cfg.lr)
@@ -307,9 +308,11 @@ def step_metrics(rank_run: RankRun, step: int, loss: float, bins: list, shards: 
         row_sizes.append(row_tokens(shard, cfg))
     sent = step_bytes(model.config, row_sizes, cfg, model.dtype.itemsize)
     mfu = measured_mfu(model.config, [plan.length[b] for b in bins], cfg, seconds, rank_run.predicted)
-    work = {}  # this replica's bins' predicted FLOPs: the per-rank view's prediction (none for a bin the plan does not hold)
+    work = {}  # this replica's bins' predicted FLOPs and their attention part: the per-rank view's prediction (none for a bin the plan does not hold)
     flops = [rank_run.bin_flops.get(tuple(b)) for b in bins] if rank_run.bin_flops is not None else [None]
-    if None not in flops: work["predicted_flops"] = sum(flops)
+    if None not in flops:
+        work["predicted_flops"] = sum(total for total, _ in flops)
+        work["predicted_attention_flops"] = sum(attention for _, attention in flops)
     return dict(step=step, rank=process_rank(), loss=loss, tokens=mine, trained=int(totals[1]),
                 tokens_per_s=totals[0].item() / seconds, peak_mem_bytes=peak_memory_bytes(rank_run.device),
                 a2a_share=a2a_s / seconds, ring_share=ring_s / seconds, **sent,

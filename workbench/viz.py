@@ -16,7 +16,9 @@ import plotly.graph_objects as go
 import plotly.io as pio
 import torch
 
+from .config import BALANCES
 from .core import SAMPLES, load_sample, load_tokenizer, tiny_config, tiny_model
+from .cost import Dims, attention_work, plan_balanced, served_steps
 from .masks import (IMPLEMENTATIONS, SDPA_LIKE, MaskReport, eager_attentions, attention_leakage, example_grid,
                              mask_report)
 from .packing import (LOSS_MASKS, FlatteningCollator, NaiveConcatCollator, PackingReport, PaddingCollator, TokenBudgetSampler,
@@ -27,11 +29,11 @@ from .sp.ranks import rank_figure, rank_view
 
 # %% auto #0
 __all__ = ['TEMPLATE', 'STRATEGIES', 'EXAMPLE_COLORS', 'PAD', 'UNUSED', 'PAD_COLOR', 'CATEGORIES', 'CATEGORY_COLORS',
-           'MASK_COLORSCALE', 'OUTLINE', 'FAMILIES', 'LAYOUTS', 'plot_lengths', 'plot_step_tokens', 'strategy_batch',
-           'layout_rows', 'layout_bars', 'layout_title', 'plot_batch_layout', 'mask_blocks', 'clamp_range',
-           'view_edges', 'block_edges', 'readable_tokens', 'example_outlines', 'mask_traces', 'mask_layout',
-           'plot_mask', 'plot_attention', 'mask_figures', 'render_alone', 'save_figures', 'explorer_data',
-           'explorer_model', 'attention_kinds', 'explorer_tokenizer', 'MaskExplorer']
+           'MASK_COLORSCALE', 'OUTLINE', 'FAMILIES', 'LAYOUTS', 'REPLICAS', 'plot_lengths', 'plot_step_tokens',
+           'bin_batch', 'strategy_batch', 'layout_rows', 'layout_bars', 'layout_title', 'plot_batch_layout',
+           'mask_blocks', 'clamp_range', 'view_edges', 'block_edges', 'readable_tokens', 'example_outlines',
+           'mask_traces', 'mask_layout', 'plot_mask', 'plot_attention', 'mask_figures', 'render_alone', 'save_figures',
+           'explorer_data', 'explorer_model', 'attention_kinds', 'explorer_tokenizer', 'html_table', 'MaskExplorer']
 
 # %% ../nbs/01_packing/05_viz.ipynb #614b21f0
 TEMPLATE = "plotly_white"  # one look for every figure of the workbench
@@ -65,6 +67,14 @@ def plot_step_tokens(report: PackingReport, steps: int = 60) -> go.Figure:
 # %% ../nbs/01_packing/05_viz.ipynb #48e770a1
 STRATEGIES = ("padded", "naive concatenation", "flattening", "token-budget packing")
 
+def bin_batch(features: list[dict],  # the examples the plan was made from
+              plan,                  # a `plan_bins` plan of them
+              bin_id: int,           # which of its bins
+              ) -> dict:
+    "One bin of a token-budget plan as one packed row (`FlatteningCollator`, every token trained: a picture, not a training step)."
+    pieces = plan.dataset(features)  # an example longer than the budget is split into pieces, as training splits it
+    return FlatteningCollator(train_all_tokens=True)([pieces[int(i)] for i in plan.bins[bin_id]])
+
 def strategy_batch(features: list[dict],  # tokenized examples (`load_sample`)
                    strategy: str,         # one of STRATEGIES
                    size: int,             # examples per batch, or the token budget for token-budget packing
@@ -75,11 +85,9 @@ def strategy_batch(features: list[dict],  # tokenized examples (`load_sample`)
     if strategy not in STRATEGIES: raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
     if size < 1: raise ValueError(f"size must be a positive number of examples or tokens, got {size}")
     if strategy == "token-budget packing":
-        plan = plan or plan_bins([len(f["input_ids"]) for f in features], capacity=size, overlong="truncate")
+        plan = plan or plan_bins([len(f["input_ids"]) for f in features], capacity=size, overlong="split")  # as training plans
         order = TokenBudgetSampler(plan, seed=0).epoch_steps()[:, 0]  # the shuffled order training would see
-        pieces = plan.dataset(features)
-        feats = [pieces[int(i)] for i in plan.bins[order[step % len(order)]]]
-        return FlatteningCollator(train_all_tokens=True)(feats), None  # a picture, not a training step
+        return bin_batch(features, plan, order[step % len(order)]), None
     start = (step * size) % max(len(features) - size + 1, 1)
     feats = features[start:start + size]
     collate = {"padded": PaddingCollator(), "naive concatenation": NaiveConcatCollator(), "flattening": FlatteningCollator(train_all_tokens=True)}
@@ -509,6 +517,19 @@ def explorer_tokenizer(tokenizer, model=None):
 FAMILIES = ("llama", "mistral")  # shipped tiny model families offered by the explorer (mistral: sliding window 16)
 LAYOUTS = {"one process": (1, 1), "Ulysses 2": (2, 1), "ring 2": (1, 2), "Ulysses 2 x ring 2": (2, 2), "ring 4": (1, 4),
            "Ulysses 4": (4, 1)}  # the explorer's process layouts: (Ulysses degree, ring degree)
+REPLICAS = (1, 2, 4)  # the explorer's data-parallel degrees
+
+def html_table(table,   # a `pandas.DataFrame`, one row per rank (None: no table)
+               key: str, # the column that names a row's rank: each cell carries it as `data-<key>`, and its column as `data-col`
+               ) -> str:
+    "`table` as an HTML table whose cells a page (or a test) can read back by rank and column ('' for None)."
+    if table is None or table.empty: return ""
+    head = "".join(f"<th>{c}</th>" for c in table.columns)
+    body = ""
+    for row in table.to_dict("records"):
+        cells = "".join(f"<td data-{key}='{row[key]}' data-col='{c}'>{v}</td>" for c, v in row.items())
+        body += f"<tr>{cells}</tr>"
+    return f"<table class='wb-{key}-rows'><tr>{head}</tr>{body}</table>"
 
 def _vocab(tokenizer=None, config=None) -> int | None:
     "The smallest vocabulary ids must fit: the tokenizer's and the model's (its text config's)."
@@ -536,8 +557,13 @@ class MaskExplorer:
                  data_name: str = "your data",           # how your data is named in the dataset menu
                  processes: str = "one process",         # processes the row is split over: one of LAYOUTS (Ulysses x ring)
                  shards: str = "balanced",               # how the row is cut into shards: one of workbench.sp.balance.PLANS
+                 replicas: int = 1,                      # data-parallel ranks a token-budget step is dealt to (`--dp`): one of REPLICAS
+                 balance: str = "tokens",                # how a step's bins are dealt to them (`--balance`): one of BALANCES
                  ):
         import ipywidgets as W
+        for name, value, choices in (("sample", sample, SAMPLES), ("strategy", strategy, STRATEGIES), ("processes", processes, tuple(LAYOUTS)),
+                                     ("shards", shards, PLANS), ("replicas", replicas, REPLICAS), ("balance", balance, BALANCES)):
+            if value not in choices: raise ValueError(f"{name}={value!r}; choose one of {choices}")
         self.max_cells, self.leak_tokens, self._plans, self._models, self._quiet = max_cells, leak_tokens, {}, {}, False
         self._view = None  # (q0, q1, k0, k1) shown, None for the whole row
         self._models_by_label, self._loaders = {}, {f: (lambda f=f: tiny_model(f)) for f in FAMILIES}
@@ -572,7 +598,10 @@ class MaskExplorer:
             use_cache=W.Checkbox(value=use_cache, description="use_cache (trap 1)", indent=False),
             ones_mask=W.Checkbox(value=ones_mask, description="all-ones attention_mask (trap 2)", indent=False),
             processes=W.Dropdown(options=list(LAYOUTS), value=processes, description="processes"),
-            shards=W.Dropdown(options=PLANS, value=shards, description="shards"))
+            shards=W.Dropdown(options=PLANS, value=shards, description="shards"),
+            replicas=W.Dropdown(options=REPLICAS, value=replicas, description="DP"),
+            balance=W.Dropdown(options=BALANCES, value=balance, description="balance"),
+            replica=W.BoundedIntText(value=0, min=0, max=replicas - 1, description="replica"))
         for name, w in c.items(): w.add_class(f"wb-{name}")
         self.stats = W.HTML().add_class("wb-stats")
         self._compute()
@@ -590,12 +619,16 @@ class MaskExplorer:
         self.ranks_fig = go.Figure()
         self.ranks_view = PlotView(self.ranks_fig)
         self.ranks_box = W.VBox([self.ranks_note, W.Box([self.ranks_view]).add_class("wb-ranks"), self.ranks_table])
+        self.replicas_note, self.replicas_table = W.HTML().add_class("wb-replicas-note"), W.HTML().add_class("wb-replicas-table")
+        self.replicas_box = W.VBox([self.replicas_note, self.replicas_table])
+        self._draw_replicas()
         self._draw_ranks()
         box = lambda w, cls, width: W.Box([w], layout=W.Layout(min_width=width)).add_class(cls)
         self.widget = W.VBox([W.HBox([W.VBox([c["sample"], c["strategy"], c["size"], c["step"], c["row"]]),
                                       W.VBox([c["family"], c["attn_implementation"], c["use_cache"], c["ones_mask"]])]),
                               W.HBox([box(self.mask_view, "wb-mask", f"{self.mask_fig.layout.width}px"),
                                       W.VBox([box(self.layout_view, "wb-layout", f"{self.layout_fig.layout.width}px"), self.stats])]),
+                              W.HBox([c["replicas"], c["balance"], c["replica"]]), self.replicas_box,
                               W.HBox([c["processes"], c["shards"]]), self.ranks_box]).add_class("wb-explorer")
         for w in c.values(): w.observe(self._changed, names="value")
         self.mask_view.observe(self._relayout, names="relayout")  # zooms, pans and double-clicks in the page
@@ -614,17 +647,55 @@ class MaskExplorer:
         s = self.state
         feats, _ = self._source()
         if isinstance(feats, dict): batch, lengths = feats, None  # one batch of yours: drawn as given
-        else:
-            plan = None
-            if s["strategy"] == "token-budget packing":
-                key = (s["sample"], s["size"])
-                if key not in self._plans:
-                    self._plans[key] = plan_bins([len(f["input_ids"]) for f in feats], capacity=s["size"], overlong="truncate")
-                plan = self._plans[key]
-            batch, lengths = strategy_batch(feats, s["strategy"], s["size"], s["step"], plan)
+        elif s["strategy"] == "token-budget packing":  # the chosen replica's bin of the step, dealt as training deals it
+            plan, _, _ = self._dealing()
+            bins = self._step_bins()
+            batch, lengths = bin_batch(feats, plan, bins[min(s["replica"], len(bins) - 1)]), None
+        else: batch, lengths = strategy_batch(feats, s["strategy"], s["size"], s["step"])
         if s["ones_mask"] and "attention_mask" not in batch:
             batch = {**batch, "attention_mask": torch.ones_like(batch["input_ids"])}
         return batch, lengths
+
+    def _dealing(self):
+        """The token-budget plan of the chosen data, budget and model, and its bins dealt over the DP ranks as a run
+        deals them (`plan_balanced`, by the model's predicted cost): `(plan, dealt, "")`, or `(plan, None, why)` where
+        the cost model does not price the model (then only `--balance tokens` deals)."""
+        s = self.state
+        name = self._models_by_label[s["family"]][0]
+        key = (s["sample"], s["size"], s["replicas"], name, s["attn_implementation"])
+        if key not in self._plans:
+            lengths = [len(f["input_ids"]) for f in self._source()[0]]
+            config = self._configs[name]
+            try: Dims.of(config)
+            except ValueError as e:
+                self._plans[key] = (plan_bins(lengths, s["size"], overlong="split"), None, str(e))
+                return self._plans[key]
+            work = attention_work(s["attn_implementation"], "cuda" if torch.cuda.is_available() else "cpu")
+            dealt = plan_balanced(lengths, s["size"], s["replicas"], config, attention=work, overlong="split")
+            self._plans[key] = (dealt.plan, dealt, "")
+        return self._plans[key]
+
+    def _step_bins(self) -> np.ndarray:
+        "The chosen step's bins, one per DP rank, as `--balance` deals them (the samplers' own tables; by tokens where the model is not priced)."
+        s = self.state
+        plan, dealt, _ = self._dealing()
+        served = dealt.served(s["balance"]) if dealt is not None else served_steps(plan, s["replicas"], 1)
+        return served[s["step"] % len(served), 0]
+
+    def replica_table(self):
+        "The chosen step per DP rank (`BalancedPlan.step_table`: tokens, examples, predicted FLOPs and their attention), and a line saying what it shows or why there is none."
+        s = self.state
+        if s["replicas"] == 1: return None, ""
+        if s["strategy"] != "token-budget packing" or isinstance(self._source()[0], dict):
+            return None, "data parallelism deals a step's bins to its ranks: choose token-budget packing"
+        _, dealt, why = self._dealing()
+        if dealt is None: return None, f"DP {s['replicas']}: the step's bins dealt by tokens; no cost figures for this model ({why})"
+        table = dealt.step_table(s["step"], s["balance"])
+        slowest = int(table["predicted FLOPs / mean"].idxmax())
+        note = (f"DP {s['replicas']}, --balance {s['balance']}, step {s['step']}: the step waits for replica {slowest}, "
+                f"{table['predicted FLOPs / mean'][slowest]:.2f}x the replicas' mean predicted FLOPs "
+                f"({table['attention FLOPs / mean'][slowest]:.2f}x their mean attention)")
+        return table, note
 
     def _compute(self):
         "Build the batch and its mask report for the controls; the view goes back to the whole row."
@@ -633,6 +704,8 @@ class MaskExplorer:
         self.batch, self.lengths = self._batch()
         one_batch = isinstance(self._source()[0], dict)
         for k in ("strategy", "size", "step"): self.controls[k].disabled = one_batch  # a batch of yours has its own layout
+        for k in ("replicas", "balance", "replica"):  # a step is dealt to data-parallel ranks only where it is a token-budget step
+            self.controls[k].disabled = one_batch or s["strategy"] != "token-budget packing"
         window = self._models_by_label[s["family"]][1]
         self.report = mask_report(self.batch, self.lengths, s["attn_implementation"], s["use_cache"], window)
         rows = self.report.examples.shape[0]
@@ -724,15 +797,20 @@ class MaskExplorer:
         except ValueError as e: return None, f"{s['processes']} cannot run this model: {e}"
         return view, f"{s['processes']}, {s['shards']} shards: the slowest process has {view.imbalance():.2f}x the mean attention work"
 
+    def _draw_replicas(self):
+        "The step per DP rank below the mask (hidden for one rank)."
+        table, note = self.replica_table()
+        columns = ["replica", "tokens", "examples", "tokens / mean", "predicted FLOPs / mean", "attention FLOPs / mean"]
+        shown = None if table is None else table.rename(columns={"rank": "replica"})[columns].round(3)
+        self.replicas_table.value = html_table(shown, "replica")
+        self.replicas_box.layout.display = None if note else "none"
+        self.replicas_note.value = note  # last: a page that shows the new note has the new table already
+
     def _draw_ranks(self):
         "The rank view below the mask: the row by process, the ring's block pairs, each process's work (hidden for one process)."
         view, note = self.rank_view()
-        columns = ("rank", "tokens", "trained", "pairs computed", "pairs skipped", "attention work", "all-to-all bytes", "ring bytes")
-        rows = [] if view is None else view.table[list(columns)].to_dict("records")
-        head = "".join(f"<th>{c}</th>" for c in columns)
-        body = "".join("<tr>" + "".join(f"<td data-rank='{r['rank']}' data-col='{c}'>{r[c]}</td>" for c in columns) + "</tr>"
-                       for r in rows)
-        self.ranks_table.value = f"<table class='wb-ranks-rows'><tr>{head}</tr>{body}</table>" if rows else ""
+        columns = ["rank", "tokens", "trained", "pairs computed", "pairs skipped", "attention work", "all-to-all bytes", "ring bytes"]
+        self.ranks_table.value = html_table(None if view is None else view.table[columns], "rank")
         if view is not None:
             self.ranks_fig = rank_figure(view)
             self.ranks_view.show(self.ranks_fig)
@@ -747,11 +825,16 @@ class MaskExplorer:
         self.layout_fig.layout.title.text = self._layout_title()
         self.layout_view.show(self.layout_fig)
         self._render_stats()
+        self._draw_replicas()
         self._draw_ranks()
 
     def _changed(self, change):
         if self._quiet: return
         if change["owner"] in (self.controls["processes"], self.controls["shards"]): return self._draw_ranks()  # the mask stays
+        if change["owner"] is self.controls["replicas"]:
+            self._quiet = True  # clamping the replica control must not start a second redraw
+            try: self.controls["replica"].max = change["new"] - 1
+            finally: self._quiet = False
         if change["owner"] is self.controls["strategy"]:
             old, new = change["old"], change["new"]
             size = self.controls["size"]
