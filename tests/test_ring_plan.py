@@ -37,8 +37,9 @@ N_TOKENS = 256  # tokens of the row (ring blocks of 128 or 64)
 TILE = 40  # query rows per tile in the tiled case (at least 2 x head_dim): blocks of 128 or 64 rows in 4 or 2 tiles, the last one short
 SHORT = 48  # tokens of a short row: blocks of 24 or 12 rows, shorter than 2 x head_dim (a product, not the scores, sets the peak)
 LENGTHS = [150, 33, 1, 90, 64]  # a packed row: some block pairs are skipped, so ranks differ in work
-COMM_CASES = {2: [(1, 2, "qwen2", False)],
-              4: [(1, 4, "qwen2", False), (2, 2, "qwen2", True), (2, 2, "llama", False)]}  # (ulysses, ring, family, checkpointing)
+COMM_CASES = {2: [(1, 2, "qwen2", False, "plain"), (1, 2, "qwen2", False, "fused")],  # (ulysses, ring, family, checkpointing, kernel)
+              4: [(1, 4, "qwen2", False, "plain"), (2, 2, "qwen2", True, "plain"), (2, 2, "llama", False, "plain"),
+                  (2, 2, "qwen2", True, "fused"), (1, 4, "mistral", False, "fused")]}  # mistral: its sliding window in the calls
 
 
 def _shape(heads, kv_heads) -> Shape:
@@ -61,7 +62,7 @@ def _attention_bytes(u, r, heads, kv_heads, plan, tile=QUERY_TILE, n_tokens=N_TO
     return lb.peak - 4  # less the test's own bf16 scalar loss and its seed gradient (2 bytes each)
 
 
-def _step(u, r, family, checkpointing):
+def _step(u, r, family, checkpointing, kernel):
     "One training step of a tiny model on this rank's shard: bytes sent per group and FLOPs that ran."
     grid = ParallelGrid.build(u, r)
     model = tiny_model(family, attn_implementation=register_ring()).train()
@@ -69,7 +70,7 @@ def _step(u, r, family, checkpointing):
     row = FlatteningCollator()([{"input_ids": list(range(3, 3 + n))} for n in LENGTHS])
     shard = ring_batch(row, grid)
     with CountComm() as comm, FlopCounterMode(display=False, custom_mapping=CPU_FLOP_FORMULAS) as flops:
-        _, loss = ring_forward(model, shard, grid)
+        _, loss = ring_forward(model, shard, grid, kernel)
         loss.backward()
     return dict(a2a=comm.a2a, p2p_bytes=comm.p2p_bytes, flops=flops.get_total_flops(), ring_rank=grid.rank("ring"))
 
@@ -105,12 +106,12 @@ def test_ring_attention_bytes_equal_live_bytes(measured):
 
 def test_comm_bytes_and_flops_equal_the_dispatcher(measured):
     for world, ranks in measured.items():
-        for u, r, family, ck in COMM_CASES[world]:
-            cost = step_cost(tiny_config(family), [LENGTHS], sp=u, ring=r, levers=Levers(checkpointing=ck), dtype_bytes=4)
-            steps = [s[u, r, family, ck] for _, s in ranks]
+        for u, r, family, ck, kernel in COMM_CASES[world]:
+            cost = step_cost(tiny_config(family), [LENGTHS], sp=u, ring=r, levers=Levers(checkpointing=ck), dtype_bytes=4, ring_kernel=kernel)
+            steps = [s[u, r, family, ck, kernel] for _, s in ranks]
             for s in steps:  # every rank sends the same: its blocks, its gradients, its all-to-alls
                 assert s["p2p_bytes"] == cost.bytes["ring"] and s["a2a"] * 4 == cost.bytes["all-to-all"], (u, r, family, s, cost.bytes)
-            assert max(s["flops"] for s in steps) == cost.total, (u, r, family, [s["flops"] for s in steps], cost.total)
+            assert max(s["flops"] for s in steps) == cost.total, (u, r, family, kernel, [s["flops"] for s in steps], cost.total)
             assert cost.bytes["all-to-all"] > 0 if u > 1 else cost.bytes["all-to-all"] == 0
 
 

@@ -26,17 +26,17 @@ from .packing import Plan, TokenBudgetSampler, lengths_of, plan_bins
 from .tiling import causal_lm_loss_sum, decoder_layers
 from .sp.balance import PLANS, balanced_plan, zigzag_plan
 from .sp.grid import check_layout, check_sp, sp_layouts
-from .sp.ring import comm_bytes
+from .sp.ring import KERNELS, comm_bytes, documents, fused_calls
 from .sp.shard import contiguous_plan
 
 # %% auto #0
 __all__ = ['ATTENTION_WORK', 'ADAMW_BYTES', 'CPU_FLOP_FORMULAS', 'ATTENTION_PARTS', 'DEVICES', 'RANK_THREADS', 'FACTORS',
            'MEASURED', 'HELD_OUT_SOURCES', 'device_of', 'FIT_GROUPS', 'HF_BLOG_QWEN3_4B', 'HF_BLOG_FIT', 'HF_BLOG_RUN',
            'SPLITS', 'LAYOUT_LEVERS', 'RANK_BY', 'attention_work', 'Dims', 'rows_of', 'document_pairs', 'ring_blocks',
-           'interacting_blocks', 'StepCost', 'step_cost', 'FlopCount', 'measured_flops', 'bin_work', 'attention_flops',
-           'bin_costs', 'BalancedPlan', 'served_steps', 'plan_balanced', 'Device', 'cpu_device', 'device', 'gpu_name',
-           'run_device', 'Efficiency', 'HeldOut', 'held_out', 'held_out_errors', 'Prediction', 'predict_step',
-           'calibrate', 'run_source', 'calibrate_run', 'check_run', 'hf_blog_prediction', 'blog_source',
+           'interacting_blocks', 'fused_pairs', 'StepCost', 'step_cost', 'FlopCount', 'measured_flops', 'bin_work',
+           'attention_flops', 'bin_costs', 'BalancedPlan', 'served_steps', 'plan_balanced', 'Device', 'cpu_device',
+           'device', 'gpu_name', 'run_device', 'Efficiency', 'HeldOut', 'held_out', 'held_out_errors', 'Prediction',
+           'predict_step', 'calibrate', 'run_source', 'calibrate_run', 'check_run', 'hf_blog_prediction', 'blog_source',
            'hf_blog_table', 'run_options', 'cpu_efficiency', 'fresh_cpu', 'run_efficiency', 'unmodelled',
            'run_prediction', 'measured_mfu', 'layout_name', 'Layouts', 'plan_layout']
 
@@ -184,12 +184,30 @@ def interacting_blocks(ring_index,         # [ring, m] global token indices of e
             out[i, j] = bool(((pos < len(queries)) & (first < limit)).any())
     return out
 
+def fused_pairs(ring_index,         # [ring, m] global token indices of every ring block
+                cu,                 # the row's document boundaries
+                window: int = 0,    # sliding window (0: none)
+               ) -> np.ndarray:
+    """Query-key pairs the fused kernel's calls compute per ring rank `[ring]`: each call's rows x keys, from `fused_calls`
+    (the kernel's own plan). A causal call is counted whole, as the CPU kernel's counter counts it (CUDA's causal varlen
+    call computes about half of it)."""
+    doc = documents(torch.as_tensor(cu))
+    blocks = torch.as_tensor(ring_index)
+    work = np.zeros(len(blocks), dtype=np.int64)
+    for i, queries in enumerate(blocks):
+        for keys in blocks:
+            for rows, key_rows, _, _ in fused_calls(queries, keys, doc, window=window or None):
+                width = key_rows.stop - key_rows.start if isinstance(key_rows, slice) else len(key_rows)
+                work[i] += (rows.stop - rows.start) * width
+    return work
+
 @functools.lru_cache(maxsize=4096)
-def _ring_row(lengths: tuple, ulysses: int, ring: int, strategy: str, windows: tuple) -> tuple[int, np.ndarray]:
-    "A row's padded length and, per ring rank, the query-key pairs of the block pairs it computes over all layers (cached: a layout search asks for the same rows under every lever)."
+def _ring_row(lengths: tuple, ulysses: int, ring: int, strategy: str, windows: tuple, kernel: str = "plain") -> tuple[int, np.ndarray]:
+    "A row's padded length and, per ring rank, the query-key pairs its `kernel` computes over all layers (cached: a layout search asks for the same rows under every lever)."
     cu, blocks = ring_blocks(lengths, ulysses, ring, strategy)
     n = int(cu[-1])
-    return n, (n // ring) ** 2 * sum(interacting_blocks(blocks, cu, w).sum(1) for w in windows)
+    if kernel == "fused": return n, sum(fused_pairs(blocks, cu, w) for w in windows)
+    return n, (n // ring) ** 2 * sum(interacting_blocks(blocks, cu, w).sum(1) for w in windows)  # every met pair whole
 
 # %% ../nbs/04_planning/03_cost.ipynb #0cbb6d15
 ADAMW_BYTES = {2: 4 * 4 + 4 * 3 + 2,  # bf16 training: reads fp32 master, grad, m, v; writes master, m, v and the bf16 copy
@@ -235,6 +253,7 @@ def step_cost(config,                    # a transformers config or a preset nam
               dp: int = 1,               # data-parallel degree (gradient reduction and sharding)
               attention: str = "causal", # an `ATTENTION_WORK` key: what the attention implementation computes (ring > 1: its block pairs instead)
               ring_plan: str = "balanced",  # with ring > 1: how a row is sharded (`workbench.sp.balance.PLANS`)
+              ring_kernel: str = "plain",   # with ring > 1: the block-pair kernel (`workbench.sp.ring.KERNELS`)
               levers: Levers = Levers(checkpointing=False),  # checkpointing and the memory levers that change work
               zero_stage: int = 0,       # 0 all-reduce; 1-2 shard states; 3 also gather parameters
               optimizer_offload: bool = False,  # the AdamW step runs in host memory (its traffic is host bytes)
@@ -247,6 +266,7 @@ def step_cost(config,                    # a transformers config or a preset nam
         raise ValueError(f"sp, ring and dp must be positive integers, got sp={sp!r}, ring={ring!r}, dp={dp!r}")
     if ring > 1: check_layout(config, sp, ring)  # the Ulysses degree against the heads; the ring has no limit
     if zero_stage not in (0, 1, 2, 3): raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+    if ring_kernel not in KERNELS: raise ValueError(f"ring_kernel={ring_kernel!r}; choose one of {KERNELS}")
     if dtype_bytes not in (2, 4, 8): raise ValueError(f"dtype_bytes must be 2 (bf16), 4 (fp32) or 8 (fp64), got {dtype_bytes!r}")
     lv, world = levers, sp * ring * dp
     if ring == 1:
@@ -254,10 +274,11 @@ def step_cost(config,                    # a transformers config or a preset nam
         flops = _flops(d, tokens, sum(_pairs(r, w, attention, int(r.sum())) for r in rows for w in d.windows), lv, sp)
         sent = [comm_bytes(config, int(r.sum()), sp, 1, lv.checkpointing, dtype_bytes) for r in rows]
     else:
-        lengths, work = zip(*(_ring_row(tuple(r.tolist()), sp, ring, ring_plan, d.windows) for r in rows))  # padded rows
+        lengths, work = zip(*(_ring_row(tuple(r.tolist()), sp, ring, ring_plan, d.windows, ring_kernel) for r in rows))  # padded rows
         tokens = sum(lengths)
         fwd = 4 * d.heads // sp * d.head_dim * int(sum(work).max())  # the busiest ring rank sets the step
-        flops = {**_flops(d, tokens, 0, lv, sp * ring), "forward attention": fwd, "backward attention": 10 * fwd // 4,
+        bwd = 2 * fwd if ring_kernel == "fused" else 10 * fwd // 4  # flash's own backward; the plain one forms the scores again
+        flops = {**_flops(d, tokens, 0, lv, sp * ring), "forward attention": fwd, "backward attention": bwd,
                  "recompute attention": fwd if lv.checkpointing else 0}
         sent = [comm_bytes(config, n, sp, ring, lv.checkpointing, dtype_bytes) for n in lengths]  # the padded rows
     shard = world if zero_stage >= 1 else 1
@@ -750,7 +771,8 @@ def run_options(cfg) -> dict:
     "`step_cost` options of a `workbench.train.TrainConfig` run."
     cuda = torch.cuda.is_available()
     dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if cuda else "float32")
-    return dict(sp=cfg.sp, ring=getattr(cfg, "ring", 1), dp=cfg.dp, attention=attention_work(cfg.attn, "cuda" if cuda else "cpu"),  # Ulysses: the inner one's work
+    return dict(sp=cfg.sp, ring=getattr(cfg, "ring", 1), ring_kernel=getattr(cfg, "ring_kernel", "plain"), dp=cfg.dp,
+                attention=attention_work(cfg.attn, "cuda" if cuda else "cpu"),  # Ulysses: the inner one's work
                 levers=Levers(checkpointing=cfg.checkpointing, offload_checkpoints=cfg.offload_checkpoints,
                               tiled_loss=bool(cfg.loss_chunk), loss_chunk=cfg.loss_chunk or 1024,
                               tiled_mlp=bool(cfg.mlp_chunk), mlp_chunk=cfg.mlp_chunk or None, lean_kernels=cfg.lean_kernels),
@@ -798,8 +820,6 @@ def unmodelled(cfg, config) -> str | None:
     if gpu_name() is not None and run_device() is None:
         return f"workbench.cost has no figures for the GPU {gpu_name()!r}: add its `Device` to workbench.cost.DEVICES"
     if getattr(cfg, "lora_r", 0): return "workbench.cost does not model LoRA (frozen weights take no weight gradients)"
-    if getattr(cfg, "ring", 1) > 1 and getattr(cfg, "ring_kernel", "plain") != "plain":
-        return f"workbench.cost counts the ring's plain block-pair kernel, not the {cfg.ring_kernel} one"
     try: Dims.of(config)
     except ValueError as e: return f"workbench.cost does not model this architecture ({e})"
     return None
