@@ -197,8 +197,7 @@ def fused_pairs(ring_index,         # [ring, m] global token indices of every ri
     for i, queries in enumerate(blocks):
         for keys in blocks:
             for rows, key_rows, _, _ in fused_calls(queries, keys, doc, window=window or None):
-                width = key_rows.stop - key_rows.start if isinstance(key_rows, slice) else len(key_rows)
-                work[i] += (rows.stop - rows.start) * width
+                work[i] += (rows.stop - rows.start) * (key_rows.stop - key_rows.start)
     return work
 
 @functools.lru_cache(maxsize=4096)

@@ -100,20 +100,28 @@ def _windowed(rows: slice, keys: torch.Tensor, q_index, k_index, window: int, ca
     mask = mask[:seen]
     return slice(rows.start, rows.start + seen), (None if bool(mask.all()) else mask)
 
+def _whole_call(rows: slice, keys: slice, q_index, k_index, window: int | None) -> list:
+    "The call of query rows that see every key of a stretch (none, where a window trims away every row)."
+    mask = None
+    if window: rows, mask = _windowed(rows, keys, q_index, k_index, window, causal=False)
+    if rows.stop == rows.start: return []
+    return [(rows, keys, False, mask)]
+
 def fused_calls(q_index: torch.Tensor,   # [m] global indices of the query block's tokens
                 k_index: torch.Tensor,   # [m] global indices of the key/value block's tokens
                 doc: torch.Tensor,       # [T] document of every token of the row
                 causal: bool = True,     # causal (else bidirectional) attention
                 window: int | None = None,  # sliding window: each call carries its band as a mask
                ) -> list:
-    """The fused calls of one block pair: per query stretch, the keys of its document it sees whole (one call), then
-    itself causally (on the diagonal pair). `(query rows, key rows, causal, band mask or None)` each; with a window the
-    rows are trimmed to those it lets meet, and the diagonal stretch is cut into query chunks of at least the window."""
+    """The fused calls of one block pair: per query stretch, each key stretch of its document it sees whole (one call
+    each), then itself causally (on the diagonal pair). `(query rows, key rows, causal, band mask or None)` each, key rows
+    always a slice of the block (a view: no key is gathered); with a window the rows are trimmed to those it lets meet,
+    and the diagonal stretch is cut into query chunks of at least the window."""
     calls = []
     keys_of = {}  # document -> its key stretches: a query stretch looks only at its own document's
     for k0, k1, k_pos, k_doc in stretches(k_index, doc): keys_of.setdefault(k_doc, []).append((k0, k1, k_pos))
     for q0, q1, q_pos, q_doc in stretches(q_index, doc):
-        whole, own = [], None
+        own = None
         for k0, k1, k_pos in keys_of.get(q_doc, []):
             before = k_pos + (k1 - k0) <= q_pos  # every key before every query
             after = k_pos >= q_pos + (q1 - q0)
@@ -124,12 +132,7 @@ def fused_calls(q_index: torch.Tensor,   # [m] global indices of the query block
             if causal and same: own = slice(k0, k1)  # the same tokens: causal within them
             elif not causal or before:
                 if window and before: k0 = max(k0, k0 + q_pos - window + 1 - k_pos)  # keys older than the window: seen by none
-                if k0 < k1: whole.append(torch.arange(k0, k1))
-        if whole:
-            keys = torch.cat(whole)
-            rows, mask = slice(q0, q1), None
-            if window: rows, mask = _windowed(rows, keys, q_index, k_index, window, causal=False)
-            if rows.stop > rows.start: calls.append((rows, keys, False, mask))
+                if k0 < k1: calls += _whole_call(slice(q0, q1), slice(k0, k1), q_index, k_index, window)
         if own is not None and not window:
             calls.append((slice(q0, q1), own, True, None))
         elif own is not None:  # query chunks of at least the window, each against the keys its band reaches
@@ -142,19 +145,24 @@ def fused_calls(q_index: torch.Tensor,   # [m] global indices of the query block
 
 def varlen_calls(calls: list, device) -> list[tuple]:
     """The fused calls of one block pair as at most two varlen calls (CUDA's flash kernel takes many sequences at once):
-    the whole-key calls, then the causal ones. `(query rows, key rows, cu_q, cu_k, max_q, max_k, causal)` each."""
+    the whole-key calls, then the causal ones. A query stretch's whole-key calls are one sequence (its key stretches
+    joined), so no query row is in two sequences of a call. `(query rows, key rows, cu_q, cu_k, max_q, max_k, causal)` each."""
     grouped = []
     for causal in (False, True):
-        q_rows, k_rows, q_lens, k_lens = [], [], [0], [0]
+        sequences = []  # (query rows, [key slices]): consecutive calls of the same rows share a sequence
         for rows, keys, is_causal, mask in calls:
             if is_causal != causal: continue
             if mask is not None: raise ValueError("CUDA's varlen calls carry no band mask: a sliding window runs kernel='plain' on CUDA")
-            keys = torch.arange(keys.start, keys.stop) if isinstance(keys, slice) else keys
+            if sequences and sequences[-1][0] == rows: sequences[-1][1].append(keys)
+            else: sequences.append((rows, [keys]))
+        if not sequences: continue
+        q_rows, k_rows, q_lens, k_lens = [], [], [0], [0]
+        for rows, key_slices in sequences:
+            keys = torch.cat([torch.arange(k.start, k.stop) for k in key_slices])
             q_rows.append(torch.arange(rows.start, rows.stop))
             k_rows.append(keys)
             q_lens.append(rows.stop - rows.start)
             k_lens.append(len(keys))
-        if not q_rows: continue
         cu_q = torch.tensor(q_lens).cumsum(0).to(device, torch.int32)
         cu_k = torch.tensor(k_lens).cumsum(0).to(device, torch.int32)
         grouped.append((torch.cat(q_rows).to(device), torch.cat(k_rows).to(device), cu_q, cu_k, max(q_lens), max(k_lens), causal))
@@ -171,6 +179,7 @@ def _cpu_forward(q, k, v, calls, scale, out, lse):
         part, part_lse = _flash(q[:, :, rows], k[:, :, keys], v[:, :, keys], 0.0, is_causal, attn_mask=_additive(mask, q.dtype),
                                 scale=scale)
         out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], part, part_lse)
+        del part, part_lse  # before the next call: one call's results live at a time
 
 def _cuda_forward(q, k, v, calls, scale, out, lse):
     for q_rows, k_rows, cu_q, cu_k, max_q, max_k, causal in varlen_calls(calls, q.device):
@@ -195,12 +204,9 @@ def _cpu_backward(q, k, v, dout, out, lse, calls, scale, dq, dk, dv):
         g_q, g_k, g_v = _flash_backward(dout[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys], out[:, :, rows],
                                         lse[:, :, rows], 0.0, is_causal, attn_mask=_additive(mask, q.dtype), scale=scale)
         dq[:, :, rows] += g_q
-        if isinstance(keys, slice):
-            dk[:, :, keys] += g_k
-            dv[:, :, keys] += g_v
-        else:
-            dk.index_add_(2, keys, g_k)
-            dv.index_add_(2, keys, g_v)
+        dk[:, :, keys] += g_k
+        dv[:, :, keys] += g_v
+        del g_q, g_k, g_v  # before the next call: one call's gradients live at a time
 
 def _cuda_backward(q, k, v, dout, out, lse, calls, scale, dq, dk, dv):
     rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: the kernel never reads it
