@@ -65,15 +65,15 @@ def _band_mask(n: int, window: int, device) -> torch.Tensor:
     return (d >= 0) & (d < window)
 
 def reference_varlen(q, k, v, cu_seq_lens, scale=None, causal=True, window=None, dropout=0.0) -> torch.Tensor:
-    "Exact varlen attention on any device: one `scaled_dot_product_attention` per example (`[T, H, D]` in and out)."
+    "Exact varlen attention on any device: one `scaled_dot_product_attention` per example (`[T, H, D]` in and out; on CPU each is PyTorch's fused flash kernel)."
     gqa = q.shape[1] != k.shape[1]
     outs = []
     for s, e in pairwise(cu_seq_lens.tolist()):
-        qi, ki, vi = (x[s:e].transpose(0, 1) for x in (q, k, v))  # [H, l, D]
+        qi, ki, vi = (x[s:e].transpose(0, 1)[None] for x in (q, k, v))  # [1, H, l, D]: with a batch axis the CPU flash kernel runs (without, the math one)
         mask = _band_mask(e - s, window, q.device) if causal and window is not None and e - s > window else None
         o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, dropout_p=dropout, scale=scale,
                                            is_causal=causal and mask is None, enable_gqa=gqa)
-        outs.append(o.transpose(0, 1))
+        outs.append(o[0].transpose(0, 1))
     return torch.cat(outs) if outs else q.new_empty(0, q.shape[1], v.shape[-1])
 
 def _torch_varlen_call(q, k, v, cu, max_len, scale, causal, window):
