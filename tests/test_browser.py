@@ -41,17 +41,10 @@ FIGURE = """() => {
 }"""
 
 
-RANKS_TABLE = """() => {  // the explorer's per-process table: column -> values by rank
+EXPLORER_TABLE = """([box, key]) => {  // an explorer table (`workbench.viz.html_table`): column -> values by rank or replica
     const out = {};
-    for (const td of document.querySelectorAll('.wb-ranks-table td[data-col]')) {
-        (out[td.dataset.col] ??= [])[Number(td.dataset.rank)] = Number(td.textContent);
-    }
-    return out;
-}"""
-REPLICAS_TABLE = """() => {  // the explorer's per-replica table: column -> values by replica
-    const out = {};
-    for (const td of document.querySelectorAll('.wb-replicas-table td[data-col]')) {
-        (out[td.dataset.col] ??= [])[Number(td.dataset.replica)] = Number(td.textContent);
+    for (const td of document.querySelectorAll(`.${box} td[data-col]`)) {
+        (out[td.dataset.col] ??= [])[Number(td.dataset[key])] = Number(td.textContent);
     }
     return out;
 }"""
@@ -62,6 +55,15 @@ RANKS_BARS = """() => {  // the rank figure's attention-work bars, as plotly dre
 }"""
 RANKS_BARS_ARE = ("(want) => { const got = (" + RANKS_BARS + ")(); "
                   "return got !== null && got.length === want.length && got.every((g, i) => Math.abs(g - want[i]) < 1e-9); }")
+
+
+def wait_for_table(page, box: str, key: str, expected: dict, timeout_s: float = 20) -> dict:
+    "An explorer table read back until its columns equal `expected` (the kernel may still be redrawing), or as it last was."
+    deadline = time.monotonic() + timeout_s
+    while True:
+        shown = page.evaluate(EXPLORER_TABLE, [box, key])
+        if {c: shown.get(c) for c in expected} == expected or time.monotonic() > deadline: return shown
+        page.wait_for_timeout(100)
 
 
 def notebook_texts() -> list[str]:
@@ -201,7 +203,7 @@ def test_explorer_on_your_model_and_data_in_jupyterlab(workdir):
             expected["attention work"] = [int(v) * heads for v in view.table["attention work"]]
             page.wait_for_function("(s) => (document.querySelector('.wb-ranks-note') || {}).textContent?.includes(s + ' shards')",
                                    arg=shards, timeout=20000)
-            shown = page.evaluate(RANKS_TABLE)
+            shown = page.evaluate(EXPLORER_TABLE, ["wb-ranks-table", "rank"])
             assert {c: shown[c] for c in expected} == expected, (shards, shown, expected)
             share = [w / max(expected["attention work"]) for w in expected["attention work"]]
             try:  # the figure's bars: each process's attention work over the largest (the figure may arrive after the table)
@@ -213,7 +215,8 @@ def test_explorer_on_your_model_and_data_in_jupyterlab(workdir):
         # data parallelism: each token-budget step dealt over 2 replicas, by tokens and by cost; the table read back
         page.locator(".wb-strategy select").select_option("token-budget packing")
         budget = page.locator(".wb-size input")
-        budget.fill("20"); budget.press("Enter")  # five bins: step 0 differs by tokens (20 and 11) and by cost (20 and 17)
+        page.wait_for_function("() => document.querySelector('.wb-size input')?.value === '4096'", timeout=20000)  # the kernel's
+        budget.fill("20"); budget.press("Enter")  # reset of the budget first; then five bins: step 0 differs by tokens and by cost
         page.locator(".wb-replicas select").select_option(label="2")
         attn = page.locator(".wb-attn_implementation select").input_value()
         dealt = plan_balanced([len(i) for i in ids], 20, 2, tiny_config("gemma2"), attention=attention_work(attn, "cpu"), overlong="split")
@@ -222,10 +225,8 @@ def test_explorer_on_your_model_and_data_in_jupyterlab(workdir):
             table = dealt.step_table(0, balance)  # computed here, from the examples' lengths alone
             expected = {"tokens": table["tokens"].tolist(), "examples": table["examples"].tolist(),
                         "predicted FLOPs / mean": table["predicted FLOPs / mean"].round(3).tolist()}
-            page.wait_for_function("(b) => (document.querySelector('.wb-replicas-note') || {}).textContent?.includes('--balance ' + b)",
-                                   arg=balance, timeout=20000)
-            shown = page.evaluate(REPLICAS_TABLE)
-            assert {c: shown[c] for c in expected} == expected, (balance, shown, expected)
+            shown = wait_for_table(page, "wb-replicas-table", "replica", expected)
+            assert {c: shown.get(c) for c in expected} == expected, (balance, shown, expected)
         replica = page.locator(".wb-replica input")
         replica.fill("1"); replica.press("Enter")  # replica 1's row is the one the mask draws
         try:
