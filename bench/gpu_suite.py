@@ -32,6 +32,15 @@ part is recorded as "timed out" or "failed" with its stderr tail and the suite g
                  the refitted errors recorded beside the first ones
 
 Every part records what it could not run and why ("not run" in its result).
+
+Not in the suite, because each needs two GPUs in one job (the suite runs on one):
+  - PyTorch's context parallelism through accelerate (`ParallelismConfig(cp_size=2)`, FSDP2): its ring and gradient
+    reduction. On CPU processes both accelerate and PyTorch refuse it (`workbench.engines.cp_refusals` returns their
+    errors); the ledger engine `accelerate_cp` measures its attention in one process with accelerate's own hook.
+    On two GPUs: a script that trains the ledger's rows (`workbench.engines.run_rows`) through `Accelerator(
+    parallelism_config=ParallelismConfig(cp_size=2))` and `maybe_context_parallel`, judged with `engine_proofs.judge`.
+  - Training through the fused ring on GPUs (`python -m workbench.train --ring 2 --ring-kernel fused`), against the
+    same run at `--ring-kernel plain` (exact on CPU processes: tests/test_ring.py).
 """
 from __future__ import annotations
 

@@ -220,13 +220,22 @@ def prove_config(parallelism_config,         # the accelerate `ParallelismConfig
                  model=None,                 # your model instead of `family`: a model directory, a config or a model instance
                  trainer: str = "hf",        # "hf": the HF Trainer; "trl": TRL's SFTTrainer
                 ) -> EngineReport:
-    "Judge the ALST setup of a `ParallelismConfig` (its SP size and attention) through accelerate and the HF Trainer or TRL's SFTTrainer on CPU."
+    "Judge a `ParallelismConfig` on CPU: ALST's SP size and attention through accelerate and the HF Trainer or TRL's SFTTrainer, or its context parallelism."
     pc = parallelism_config
-    if getattr(pc, "sp_backend", None) != "deepspeed" or not getattr(pc, "sp_size", 1) > 1:
-        raise ValueError(f"prove_config proves DeepSpeed ALST: a ParallelismConfig with sp_backend='deepspeed' and "
-                         f"sp_size > 1, got sp_backend={getattr(pc, 'sp_backend', None)!r}, sp_size={getattr(pc, 'sp_size', None)!r}")
     if trainer not in TRAINER_ENGINES: raise ValueError(f"trainer must be one of {sorted(TRAINER_ENGINES)}, got {trainer!r}")
+    family = family or (None if model is not None else "llama3")
+    if getattr(pc, "cp_size", 1) > 1:
+        if trainer == "trl":
+            raise ValueError("TRL's SFTTrainer refuses packing under context parallelism itself ('Packing is not compatible "
+                             "with context parallelism'); without packing its rows are unpacked, as the HF Trainer's: "
+                             "prove_config(pc) judges accelerate's context parallelism")
+        return prove_engine(engines=("accelerate_cp",), sp_sizes=(1,), attention="sdpa", fix=False, family=family,
+                            deadline_s=deadline_s, max_grad_norm=max_grad_norm, model=model)
+    if getattr(pc, "sp_backend", None) != "deepspeed" or not getattr(pc, "sp_size", 1) > 1:
+        raise ValueError(f"prove_config proves DeepSpeed ALST (sp_backend='deepspeed', sp_size > 1) or context parallelism "
+                         f"(cp_size > 1), got sp_backend={getattr(pc, 'sp_backend', None)!r}, "
+                         f"sp_size={getattr(pc, 'sp_size', None)!r}, cp_size={getattr(pc, 'cp_size', None)!r}")
     attention = getattr(pc.sp_handler, "sp_attn_implementation", None) or "sdpa"  # accelerate's default
     return prove_engine(engines=(TRAINER_ENGINES[trainer],), sp_sizes=(pc.sp_size,), attention=attention,
-                        family=family or (None if model is not None else "llama3"), deadline_s=deadline_s,
+                        family=family, deadline_s=deadline_s,
                         max_grad_norm=max_grad_norm, model=model)
