@@ -271,6 +271,70 @@ def test_packed_eval_on_two_ranks_equals_one_process_unpacked(flan, tmp_path):
         assert abs(r["metrics"]["test_target_logit"] - q.metrics["test_target_logit"]) < 1e-6
 
 
+def _alst_predict_rank(train_rows, rows, out_dir, attention, guarded, trl):
+    """Two CPU processes under DeepSpeed ALST (SP 2) through accelerate, as for the HF Trainer: two SGD steps on rows of
+    one example each (equal lengths: gloo's all_gather in ALST's adapter takes no uneven shards), then predict packed
+    evaluation rows. `guarded=False` lets a refused set-up run (the broken case); `trl`: PackedSFTTrainer and SFTConfig."""
+    import os
+    import torch.distributed as dist
+    import workbench.hf as hf
+    from pathlib import Path
+    from accelerate.state import PartialState
+    from workbench.engines import ACCELERATE_ENV, _probe_ops_quietly, alst_parallelism_config, trainer_ds_config
+    os.environ.update(ACCELERATE_ENV)
+    _probe_ops_quietly()
+    PartialState(backend="gloo")  # accelerate's state over the launch's gloo group (as engine 'alst_accelerate')
+    if not guarded: hf.check_alst_args = lambda args: None
+    torch.manual_seed(0)
+    model = tiny_model("llama", attn_implementation=attention)
+    from workbench.core import load_tokenizer
+    a = args(Path(out_dir) / str(dist.get_rank()), SFTConfig if trl else TrainingArguments, per_device_train_batch_size=1, per_device_eval_batch_size=4,
+             learning_rate=0.1, optim="sgd", use_cpu=False, remove_unused_columns=False, deepspeed=trainer_ds_config(),
+             parallelism_config=alst_parallelism_config(2, attention), accelerator_config={"use_configured_state": True})
+    ev = prepare_dataset(Dataset.from_list(rows))
+    trainer = hf.PackedSFTTrainer if trl else hf.PackedTrainer
+    t = trainer(model=model, args=a, train_dataset=Dataset.from_list(train_rows), eval_dataset=ev,
+                data_collator=FlatteningCollator(return_flash_attn_kwargs=False), compute_metrics=_metrics,
+                **(dict(processing_class=load_tokenizer()) if trl else {}))
+    t.train()
+    p = t.predict(ev)
+    weights = {k: v.detach().clone() for k, v in t.model.state_dict().items()} if dist.get_rank() == 0 else None
+    return dict(predictions=p.predictions, label_ids=p.label_ids, metrics=p.metrics, weights=weights)
+
+
+def test_packed_eval_under_alst_equals_one_process_unpacked(flan, tmp_path):
+    """PackedTrainer and PackedSFTTrainer under DeepSpeed ALST (SP 2, workbench_varlen): per example, the packed predictions of the trained
+    model equal one process's padded predictions of the same weights, and so do accuracy, trained tokens and target
+    logits. With sdpa as ALST's inner attention (refused by check_alst_args, let through here) the same comparison fails:
+    evaluation attends across the documents of each packed row."""
+    train_rows = [dict(input_ids=f["input_ids"][:40]) for f in flan[:4]]  # 2 steps × 2 SP ranks, one example each
+    rows = flan[N:N + 10]
+    ev = prepare_dataset(Dataset.from_list(rows))
+    lengths = [len(x) for x in ev["input_ids"]]
+    worst = {}
+    for attention, guarded, trl in (("workbench_varlen", True, False), ("workbench_varlen", True, True), ("sdpa", False, False)):
+        res = launch(_alst_predict_rank, train_rows, rows, str(tmp_path / f"{attention}{trl}"), attention, guarded, trl,
+                     num_processes=2, deadline_s=240, quiet=True)
+        torch.manual_seed(0)
+        model = tiny_model("llama")  # the initial weights, then the trained ones (two SGD steps moved them)
+        assert any((w != res[0]["weights"][k]).any() for k, w in model.state_dict().items())
+        model.load_state_dict(res[0]["weights"])
+        q = Trainer(model=model, args=args(tmp_path / "one"), compute_metrics=_metrics, data_collator=PaddingCollator()).predict(ev)
+        key = (attention, trl)
+        worst[key] = 0.0
+        for r in res:
+            p = r["predictions"]
+            assert p.shape[0] == len(rows), p.shape  # every example once, in the dataset's order
+            for i, n in enumerate(lengths):
+                worst[key] = max(worst[key], float(np.abs(p[i, :n] - q.predictions[i, :n]).max()))
+                np.testing.assert_array_equal(r["label_ids"][i, :n], q.label_ids[i, :n])
+        if attention == "workbench_varlen":
+            for r in res:
+                assert r["metrics"]["test_accuracy"] == q.metrics["test_accuracy"] and r["metrics"]["test_n"] == q.metrics["test_n"]
+                assert abs(r["metrics"]["test_target_logit"] - q.metrics["test_target_logit"]) < 1e-6
+    assert max(worst[("workbench_varlen", False)], worst[("workbench_varlen", True)]) < 1e-5 < 0.1 < worst[("sdpa", False)], worst  # measured about 3e-7 and 0.7
+
+
 def test_split_packed_by_cu_or_positions():
     batch = FlatteningCollator(train_all_tokens=True)([{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}])
     for b in (batch["cu_seq_lens_q"], batch["position_ids"]):

@@ -22,8 +22,9 @@ from transformers import Trainer
 from trl import SFTTrainer
 
 # %% auto #0
-__all__ = ['fold_example', 'FoldedDataset', 'prepare_dataset', 'LabelGuard', 'split_packed', 'raw_kind', 'tokenize_dataset',
-           'checkpointing', 'PackedMixin', 'PackedTrainer', 'PackedSFTTrainer', 'TrainerReport', 'check_trainer']
+__all__ = ['ALST_PER_DOCUMENT', 'fold_example', 'FoldedDataset', 'prepare_dataset', 'LabelGuard', 'split_packed', 'raw_kind',
+           'tokenize_dataset', 'checkpointing', 'check_alst_args', 'PackedMixin', 'PackedTrainer', 'PackedSFTTrainer',
+           'TrainerReport', 'check_trainer']
 
 # %% ../nbs/05_ecosystem/03_hf.ipynb #851f4ce9
 def _dataset_columns(ds) -> list[str]:
@@ -208,6 +209,26 @@ def checkpointing(args) -> tuple[bool, bool]:
     else: on, kwargs = args.gradient_checkpointing, args.gradient_checkpointing_kwargs
     return bool(on), (kwargs or {}).get("use_reentrant", False)
 
+ALST_PER_DOCUMENT = ("workbench_varlen", "flash_attention_2", "flash_attention_3")  # ALST inner attentions that read the gathered position_ids per document
+
+def check_alst_args(args):
+    "Refuse `TrainingArguments` whose DeepSpeed ALST set-up a packed trainer cannot train or evaluate exactly, naming the fix."
+    pc = getattr(args, "parallelism_config", None)
+    if pc is None or getattr(pc, "sp_backend", None) != "deepspeed" or (getattr(pc, "sp_size", 1) or 1) < 2: return
+    attention, sp = pc.sp_handler.sp_attn_implementation, pc.sp_size
+    if args.per_device_train_batch_size != 1:
+        raise ValueError(f"under DeepSpeed ALST (sp_size={sp}) per_device_train_batch_size is ALST's micro batch, in rows, "
+                         f"but a packed trainer packs that many examples into one row, whose shape DeepSpeed then refuses: "
+                         f"set per_device_train_batch_size=1, and pass max_tokens= for packed token-budget rows")
+    if attention not in ALST_PER_DOCUMENT:
+        raise ValueError(f"ALST's inner attention {attention!r} attends across the documents of a packed row, in training "
+                         f"and in evaluation: pass parallelism_config=workbench.engines.alst_parallelism_config({sp}) and "
+                         f"load the model with attn_implementation='workbench_varlen'")
+    if not pc.sp_handler.sp_disable_in_eval:
+        raise ValueError("sp_disable_in_eval=False: transformers hands only the train dataloader to ALST's data adapter, so in "
+                         "evaluation each rank's own rows would enter ALST's all-to-all together; leave sp_disable_in_eval "
+                         "True (accelerate's default): each rank then evaluates whole rows of its own")
+
 class PackedMixin:
     """Padding-free training inside `Trainer` / `SFTTrainer` with nothing lost: raw rows tokenized as `workbench.train`
     does, masks folded into labels at construction, `FlatteningCollator` by default, `use_cache=False` on every forward,
@@ -219,6 +240,7 @@ class PackedMixin:
                  balance: str = "tokens",        # with max_tokens: group each optimizer step's bins over ranks by tokens, or by predicted cost (`workbench.cost.plan_balanced`)
                  untrained: str = "drop",        # with max_tokens: a piece that trains no token (a prompt-only slice of a split example): "drop" (counted) or "keep"
                  **kwargs):
+        check_alst_args(args)
         if overlong not in OVERLONG: raise ValueError(f"overlong must be one of {OVERLONG}, got {overlong!r}")
         if untrained not in UNTRAINED:
             raise ValueError(f"untrained must be one of {UNTRAINED} (what to do with a piece that trains no token), got {untrained!r}")
