@@ -23,8 +23,8 @@ from trl import SFTTrainer
 
 # %% auto #0
 __all__ = ['ALST_PER_DOCUMENT', 'fold_example', 'FoldedDataset', 'prepare_dataset', 'LabelGuard', 'split_packed', 'raw_kind',
-           'tokenize_dataset', 'checkpointing', 'check_alst_args', 'PackedMixin', 'PackedTrainer', 'PackedSFTTrainer',
-           'TrainerReport', 'check_trainer']
+           'tokenize_dataset', 'checkpointing', 'alst_problems', 'check_alst_args', 'PackedMixin', 'PackedTrainer',
+           'PackedSFTTrainer', 'TrainerReport', 'check_trainer']
 
 # %% ../nbs/05_ecosystem/03_hf.ipynb #851f4ce9
 def _dataset_columns(ds) -> list[str]:
@@ -211,23 +211,33 @@ def checkpointing(args) -> tuple[bool, bool]:
 
 ALST_PER_DOCUMENT = ("workbench_varlen", "flash_attention_2", "flash_attention_3")  # ALST inner attentions that read the gathered position_ids per document
 
+def alst_problems(args,               # TrainingArguments (or SFTConfig) of a trainer
+                  packed: bool = True, # its training rows hold several examples in one row
+                 ) -> list[tuple[str, str]]:
+    "What breaks under the DeepSpeed ALST set-up of `args` (none without ALST): `(what goes wrong, the fix)` each."
+    pc = getattr(args, "parallelism_config", None)
+    if pc is None or getattr(pc, "sp_backend", None) != "deepspeed" or (getattr(pc, "sp_size", 1) or 1) < 2: return []
+    attention, sp, problems = pc.sp_handler.sp_attn_implementation, pc.sp_size, []
+    if packed and args.per_device_train_batch_size != 1:
+        problems.append((f"under DeepSpeed ALST (sp_size={sp}) per_device_train_batch_size={args.per_device_train_batch_size} "
+                         f"is ALST's micro batch, in rows, but the collator packs that many examples into one row, whose "
+                         f"shape DeepSpeed then refuses",
+                         "set per_device_train_batch_size=1, and pass max_tokens= to PackedTrainer for packed token-budget rows"))
+    if packed and attention not in ALST_PER_DOCUMENT:
+        problems.append((f"ALST's inner attention {attention!r} attends across the documents of a packed row, in training "
+                         f"and in evaluation",
+                         f"pass parallelism_config=workbench.engines.alst_parallelism_config({sp}) and load the model with "
+                         f"attn_implementation='workbench_varlen'"))
+    if not pc.sp_handler.sp_disable_in_eval:
+        problems.append(("sp_disable_in_eval=False: transformers hands only the train dataloader to ALST's data adapter, so "
+                         "in evaluation each rank's own rows would enter ALST's all-to-all together",
+                         "leave sp_disable_in_eval=True (accelerate's default): each rank then evaluates whole rows of its own"))
+    return problems
+
 def check_alst_args(args):
     "Refuse `TrainingArguments` whose DeepSpeed ALST set-up a packed trainer cannot train or evaluate exactly, naming the fix."
-    pc = getattr(args, "parallelism_config", None)
-    if pc is None or getattr(pc, "sp_backend", None) != "deepspeed" or (getattr(pc, "sp_size", 1) or 1) < 2: return
-    attention, sp = pc.sp_handler.sp_attn_implementation, pc.sp_size
-    if args.per_device_train_batch_size != 1:
-        raise ValueError(f"under DeepSpeed ALST (sp_size={sp}) per_device_train_batch_size is ALST's micro batch, in rows, "
-                         f"but a packed trainer packs that many examples into one row, whose shape DeepSpeed then refuses: "
-                         f"set per_device_train_batch_size=1, and pass max_tokens= for packed token-budget rows")
-    if attention not in ALST_PER_DOCUMENT:
-        raise ValueError(f"ALST's inner attention {attention!r} attends across the documents of a packed row, in training "
-                         f"and in evaluation: pass parallelism_config=workbench.engines.alst_parallelism_config({sp}) and "
-                         f"load the model with attn_implementation='workbench_varlen'")
-    if not pc.sp_handler.sp_disable_in_eval:
-        raise ValueError("sp_disable_in_eval=False: transformers hands only the train dataloader to ALST's data adapter, so in "
-                         "evaluation each rank's own rows would enter ALST's all-to-all together; leave sp_disable_in_eval "
-                         "True (accelerate's default): each rank then evaluates whole rows of its own")
+    problems = alst_problems(args)
+    if problems: raise ValueError("; ".join(f"{what}: {fix}" for what, fix in problems))
 
 class PackedMixin:
     """Padding-free training inside `Trainer` / `SFTTrainer` with nothing lost: raw rows tokenized as `workbench.train`
@@ -475,6 +485,8 @@ def check_trainer(trainer,            # a configured transformers Trainer or TRL
     else:
         add(Finding("collator", "pass", f"{type(collator).__name__}: one packed row of {batch['input_ids'].shape[-1]} tokens, "
                     f"no attention_mask"))
+    packed = not padded and batch["input_ids"].shape[0] == 1 and batch.get("position_ids") is not None
+    for what, fix in alst_problems(args, packed): add(Finding("DeepSpeed ALST", "fail", what, fix))
     extra = [k for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k") if k in batch]
     if extra and not _takes_kwargs(inner) and not all(k in inspect.signature(inner.forward).parameters for k in extra):
         add(Finding("forward takes the varlen keys", "fail", f"the batch carries {extra} but {type(inner).__name__}.forward "
