@@ -134,6 +134,7 @@ def check_engine(run: Run) -> Engine:
     if missing:
         raise ModuleNotFoundError(f"engine {run.engine!r} needs {missing}: pip install 'workbench[deepspeed]' "
                                   f"(deepspeed==0.19.8)")
+    if eng.validate: eng.validate(run)  # the engine's own refusals first: they name its layout rules
     if not eng.processes and run.sp != 1:
         raise ValueError(f"engine {run.engine!r} runs in one process (all {run.dp} rows of a step there); got {run.layout}")
     docs = len(load_records("long_docs"))
@@ -146,7 +147,6 @@ def check_engine(run: Run) -> Engine:
         raise ValueError(f"loss='hf_sp' is HF's sequence-parallel loss formula: engine {run.engine!r} runs no SP")
     if run.loss == "hf_sp" and run.dp > 1: raise ValueError(HF_SP_GLOO.format(layout=run.layout))
     if run.sp > 1: check_sp(tiny_config(run.family), run.sp, world_size=run.world)  # heads and kv heads vs SP
-    if eng.validate: eng.validate(run)
     return eng
 
 # %% ../nbs/05_ecosystem/04_engines.ipynb #ad0bcd3d
@@ -472,6 +472,10 @@ def cp_hooked(model):
     return model
 
 def _check_cp(run: Run):
+    if run.sp != 1:
+        raise ValueError(f"engine 'accelerate_cp' trains in one process with accelerate's context-parallel hook (its ring, "
+                         f"exact causal attention over the whole row, needs GPUs: cp_refusals()); its verdict holds for any "
+                         f"cp_size: use sp=1, got {run.layout}")
     if run.attention != "sdpa":
         raise ValueError(f"context parallelism runs PyTorch's ring in place of F.scaled_dot_product_attention only: attention "
                          f"{run.attention!r} would attend within each rank's shard of the row; use attention='sdpa'")
