@@ -107,9 +107,13 @@ def test_position_ids_start_detected_and_fixed(feats):
 
 
 def test_attention_that_ignores_packing_is_caught(feats):
-    "RoBERTa's own eager/sdpa masks ignore packed position_ids: the probe catches it; our varlen attention fixes it."
-    batch = FlatteningCollator(position_ids_start=1, train_all_tokens=True)(feats)
-    model = _tiny_roberta("sdpa")
+    """OPT's own sdpa mask ignores packed position_ids (transformers 5.23-5.25; RoBERTa's did up to 5.24): the probe
+    catches it; our varlen attention fixes it."""
+    batch = FlatteningCollator(train_all_tokens=True)(feats)
+    torch.manual_seed(0)
+    cfg = tr.OPTConfig(vocab_size=8192, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128,
+                       word_embed_proj_dim=64, pad_token_id=1, max_position_embeddings=512)
+    model = tr.OPTForCausalLM._from_config(cfg, attn_implementation="sdpa").eval()
     sick = check_packing(model, batch, NO_CACHE)
     assert not sick.clean and sick["contamination probe"].status == "fail" and KEY in sick["contamination probe"].fix
     model.set_attn_implementation(KEY)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from workbench.core import model_families
+from workbench.core import model_families, transformers_version
 from workbench.doctor import FORWARD_ONLY, KNOWN_LIMITS, MATRIX_IMPLS, family_row, matrix_examples
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -19,7 +19,11 @@ CURRENT = {"qwen3", "gemma2", "gemma3", "olmo2"}
 
 
 def _page_rows() -> dict:
-    "(family, implementation) -> 'pass' / 'FAIL', read from the committed page."
+    "(family, implementation) -> 'pass' / 'FAIL', read from the committed page (measured with the installed transformers)."
+    release = ".".join(map(str, transformers_version()))
+    assert f"with transformers {release} " in PAGE.read_text(), (
+        f"{PAGE.name} was not generated with the installed transformers {release}: regenerate it with "
+        f"python -m workbench.doctor --matrix --flex --out docs/family_matrix.md")
     rows = {}
     for line in PAGE.read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]

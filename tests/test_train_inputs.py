@@ -6,11 +6,11 @@ import json
 import pytest
 
 from workbench.core import model_families
+from workbench.doctor import KNOWN_LIMITS
 from workbench.train import main
 
-# the (family, attention) pairs the model itself cannot run, and the words of the refusal each gets
-REFUSED = {("gemma2", "sdpa"): "does not support", ("gemma2", "workbench_varlen"): "softcapping",
-           ("falcon", "workbench_varlen"): "AttentionInterface"}
+# the (family, attention) pairs the model itself cannot run, and the words of the refusal each gets (the family matrix's)
+REFUSED = {cell: words for cell, words in KNOWN_LIMITS.items() if cell[1] in ("sdpa", "workbench_varlen")}
 
 
 def _main(*argv) -> tuple[list | None, str, str]:

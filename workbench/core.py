@@ -17,7 +17,8 @@ import torch
 __all__ = ['IGNORE_INDEX', 'SAMPLES', 'SHRINK', 'EXPERTS', 'TOP_K', 'LAYER_KINDS', 'NOT_PER_LAYER', 'cu_seq_lens', 'example_ids',
            'restart_positions', 'lengths_from_positions', 'check_packed_batch', 'shift_labels', 'data_dir',
            'load_records', 'load_tokenizer', 'bos_eos', 'tokenize_records', 'load_sample', 'model_families',
-           'tiny_config', 'tiny_model', 'as_config', 'shrink_config', 'config_sizes', 'shrink_table', 'no_hf_bars']
+           'tiny_config', 'tiny_model', 'transformers_version', 'as_config', 'shrink_config', 'config_sizes',
+           'shrink_table', 'no_hf_bars']
 
 # %% ../nbs/01_packing/01_core.ipynb #3feea6d6
 IGNORE_INDEX = -100  # the label value that the loss skips
@@ -148,6 +149,13 @@ def tiny_model(family: str = "llama", attn_implementation: str = "sdpa", seed: i
     cfg = tiny_config(family, **overrides)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation, dtype=dtype)
     return model.eval()
+
+# %% ../nbs/01_packing/01_core.ipynb #b86c8663
+def transformers_version() -> tuple[int, int]:
+    "The installed transformers' (major, minor) release."
+    from importlib.metadata import version
+    major, minor = version("transformers").split(".")[:2]
+    return int(major), int(minor)
 
 # %% ../nbs/01_packing/01_core.ipynb #c9b2bec8
 SHRINK = dict(head_dim=16, intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=64,

@@ -95,10 +95,11 @@ def judge(run: Run, result: dict, golden: dict, leaky: dict | None = None) -> Ve
     if d["curve"] <= tol_loss and d["grads"] <= tol_grad: return Verdict(run, d, "exact", leak_diff=leak)
     if d["loss"] <= tol_loss and d["grads_rescaled"] <= tol_grad:
         return Verdict(run, d, "scaled", f"gradients {d['grad_scale']:.4g}× the one-process gradient (loss equal): HF's SP "
-                       f"loss sums the SP ranks' gradients through all_gather's backward and DeepSpeed divides by the DP "
+                       f"loss (transformers <= 5.24) sums the SP ranks' gradients through all_gather's backward and DeepSpeed divides by the DP "
                        f"degree only, so the logged grad_norm is {d['grad_norm_ratio']:.4g}× too and later losses drift "
-                       f"by {d['curve']:.2g} (SGD)", "divide the loss by sp_size "
-                       "before backward (engine 'alst': Run(loss='exact'); the HF Trainer: a compute_loss override); gradient "
+                       f"by {d['curve']:.2g} (SGD)", "upgrade to transformers >= 5.25 (it "
+                       "backpropagates each rank's share), or divide the loss by sp_size before backward (engine 'alst': "
+                       "Run(loss='exact'); the HF Trainer: a compute_loss override); gradient "
                        "clipping or Adam hide the scale from the update, not from the logged grad_norm", leak)
     if leak is not None and leak <= tol_loss < d["loss"]:
         beyond = " and ".join(([] if not run.packed else ["across the documents of the packed row"]) +

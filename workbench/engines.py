@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import attention  # registers 'workbench_varlen' with transformers (the ALST fix)
-from .core import IGNORE_INDEX, load_records, load_tokenizer, tiny_config
+from .core import IGNORE_INDEX, load_records, load_tokenizer, tiny_config, transformers_version
 from .launch import launch
 from .sp.proofs import Case, case_model, case_rows
 from .sp.grid import check_sp, ParallelGrid
@@ -23,11 +23,11 @@ from .sp.shard import pad_for_sp, shard_batch
 from .sp.ulysses import register_ulysses, sp_forward
 
 # %% auto #0
-__all__ = ['ENGINES', 'HF_SP_GLOO', 'ALST_KEYS', 'ALST_FIX', 'ACCELERATE_ENV', 'ACCELERATE_FIX', 'CP_FIX', 'Run', 'run_rows',
-           'fingerprint', 'row_id', 'Recorder', 'Engine', 'register_engine', 'check_engine', 'train_one_process',
-           'train_no_mask', 'hf_sp_loss', 'train_workbench', 'alst_batch', 'ds_config', 'train_alst', 'train_runs',
-           'alst_parallelism_config', 'trainer_ds_config', 'train_alst_accelerate', 'train_trl_alst', 'accelerate_yaml',
-           'accelerate_script', 'cp_hooked', 'train_accelerate_cp', 'cp_refusals']
+__all__ = ['ENGINES', 'HF_SP_GLOO', 'HF_SP_LOSS_SUMS', 'ALST_KEYS', 'ALST_FIX', 'ACCELERATE_ENV', 'ACCELERATE_FIX', 'CP_FIX',
+           'Run', 'run_rows', 'fingerprint', 'row_id', 'Recorder', 'Engine', 'register_engine', 'check_engine',
+           'train_one_process', 'train_no_mask', 'hf_sp_loss', 'train_workbench', 'alst_batch', 'ds_config',
+           'train_alst', 'train_runs', 'alst_parallelism_config', 'trainer_ds_config', 'train_alst_accelerate',
+           'train_trl_alst', 'accelerate_yaml', 'accelerate_script', 'cp_hooked', 'train_accelerate_cp', 'cp_refusals']
 
 # %% ../nbs/05_ecosystem/04_engines.ipynb #a60c371b
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ class Run:
     steps: int = 2               # optimizer steps (plain SGD)
     lr: float = 0.1              # SGD learning rate
     max_grad_norm: float | None = None  # clip the gradient norm to this (None: no clipping)
-    loss: str = "exact"          # "exact": the one-process gradient (ALST: HF's SP loss / sp); "hf_sp": HF's SP loss as the Trainer computes it
+    loss: str = "exact"          # "exact": the one-process gradient (ALST: HF's SP loss, / sp up to transformers 5.24); "hf_sp": HF's SP loss as the Trainer computes it
 
     @property
     def world(self) -> int: return self.sp * self.dp
@@ -196,15 +196,23 @@ def train_one_process(run: Run, rows: list) -> dict: return _train_here(run, row
 def train_no_mask(run: Run, rows: list) -> dict: return _train_here(run, rows, no_mask=True)
 
 # %% ../nbs/05_ecosystem/04_engines.ipynb #e48aff0c
+# Up to transformers 5.24, HF's SP loss (`deepspeed_sp_compute_loss`) backpropagates the whole row's mean on every SP
+# rank, and DeepSpeed sums the SP ranks' gradients: P times the one-process gradient. 5.25 backpropagates each rank's share.
+HF_SP_LOSS_SUMS = transformers_version() < (5, 25)
+
 def hf_sp_loss(logits: torch.Tensor, shift_labels: torch.Tensor, group) -> torch.Tensor:
-    "HF's SP loss: each shard's mean, weighted by its trained tokens through a differentiable all_gather (its backward sums)."
-    from torch.distributed.nn.functional import all_gather
+    "HF's SP loss as the installed transformers computes it: the row's token mean, its gradient summed over the SP ranks (up to 5.24) or each rank's own share (5.25)."
     good = (shift_labels != IGNORE_INDEX).sum()
     total = F.cross_entropy(logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)),
                             shift_labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
-    mean = total / good.clamp(min=1)
-    means, goods = torch.stack(all_gather(mean, group=group)), torch.stack(all_gather(good, group=group))
-    return (means * goods).sum() / goods.sum().clamp(min=1)
+    if HF_SP_LOSS_SUMS:  # each shard's mean, weighted by its tokens through a differentiable all_gather (its backward sums)
+        from torch.distributed.nn.functional import all_gather
+        mean = total / good.clamp(min=1)
+        means, goods = torch.stack(all_gather(mean, group=group)), torch.stack(all_gather(good, group=group))
+        return (means * goods).sum() / goods.sum().clamp(min=1)
+    totals = torch.stack((total.detach(), good.to(total.dtype)))  # the row's token sum and count, no gradient
+    dist.all_reduce(totals, group=group)
+    return (total + (totals[0] - total.detach())) / totals[1].clamp(min=1)  # the row's mean; this rank's share backpropagates
 
 @register_engine("workbench", summary="the workbench's Ulysses (workbench.sp.ulysses), gradients summed over the grid")
 def train_workbench(run: Run, rows: list) -> dict:
@@ -296,7 +304,7 @@ def train_alst(run: Run, rows: list) -> dict:
         for step_rows, batch in zip(rows, loader):
             loss = deepspeed_sp_compute_loss(None, engine, {**batch, "use_cache": False}, False, pc)
             reported = loss.detach().clone()
-            engine.backward(loss / run.sp if run.loss == "exact" else loss)  # the scale fix: DeepSpeed sums the SP ranks' gradients
+            engine.backward(loss / run.sp if run.loss == "exact" and HF_SP_LOSS_SUMS else loss)  # the scale fix (transformers <= 5.24)
             engine.step()
             dist.all_reduce(reported)  # every SP rank holds its row's loss: the mean over DP replicas
             seen = [None] * run.world
@@ -379,13 +387,14 @@ def _train_through_trainer(run: Run, rows: list, trainer_cls, args_cls, args_ext
     # process, so a metric gather (TRL's token accuracy) fails; the Trainer then uses this state (use_configured_state)
     PartialState(backend="gloo")
 
-    # Each item holds the rows of all SP ranks and a rank's collator keeps its own: what accelerate's sharding gives each
-    # SP rank on GPUs, and what ALST's adapter then gathers (it serves step s from SP rank s mod P: its (s // P)-th batch).
+    # ALST's adapter gathers one batch from every SP rank and trains them in rank order (step s: SP rank s mod P's
+    # (s // P)-th batch), so this rank serves its rows by call, whatever item the sampler drew: transformers 5.24 hands
+    # the SP ranks of a CPU run the same items, 5.25 shards them over the ranks.
     sp_rank = dist.get_rank() % run.sp
-    items = [[alst_batch(rows[k + j][0], run.sp) for j in range(run.sp)] for k in range(0, len(rows), run.sp)]
+    served = [alst_batch(rows[s][0], run.sp) for s in range(sp_rank, len(rows), run.sp)]
     collated = []  # the rows this process gave the Trainer, in order (checked against the ledger's row checksums)
     def collate(features):
-        batch = items[features[0]["item"]][sp_rank]
+        batch = served[len(collated) % len(served)]  # past the last step: a batch the run never trains (a prefetch)
         collated.append(batch["input_ids"])
         return batch
     class Ledger(TrainerCallback):
@@ -403,7 +412,7 @@ def _train_through_trainer(run: Run, rows: list, trainer_cls, args_cls, args_ext
                         save_strategy="no", train_sampling_strategy="sequential", remove_unused_columns=False,
                         deepspeed=trainer_ds_config(), parallelism_config=alst_parallelism_config(run.sp, run.attention),
                         accelerator_config={"use_configured_state": True}, disable_tqdm=True, seed=0, **(args_extra or {}))
-        trainer = trainer_cls(model=model, args=args, train_dataset=Dataset.from_dict({"item": list(range(len(items)))}),
+        trainer = trainer_cls(model=model, args=args, train_dataset=Dataset.from_dict({"item": list(range(len(rows)))}),
                               data_collator=collate, callbacks=[Ledger()], **trainer_extra)
         trainer.remove_callback(PrinterCallback)
         try: trainer.train()
