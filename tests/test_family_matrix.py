@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from workbench.core import model_families, transformers_version
+from workbench.core import model_families, release
 from workbench.doctor import FORWARD_ONLY, KNOWN_LIMITS, MATRIX_IMPLS, family_row, matrix_examples
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,9 +20,9 @@ CURRENT = {"qwen3", "gemma2", "gemma3", "olmo2"}
 
 def _page_rows() -> dict:
     "(family, implementation) -> 'pass' / 'FAIL', read from the committed page (measured with the installed transformers)."
-    release = ".".join(map(str, transformers_version()))
-    assert f"with transformers {release} " in PAGE.read_text(), (
-        f"{PAGE.name} was not generated with the installed transformers {release}: regenerate it with "
+    installed = ".".join(map(str, release()))
+    assert f"with transformers {installed} " in PAGE.read_text(), (
+        f"{PAGE.name} was not generated with the installed transformers {installed}: regenerate it with "
         f"python -m workbench.doctor --matrix --flex --out docs/family_matrix.md")
     rows = {}
     for line in PAGE.read_text().splitlines():

@@ -306,7 +306,13 @@ def test_packed_eval_under_alst_equals_one_process_unpacked(flan, tmp_path):
     """PackedTrainer and PackedSFTTrainer under DeepSpeed ALST (SP 2, workbench_varlen): per example, the packed predictions of the trained
     model equal one process's padded predictions of the same weights, and so do accuracy, trained tokens and target
     logits. With sdpa as ALST's inner attention (refused by check_alst_args, let through here) the same comparison fails:
-    evaluation attends across the documents of each packed row."""
+    evaluation attends across the documents of each packed row. Before accelerate 1.12 (the floors) there is no ALST
+    through accelerate: the recipe's config refuses, naming the release."""
+    from workbench.core import release
+    from workbench.engines import alst_parallelism_config
+    if release("accelerate") < (1, 12):
+        with pytest.raises(ImportError, match=r"needs accelerate >= 1.12, installed"): alst_parallelism_config(2)
+        return
     train_rows = [dict(input_ids=f["input_ids"][:40]) for f in flan[:4]]  # 2 steps × 2 SP ranks, one example each
     rows = flan[N:N + 10]
     ev = prepare_dataset(Dataset.from_list(rows))

@@ -17,8 +17,8 @@ import torch
 __all__ = ['IGNORE_INDEX', 'SAMPLES', 'SHRINK', 'EXPERTS', 'TOP_K', 'LAYER_KINDS', 'NOT_PER_LAYER', 'cu_seq_lens', 'example_ids',
            'restart_positions', 'lengths_from_positions', 'check_packed_batch', 'shift_labels', 'data_dir',
            'load_records', 'load_tokenizer', 'bos_eos', 'tokenize_records', 'load_sample', 'model_families',
-           'tiny_config', 'tiny_model', 'transformers_version', 'as_config', 'shrink_config', 'config_sizes',
-           'shrink_table', 'no_hf_bars']
+           'tiny_config', 'tiny_model', 'release', 'as_config', 'shrink_config', 'config_sizes', 'shrink_table',
+           'no_hf_bars']
 
 # %% ../nbs/01_packing/01_core.ipynb #3feea6d6
 IGNORE_INDEX = -100  # the label value that the loss skips
@@ -151,10 +151,10 @@ def tiny_model(family: str = "llama", attn_implementation: str = "sdpa", seed: i
     return model.eval()
 
 # %% ../nbs/01_packing/01_core.ipynb #b86c8663
-def transformers_version() -> tuple[int, int]:
-    "The installed transformers' (major, minor) release."
+def release(package: str = "transformers") -> tuple[int, int]:
+    "The installed (major, minor) release of `package`."
     from importlib.metadata import version
-    major, minor = version("transformers").split(".")[:2]
+    major, minor = version(package).split(".")[:2]
     return int(major), int(minor)
 
 # %% ../nbs/01_packing/01_core.ipynb #c9b2bec8

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import attention  # registers 'workbench_varlen' with transformers (the ALST fix)
-from .core import IGNORE_INDEX, load_records, load_tokenizer, tiny_config, transformers_version
+from .core import IGNORE_INDEX, load_records, load_tokenizer, tiny_config, release
 from .launch import launch
 from .sp.proofs import Case, case_model, case_rows
 from .sp.grid import check_sp, ParallelGrid
@@ -198,7 +198,7 @@ def train_no_mask(run: Run, rows: list) -> dict: return _train_here(run, rows, n
 # %% ../nbs/05_ecosystem/04_engines.ipynb #e48aff0c
 # Up to transformers 5.24, HF's SP loss (`deepspeed_sp_compute_loss`) backpropagates the whole row's mean on every SP
 # rank, and DeepSpeed sums the SP ranks' gradients: P times the one-process gradient. 5.25 backpropagates each rank's share.
-HF_SP_LOSS_SUMS = transformers_version() < (5, 25)
+HF_SP_LOSS_SUMS = release() < (5, 25)
 
 def hf_sp_loss(logits: torch.Tensor, shift_labels: torch.Tensor, group) -> torch.Tensor:
     "HF's SP loss as the installed transformers computes it: the row's token mean, its gradient summed over the SP ranks (up to 5.24) or each rank's own share (5.25)."
@@ -347,6 +347,9 @@ def alst_parallelism_config(sp_size: int,                        # processes sha
                             attn_implementation: str = "workbench_varlen",  # ALST's inner attention (the model's too)
                            ):
     "accelerate's `ParallelismConfig` for DeepSpeed ALST with any registered attention, `workbench_varlen` included."
+    if release("accelerate") < (1, 12):
+        raise ImportError(f"DeepSpeed ALST through accelerate (ParallelismConfig(sp_backend='deepspeed')) needs accelerate >= 1.12, "
+                          f"installed {'.'.join(map(str, release('accelerate')))}: pip install -U accelerate")
     from accelerate.parallelism_config import ParallelismConfig
     from accelerate.utils import DeepSpeedSequenceParallelConfig
     handler = DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa", sp_seq_length_is_variable=True)
