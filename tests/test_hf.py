@@ -284,7 +284,7 @@ def _alst_predict_rank(train_rows, rows, out_dir, attention, guarded, trl):
     os.environ.update(ACCELERATE_ENV)
     _probe_ops_quietly()
     PartialState(backend="gloo")  # accelerate's state over the launch's gloo group (as engine 'alst_accelerate')
-    if not guarded: hf.check_alst_args = lambda args: None
+    if not guarded: hf.check_parallelism_args = lambda args: None
     torch.manual_seed(0)
     model = tiny_model("llama", attn_implementation=attention)
     from workbench.core import load_tokenizer
@@ -305,7 +305,7 @@ def _alst_predict_rank(train_rows, rows, out_dir, attention, guarded, trl):
 def test_packed_eval_under_alst_equals_one_process_unpacked(flan, tmp_path):
     """PackedTrainer and PackedSFTTrainer under DeepSpeed ALST (SP 2, workbench_varlen): per example, the packed predictions of the trained
     model equal one process's padded predictions of the same weights, and so do accuracy, trained tokens and target
-    logits. With sdpa as ALST's inner attention (refused by check_alst_args, let through here) the same comparison fails:
+    logits. With sdpa as ALST's inner attention (refused by check_parallelism_args, let through here) the same comparison fails:
     evaluation attends across the documents of each packed row. Before accelerate 1.12 (the floors) there is no ALST
     through accelerate: the recipe's config refuses, naming the release."""
     from workbench.core import release

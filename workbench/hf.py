@@ -23,8 +23,8 @@ from trl import SFTTrainer
 
 # %% auto #0
 __all__ = ['ALST_PER_DOCUMENT', 'fold_example', 'FoldedDataset', 'prepare_dataset', 'LabelGuard', 'split_packed', 'raw_kind',
-           'tokenize_dataset', 'checkpointing', 'alst_problems', 'check_alst_args', 'PackedMixin', 'PackedTrainer',
-           'PackedSFTTrainer', 'TrainerReport', 'check_trainer']
+           'tokenize_dataset', 'checkpointing', 'parallelism_problems', 'check_parallelism_args', 'PackedMixin',
+           'PackedTrainer', 'PackedSFTTrainer', 'TrainerReport', 'check_trainer']
 
 # %% ../nbs/05_ecosystem/03_hf.ipynb #851f4ce9
 def _dataset_columns(ds) -> list[str]:
@@ -211,13 +211,21 @@ def checkpointing(args) -> tuple[bool, bool]:
 
 ALST_PER_DOCUMENT = ("workbench_varlen", "flash_attention_2", "flash_attention_3")  # ALST inner attentions that read the gathered position_ids per document
 
-def alst_problems(args,               # TrainingArguments (or SFTConfig) of a trainer
-                  packed: bool = True, # its training rows hold several examples in one row
-                 ) -> list[tuple[str, str]]:
-    "What breaks under the DeepSpeed ALST set-up of `args` (none without ALST): `(what goes wrong, the fix)` each."
+def parallelism_problems(args,               # TrainingArguments (or SFTConfig) of a trainer
+                         packed: bool = True, # its training rows hold several examples in one row
+                        ) -> list[tuple[str, str]]:
+    "What breaks packed rows under the `parallelism_config` of `args` (context parallelism, DeepSpeed ALST): `(what goes wrong, the fix)` each."
     pc = getattr(args, "parallelism_config", None)
-    if pc is None or getattr(pc, "sp_backend", None) != "deepspeed" or (getattr(pc, "sp_size", 1) or 1) < 2: return []
-    attention, sp, problems = pc.sp_handler.sp_attn_implementation, pc.sp_size, []
+    if pc is None: return []
+    problems = []
+    if packed and (getattr(pc, "cp_size", 1) or 1) > 1:
+        problems.append((f"context parallelism (cp_size={pc.cp_size}) replaces the model's attention mask with is_causal=True "
+                         f"(accelerate's hook on every attention module): the documents of a packed row attend to each other",
+                         "train packed rows under DeepSpeed ALST (parallelism_config=workbench.engines.alst_parallelism_config("
+                         "sp_size), attn_implementation='workbench_varlen') or with the workbench's ring (python -m "
+                         "workbench.train --ring N)"))
+    if getattr(pc, "sp_backend", None) != "deepspeed" or (getattr(pc, "sp_size", 1) or 1) < 2: return problems
+    attention, sp = pc.sp_handler.sp_attn_implementation, pc.sp_size
     if packed and args.per_device_train_batch_size != 1:
         problems.append((f"under DeepSpeed ALST (sp_size={sp}) per_device_train_batch_size={args.per_device_train_batch_size} "
                          f"is ALST's micro batch, in rows, but the collator packs that many examples into one row, whose "
@@ -234,9 +242,9 @@ def alst_problems(args,               # TrainingArguments (or SFTConfig) of a tr
                          "leave sp_disable_in_eval=True (accelerate's default): each rank then evaluates whole rows of its own"))
     return problems
 
-def check_alst_args(args):
-    "Refuse `TrainingArguments` whose DeepSpeed ALST set-up a packed trainer cannot train or evaluate exactly, naming the fix."
-    problems = alst_problems(args)
+def check_parallelism_args(args):
+    "Refuse `TrainingArguments` whose parallelism a packed trainer cannot train or evaluate exactly under, naming the fix."
+    problems = parallelism_problems(args)
     if problems: raise ValueError("; ".join(f"{what}: {fix}" for what, fix in problems))
 
 class PackedMixin:
@@ -250,7 +258,7 @@ class PackedMixin:
                  balance: str = "tokens",        # with max_tokens: group each optimizer step's bins over ranks by tokens, or by predicted cost (`workbench.cost.plan_balanced`)
                  untrained: str = "drop",        # with max_tokens: a piece that trains no token (a prompt-only slice of a split example): "drop" (counted) or "keep"
                  **kwargs):
-        check_alst_args(args)
+        check_parallelism_args(args)
         if overlong not in OVERLONG: raise ValueError(f"overlong must be one of {OVERLONG}, got {overlong!r}")
         if untrained not in UNTRAINED:
             raise ValueError(f"untrained must be one of {UNTRAINED} (what to do with a piece that trains no token), got {untrained!r}")
@@ -486,7 +494,7 @@ def check_trainer(trainer,            # a configured transformers Trainer or TRL
         add(Finding("collator", "pass", f"{type(collator).__name__}: one packed row of {batch['input_ids'].shape[-1]} tokens, "
                     f"no attention_mask"))
     packed = not padded and batch["input_ids"].shape[0] == 1 and batch.get("position_ids") is not None
-    for what, fix in alst_problems(args, packed): add(Finding("DeepSpeed ALST", "fail", what, fix))
+    for what, fix in parallelism_problems(args, packed): add(Finding("parallelism", "fail", what, fix))
     extra = [k for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k") if k in batch]
     if extra and not _takes_kwargs(inner) and not all(k in inspect.signature(inner.forward).parameters for k in extra):
         add(Finding("forward takes the varlen keys", "fail", f"the batch carries {extra} but {type(inner).__name__}.forward "
