@@ -209,7 +209,7 @@ def checkpointing(args) -> tuple[bool, bool]:
     else: on, kwargs = args.gradient_checkpointing, args.gradient_checkpointing_kwargs
     return bool(on), (kwargs or {}).get("use_reentrant", False)
 
-ALST_PER_DOCUMENT = ("workbench_varlen", "flash_attention_2", "flash_attention_3")  # ALST inner attentions that read the gathered position_ids per document
+ALST_PER_DOCUMENT = ("workbench_varlen", "flash_attention_2", "flash_attention_3")  # ALST inner attentions that attend per document from the gathered position_ids (workbench_varlen measured in tests/test_hf.py; flash: DeepSpeed's documentation, GPU only)
 
 def parallelism_problems(args,               # TrainingArguments (or SFTConfig) of a trainer
                          packed: bool = True, # its training rows hold several examples in one row
