@@ -2,8 +2,10 @@
 
 Two launches (2 and 4 gloo processes on CPU) measure, on every rank:
 - the live bytes of one `ring_attend` call (bf16, forward + backward), counted by `workbench.memory.LiveBytes` as the
-  planner's fake-tensor measurements are: they equal `ring_attention_bytes` exactly on a rank that computes every
-  block pair (the planner's terms are the tensors `_RingAttention` makes, read off its code), and no rank holds more;
+  planner's fake-tensor measurements are: on the plain kernel they equal `ring_attention_bytes` exactly on a rank that
+  computes every block pair (the planner's terms are the tensors `_RingAttention` makes, read off its code), and no rank
+  holds more; on the fused kernel they equal `ring_attention_bytes(..., kernel="fused", plans=ring_plans(...))` on every
+  rank (one document under two plans, packed rows of many short documents), and never exceed its whole-block bound;
 - the bytes sent at the dispatcher (`workbench.sp.proofs.CountComm`: Ulysses all-to-alls, ring sends) during one training
   step of a tiny model: equal to `step_cost`'s "all-to-all" and "ring" bytes;
 - the FLOPs that ran (torch's `FlopCounterMode`): the busiest ring rank's equal `step_cost`'s total.
@@ -26,7 +28,7 @@ from workbench.packing import FlatteningCollator, synthetic_lengths
 from workbench.sp.balance import PLANS, plan_row, ring_batch, zigzag_plan
 from workbench.sp.grid import ParallelGrid, check_layout
 from workbench.sp.proofs import CountComm
-from workbench.sp.ring import QUERY_TILE, block_pairs, documents, register_ring, ring_attend, ring_forward
+from workbench.sp.ring import QUERY_TILE, block_pairs, documents, register_ring, ring_attend, ring_forward, ring_plans
 from workbench.sp.shard import contiguous_plan
 from workbench.tiling import checkpoint_layers
 
@@ -37,6 +39,7 @@ N_TOKENS = 256  # tokens of the row (ring blocks of 128 or 64)
 TILE = 40  # query rows per tile in the tiled case (at least 2 x head_dim): blocks of 128 or 64 rows in 4 or 2 tiles, the last one short
 SHORT = 48  # tokens of a short row: blocks of 24 or 12 rows, shorter than 2 x head_dim (a product, not the scores, sets the peak)
 LENGTHS = [150, 33, 1, 90, 64]  # a packed row: some block pairs are skipped, so ranks differ in work
+FUSED_ROWS = {"zigzag": None, "contiguous": None, "packed": LENGTHS, "short": [3] * 60 + [16]}  # the fused kernel's rows (None: one document of N_TOKENS)
 COMM_CASES = {2: [(1, 2, "qwen2", False, "plain"), (1, 2, "qwen2", False, "fused")],  # (ulysses, ring, family, checkpointing, kernel)
               4: [(1, 4, "qwen2", False, "plain"), (2, 2, "qwen2", True, "plain"), (2, 2, "llama", False, "plain"),
                   (2, 2, "qwen2", True, "fused"), (1, 4, "mistral", False, "fused")]}  # mistral: its sliding window in the calls
@@ -47,18 +50,26 @@ def _shape(heads, kv_heads) -> Shape:
                  vocab=64, tied=False, qk_norm=False)
 
 
-def _attention_bytes(u, r, heads, kv_heads, plan, tile=QUERY_TILE, n_tokens=N_TOKENS):
+def _row(u, r, plan, n_tokens=N_TOKENS, lengths=None):
+    "The ring blocks `[r, m]` and every token's document: one document of `n_tokens` under `plan`, or `lengths` packed and balanced."
+    if lengths is None:
+        index = zigzag_plan(n_tokens, u * r) if plan == "zigzag" else contiguous_plan(n_tokens, u * r)
+        return index.reshape(r, -1), documents(torch.tensor([0, n_tokens]))
+    padded, index = plan_row(FlatteningCollator(train_all_tokens=True)([{"input_ids": [1] * n} for n in lengths]), u * r, "balanced")
+    return index.reshape(r, -1), documents(padded["cu_seq_lens_q"])
+
+
+def _attention_bytes(u, r, heads, kv_heads, plan, tile=QUERY_TILE, n_tokens=N_TOKENS, kernel="plain", lengths=None):
     "One ring_attend call on this rank as the hybrid layout hands it (heads already exchanged), bf16: its peak live bytes."
     grid = ParallelGrid.build(u, r)
     g = torch.Generator().manual_seed(dist.get_rank())
-    m = n_tokens // r
+    index, doc = _row(u, r, plan, n_tokens, lengths)  # made outside, as the layer makes the documents before attention
+    m = index.shape[1]
     q = torch.randn(1, heads // u, m, HEAD_DIM, generator=g).bfloat16().requires_grad_()
     k, v = (torch.randn(1, max(kv_heads, u) // u, m, HEAD_DIM, generator=g).bfloat16().requires_grad_() for _ in "kv")
     w = torch.randn(q.shape, generator=g).bfloat16()  # made outside: (out * w).sum() hands the ring a fresh bf16 gradient
-    index = (zigzag_plan(n_tokens, u * r) if plan == "zigzag" else contiguous_plan(n_tokens, u * r)).reshape(r, -1)
-    doc = documents(torch.tensor([0, n_tokens]))  # one document; made outside, as the layer makes it before attention
     with LiveBytes() as lb:
-        (ring_attend(q, k, v, index, doc, grid.group("ring"), tile=tile) * w).sum().backward()
+        (ring_attend(q, k, v, index, doc, grid.group("ring"), tile=tile, kernel=kernel) * w).sum().backward()
     return lb.peak - 4  # less the test's own bf16 scalar loss and its seed gradient (2 bytes each)
 
 
@@ -80,6 +91,11 @@ def _rank(world):
     memory = {(case, plan): _attention_bytes(*case, plan) for case in MEMORY_CASES[world] for plan in ("zigzag", "contiguous")}
     memory.update({(case, "tiled"): _attention_bytes(*case, "zigzag", tile=TILE) for case in MEMORY_CASES[world]})
     memory.update({(case, "short"): _attention_bytes(*case, "zigzag", n_tokens=SHORT) for case in MEMORY_CASES[world]})
+    for case in MEMORY_CASES[world]:
+        for name, lengths in FUSED_ROWS.items():
+            plan = "contiguous" if name == "contiguous" else "zigzag"
+            memory[case, "fused", name] = _attention_bytes(*case, plan, kernel="fused", lengths=lengths)
+        memory[case, "ring rank"] = ParallelGrid.build(*case[:2]).rank("ring")
     return memory, {case: _step(*case) for case in COMM_CASES[world]}
 
 
@@ -102,6 +118,26 @@ def test_ring_attention_bytes_equal_live_bytes(measured):
             assert [memory[(u, r, heads, kv), "tiled"] for memory, _ in ranks] == [tiled] * world and tiled < planned
             short = sum(ring_attention_bytes(_shape(heads, kv), SHORT // (u * r), u, r).values())
             assert [memory[(u, r, heads, kv), "short"] for memory, _ in ranks] == [short] * world, (u, r, heads, kv)
+
+
+def test_fused_ring_bytes_equal_live_bytes(measured):
+    """The fused kernel on every rank: its live bytes equal the planner's from the rank's own calls (`ring_plans`), on one
+    document (zigzag, contiguous) and on packed rows of many short documents; none exceeds the whole-block bound, which a
+    contiguous plan's later ranks reach. Binding steps differ: a call's gradients, a GQA group's sum, or the hand-off."""
+    for world, ranks in measured.items():
+        for u, r, heads, kv in MEMORY_CASES[world]:
+            shape = _shape(heads, kv)
+            for name, lengths in FUSED_ROWS.items():
+                index, doc = _row(u, r, "contiguous" if name == "contiguous" else "zigzag", lengths=lengths)
+                n = index.numel() // (u * r)
+                bound = sum(ring_attention_bytes(shape, n, u, r, kernel="fused").values())  # a whole-block call at every step
+                measured_bytes = []
+                for memory, _ in ranks:
+                    plans = ring_plans(index, doc, memory[(u, r, heads, kv), "ring rank"])
+                    planned = sum(ring_attention_bytes(shape, n, u, r, kernel="fused", plans=plans).values())
+                    measured_bytes.append(memory[(u, r, heads, kv), "fused", name])
+                    assert measured_bytes[-1] == planned <= bound, (u, r, heads, kv, name, measured_bytes[-1], planned, bound)
+                if name == "contiguous": assert max(measured_bytes) == bound, (u, r, heads, kv, measured_bytes, bound)
 
 
 def test_comm_bytes_and_flops_equal_the_dispatcher(measured):

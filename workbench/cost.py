@@ -32,12 +32,12 @@ from .sp.shard import contiguous_plan
 # %% auto #0
 __all__ = ['ATTENTION_WORK', 'ADAMW_BYTES', 'CPU_FLOP_FORMULAS', 'ATTENTION_PARTS', 'DEVICES', 'RANK_THREADS', 'FACTORS',
            'MEASURED', 'HELD_OUT_SOURCES', 'device_of', 'FIT_GROUPS', 'HF_BLOG_QWEN3_4B', 'HF_BLOG_FIT', 'HF_BLOG_RUN',
-           'SPLITS', 'LAYOUT_LEVERS', 'RANK_BY', 'attention_work', 'Dims', 'rows_of', 'document_pairs', 'ring_blocks',
-           'interacting_blocks', 'fused_pairs', 'StepCost', 'step_cost', 'FlopCount', 'measured_flops', 'bin_work',
-           'attention_flops', 'bin_costs', 'BalancedPlan', 'served_steps', 'plan_balanced', 'Device', 'cpu_device',
-           'device', 'gpu_name', 'run_device', 'Efficiency', 'HeldOut', 'held_out', 'held_out_errors', 'Prediction',
-           'predict_step', 'calibrate', 'run_source', 'calibrate_run', 'check_run', 'hf_blog_prediction', 'blog_source',
-           'hf_blog_table', 'run_options', 'cpu_efficiency', 'fresh_cpu', 'run_efficiency', 'unmodelled',
+           'SPLITS', 'LAYOUT_LEVERS', 'RANK_BY', 'attention_work', 'Dims', 'windowed', 'rows_of', 'document_pairs',
+           'ring_blocks', 'interacting_blocks', 'fused_pairs', 'StepCost', 'step_cost', 'FlopCount', 'measured_flops',
+           'bin_work', 'attention_flops', 'bin_costs', 'BalancedPlan', 'served_steps', 'plan_balanced', 'Device',
+           'cpu_device', 'device', 'gpu_name', 'run_device', 'Efficiency', 'HeldOut', 'held_out', 'held_out_errors',
+           'Prediction', 'predict_step', 'calibrate', 'run_source', 'calibrate_run', 'check_run', 'hf_blog_prediction',
+           'blog_source', 'hf_blog_table', 'run_options', 'cpu_efficiency', 'fresh_cpu', 'run_efficiency', 'unmodelled',
            'run_prediction', 'measured_mfu', 'layout_name', 'Layouts', 'plan_layout']
 
 # %% ../nbs/04_planning/03_cost.ipynb #64bb0f7a
@@ -113,6 +113,12 @@ def _recomputed(layer, linear) -> int:
     last = [m for m in layer.mlp.modules() if isinstance(m, torch.nn.Linear)][-1]
     normed_after = any(n.startswith(("post_feedforward", "post_mlp")) for n, _ in layer.named_children())
     return linear(layer) - (0 if normed_after else last.in_features * last.out_features)
+
+def windowed(config) -> bool:
+    "Whether any layer of the model attends through a sliding window (its `Dims`; its config's `sliding_window` where `Dims` refuses the architecture)."
+    try: return any(Dims.of(config).windows)
+    except ValueError: return bool(getattr(config, "sliding_window", None))
+
 
 # %% ../nbs/04_planning/03_cost.ipynb #1daf846d
 def rows_of(batch) -> list[np.ndarray]:

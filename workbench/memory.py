@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .sp.ring import QUERY_TILE
+from .sp.ring import KERNELS, QUERY_TILE
 from .tiling import causal_lm_loss_sum, checkpoint_layers, lean_kernels, shift_labels, tile_mlp
 
 # %% auto #0
@@ -281,15 +281,20 @@ def ring_attention_bytes(config,              # a transformers config or a `Shap
                          sp: int = 1,         # Ulysses degree (heads exchanged before the ring)
                          ring: int = 2,       # ring degree (at least 2)
                          dtype_bytes: int = 2,  # activation bytes (bf16)
-                         tile: int = QUERY_TILE,  # query rows computed at once (`ring_attend`'s tile)
+                         tile: int = QUERY_TILE,  # query rows computed at once (`ring_attend`'s tile; the plain kernel's)
+                         kernel: str = "plain",   # the block-pair kernel (`workbench.sp.ring.KERNELS`); "fused": its CPU path
+                         plans: list | None = None,  # fused: this rank's calls per ring step (`ring_plans`); None: a whole-block call at every step, the most any row makes
                         ) -> dict:
-    "Bytes one `ring_attend` call holds on a rank at its peak (the backward of its second computed block pair), by part."
+    "Bytes one `ring_attend` call holds on a rank at its peak, by part: the plain kernel's at the backward of its second computed block pair, the fused kernel's at the step that holds the most."
     if dtype_bytes != 2: raise ValueError("the ring terms are read off bf16 training (fp32 accumulators): dtype_bytes must be 2")
     if not isinstance(ring, int) or isinstance(ring, bool) or ring < 2:
         raise ValueError(f"ring attention needs ring >= 2 processes, got ring={ring!r} (ring=1 is Ulysses alone)")
+    if kernel not in KERNELS: raise ValueError(f"kernel={kernel!r}; choose one of {KERNELS}")
     s, b, a = Shape.of(config), dtype_bytes, 4
     m, heads = n * sp, s.heads // sp                 # the ring block's tokens and the query heads after the all-to-all
     Q, K, L = heads * m * s.head_dim, max(s.kv_heads, sp) // sp * m * s.head_dim, heads * m
+    if kernel == "fused": return _fused_ring_bytes(heads * s.head_dim, m, Q, K, L, b, a, ring, plans)
+    if plans is not None: raise ValueError("plans are the fused kernel's calls: the plain kernel computes every met pair in tiles")
     if not isinstance(tile, int) or isinstance(tile, bool) or tile < 2 * s.head_dim:
         raise ValueError(f"tile must be an integer of at least 2 x head_dim = {2 * s.head_dim} query rows, got {tile!r} (as ring_attend)")
     c = min(tile, m)                                 # rows of one query tile (a short block is one short tile)
@@ -299,9 +304,33 @@ def ring_attention_bytes(config,              # a transformers config or a `Shap
             # the tile's peak: forming the score gradient (3 score-sized tensors), or, for short tiles, a product beside two
             "block scores": a * max(3 * S, 2 * S + heads * c * s.head_dim, 2 * S + Q + (K if Q > K else 0)) + M}
 
+def _fused_ring_bytes(width, m, Q, K, L, b, a, ring, plans) -> dict:
+    "The fused kernel's peak (CPU path): the backward step that holds the most, by part. `width` = query heads x head_dim."
+    if plans is None: plans = [[(slice(0, m), slice(0, m), False, None)]] * ring
+    if len(plans) != ring: raise ValueError(f"plans has {len(plans)} steps but the ring has {ring}: pass ring_plans(ring_index, doc, rank)")
+    best, best_total = None, -1
+    for step, calls in enumerate(plans):
+        held = 2 * a * K if step == 0 else 6 * a * K  # this step's share of dK, dV; later also the sum sent on and the one arriving
+        largest = 0
+        for rows, keys, _, mask in calls:
+            if mask is not None:
+                raise ValueError("these calls carry a sliding window's band masks, which the planner does not model: "
+                                 "plan the fused kernel without a window, or the plain kernel")
+            largest = max(largest, a * width * (rows.stop - rows.start + 2 * (keys.stop - keys.start)))  # the call's dq, dk, dv
+        if calls:  # k, v and their gradients over every query head, beside the largest call's gradients (or a GQA group sum)
+            pair = {"expanded blocks": 4 * a * Q, "pair working set": max(largest, a * K if Q > K else 0)}
+        else:  # no call: the step's peak is handing its gradients on (the new sum and the buffer for the next)
+            pair = {"expanded blocks": 0, "pair working set": 2 * a * K if step == 0 else 4 * a * K}
+        total = held + sum(pair.values())
+        if total > best_total: best, best_total = (held, pair), total
+    held, pair = best
+    return {"saved for backward": a * (Q + L), "output gradient": b * Q, "blocks in flight": 4 * b * K,
+            "gradients in flight": held, "fp32 working copies": 3 * a * Q, **pair}
+
 # %% ../nbs/04_planning/01_memory.ipynb #78d1a469
-def activation_phases(config, n: int, sp: int = 1, levers: Levers = Levers(), dtype_bytes: int = 2, ring: int = 1) -> dict:
-    "Per-rank activation bytes of each phase for `n` local tokens: kept state, layer, loss, embedding, all-to-all, ring attention (`ring` > 1)."
+def activation_phases(config, n: int, sp: int = 1, levers: Levers = Levers(), dtype_bytes: int = 2, ring: int = 1,
+                      ring_kernel: str = "plain") -> dict:
+    "Per-rank activation bytes of each phase for `n` local tokens: kept state, layer, loss, embedding, all-to-all, ring attention (`ring` > 1, its block-pair kernel `ring_kernel`)."
     if dtype_bytes != 2: raise ValueError("the activation terms are measured for 2-byte (bf16/fp16) training only")
     s, b, lv = Shape.of(config), dtype_bytes, levers
     h, q, kv, I, V = s.hidden, s.q, s.kv, s.intermediate, s.vocab
@@ -324,7 +353,7 @@ def activation_phases(config, n: int, sp: int = 1, levers: Levers = Levers(), dt
     norm_bwd = n * (base - mlp + (0 if lean else 16 * h))
     rest = base - mlp - norm - (b * q if sp > 1 else 0) + (0 if lean else b * h + (q + kv if s.qk_norm else 0))
     if ring > 1:  # the ring's block pairs replace FlashAttention-2's backward; its saved output is in `base` already
-        rp = ring_attention_bytes(s, n, sp, ring, dtype_bytes)
+        rp = ring_attention_bytes(s, n, sp, ring, dtype_bytes, kernel=ring_kernel)
         ring_work = sum(rp.values()) - rp["saved for backward"]
         attn_bwd = n * rest + ring_work
     else:
@@ -343,9 +372,9 @@ def activation_phases(config, n: int, sp: int = 1, levers: Levers = Levers(), dt
                 ring=ring_work if ring > 1 and attn_bwd > max(mlp_bwd, norm_bwd) else 0)
 
 # %% ../nbs/04_planning/01_memory.ipynb #bd5e9eb5
-def planned_activations(config, seq_len: int, sp: int = 1, levers: Levers = Levers(), ring: int = 1) -> int:
-    "The planner's per-rank activation peak in bytes (what `measure_activations` measures; `ring` > 1: with ring attention)."
-    ph = activation_phases(config, local_tokens(config, seq_len, sp, ring), sp, levers, ring=ring)
+def planned_activations(config, seq_len: int, sp: int = 1, levers: Levers = Levers(), ring: int = 1, ring_kernel: str = "plain") -> int:
+    "The planner's per-rank activation peak in bytes (what `measure_activations` measures; `ring` > 1: with ring attention on `ring_kernel`)."
+    ph = activation_phases(config, local_tokens(config, seq_len, sp, ring), sp, levers, ring=ring, ring_kernel=ring_kernel)
     return max(ph["kept"] + max(ph["layer"], ph["loss"]), ph["embedding"])
 
 # %% ../nbs/04_planning/01_memory.ipynb #b69787bd
@@ -409,6 +438,7 @@ def estimate(config,                       # a transformers config, a preset nam
              dp: int = 1,                  # data-parallel degree (states are sharded over dp * sp * ring)
              *,
              ring: int = 1,                # ring attention degree: a rank holds seq_len / (sp * ring) tokens
+             ring_kernel: str = "plain",   # the ring's block-pair kernel: "plain", or "fused" (its CPU path: CUDA's is not modelled yet)
              levers: Levers = Levers(),    # checkpointing / offload / tiled loss / tiled MLP
              zero_stage: int = 3,          # 0 none, 1 optimizer, 2 + gradients, 3 + parameters sharded
              optimizer_offload: bool = False,  # Adam states (and master weights) in host memory
@@ -420,7 +450,7 @@ def estimate(config,                       # a transformers config, a preset nam
     config = preset_config(config) if isinstance(config, str) else config
     shape, n = Shape.of(config), local_tokens(config, seq_len, sp, ring)
     if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1: raise ValueError(f"dp must be a positive integer, got {dp!r}")
-    ph = activation_phases(shape, n, sp, levers, dtype_bytes, ring)
+    ph = activation_phases(shape, n, sp, levers, dtype_bytes, ring, ring_kernel)
     layer_binds = ph["layer"] >= ph["loss"]
     work = ph["layer"] if layer_binds else ph["loss"]
     a2a_in_work = ph["all_to_all"] if levers.checkpointing and layer_binds else 0

@@ -19,7 +19,7 @@ from tqdm import tqdm  # the text bar: forked ranks cannot draw notebook widgets
 from .attention import KEY as VARLEN_KEY, register as register_varlen
 from .checkpoint import SAVE_WAIT, check_out, latest_checkpoint, load_checkpoint, plan_id, save_checkpoint
 from .config import DTYPES, TrainConfig, _config, _parser, model_config
-from .cost import BalancedPlan, Dims, attention_flops, bin_work, check_run, fresh_cpu, measured_mfu, plan_balanced, run_device, run_efficiency, run_options, run_prediction, served_steps, unmodelled
+from .cost import BalancedPlan, Dims, attention_flops, bin_work, check_run, fresh_cpu, measured_mfu, plan_balanced, run_device, run_efficiency, run_options, run_prediction, served_steps, unmodelled, windowed
 from .core import model_families, no_hf_bars
 from .data import check_token_ids, run_features
 from .fsdp import reduce_gradients, shard_model
@@ -213,7 +213,7 @@ def setup_rank(cfg: TrainConfig,
 def write_run_config(out: Path, rank_run: RankRun):
     "Rank 0's `config.json`: the config, the plan, the planner's peak, and the predicted imbalance and step time."
     record = {**asdict(rank_run.cfg), "plan": repr(rank_run.plan),
-              "expected_peak_bytes": memory_readout(rank_run.cfg, rank_run.model.dtype)[0]}
+              "expected_peak_bytes": memory_readout(rank_run.cfg, rank_run.model.dtype, rank_run.device.type)[0]}
     if rank_run.imbalance: record["imbalance"] = rank_run.imbalance
     if rank_run.predicted: record["predicted"] = rank_run.predicted.as_dict()
     replace_file(out / "config.json", json.dumps(record, indent=1))
@@ -383,11 +383,6 @@ def train_rank(cfg: TrainConfig,
     return losses
 
 # %% ../nbs/03_runtime/08_train.ipynb #d147a1b7
-def _windowed(config) -> bool:
-    "Whether any layer of the model attends through a sliding window (the cost model's reading of its layers)."
-    try: return any(Dims.of(config).windows)
-    except ValueError: return bool(getattr(config, "sliding_window", None))  # an architecture the cost model refuses: its config says
-
 def preflight_run(cfg: TrainConfig) -> tuple[list[dict], object, list[dict] | None]:
     "Refuse, before any process starts, a run that would fail inside one: model, attention, run directory, data; return the run's `(features, tokenizer, eval_features)`, read once for every rank it forks."
     device = _device().type
@@ -398,7 +393,7 @@ def preflight_run(cfg: TrainConfig) -> tuple[list[dict], object, list[dict] | No
         raise ValueError(f"ring_kernel (--ring-kernel) 'fused' runs PyTorch's flash attention on CPU or CUDA and this run trains "
                          f"on {device}: use --ring-kernel plain there (exact on any device)")
     config = model_config(cfg)
-    if cfg.ring_kernel == "fused" and device == "cuda" and _windowed(config):
+    if cfg.ring_kernel == "fused" and device == "cuda" and windowed(config):
         raise ValueError("ring_kernel (--ring-kernel) 'fused' has no sliding window on CUDA yet and this model's layers use one: "
                          "use --ring-kernel plain (exact with a window on any device)")
     if cfg.ring > 1: check_layout(config, cfg.sp, cfg.ring, world_size=cfg.world)  # Ulysses degree vs heads; the ring the rest
@@ -417,7 +412,7 @@ def run(cfg: TrainConfig) -> list[float]:
     "Train `cfg` on `cfg.sp * cfg.dp` forked processes (from a notebook or a script); return the per-step losses."
     prepared = preflight_run(cfg)
     dtype = run_dtype(cfg, _device().type)
-    planned, line = memory_readout(cfg, dtype)
+    planned, line = memory_readout(cfg, dtype, _device().type)
     print(line)
     fresh_cpu()  # a CPU measured more than a minute ago is measured again: the box's load may have changed
     run_device(cfg.world); run_efficiency()  # measured once here (cached; its ranks computing at once), so that every forked rank uses the same peak and factors

@@ -16,9 +16,9 @@ from .shard import SHARD_KEYS
 from .ulysses import register_key, to_head_shards, to_token_shards
 
 # %% auto #0
-__all__ = ['QUERY_TILE', 'KERNELS', 'KEY', 'block_mask', 'block_attention', 'merge', 'stretches', 'fused_calls', 'varlen_calls',
-           'fused_forward', 'fused_backward', 'ring_attend', 'documents', 'ring_attention', 'register_ring',
-           'ring_forward', 'block_pairs', 'ring_p2p_elements', 'comm_elements', 'comm_bytes']
+__all__ = ['QUERY_TILE', 'KERNELS', 'KEY', 'block_mask', 'block_attention', 'merge', 'stretches', 'fused_calls', 'ring_plans',
+           'varlen_calls', 'fused_forward', 'fused_backward', 'ring_attend', 'documents', 'ring_attention',
+           'register_ring', 'ring_forward', 'block_pairs', 'ring_p2p_elements', 'comm_elements', 'comm_bytes']
 
 # %% ../../nbs/02_sequence_parallel/06_sp_ring.ipynb #fc561692
 def block_mask(q_index: torch.Tensor,   # [m] global indices of the query tokens
@@ -143,6 +143,20 @@ def fused_calls(q_index: torch.Tensor,   # [m] global indices of the query block
                 calls.append((rows, keys, False, _band(q_index[rows], k_index[keys], window, causal=True)))
     return calls
 
+def ring_plans(ring_index: torch.Tensor,  # [ring, m] global token indices of every ring block
+               doc: torch.Tensor,         # [T] document of every token of the row
+               rank: int,                 # this process's place in the ring
+               causal: bool = True,       # causal (else bidirectional) attention
+               window: int | None = None, # sliding window
+              ) -> list[list]:
+    "The fused calls of each ring step on `rank`, in the ring's order: step s pairs its queries with the block of rank - s."
+    n = len(ring_index)
+    plans = []
+    for step in range(n):
+        keys = ring_index[(rank - step) % n]
+        plans.append(fused_calls(ring_index[rank], keys, doc, causal, window))
+    return plans
+
 def varlen_calls(calls: list, device) -> list[tuple]:
     """The fused calls of one block pair as at most two varlen calls (CUDA's flash kernel takes many sequences at once):
     the whole-key calls, then the causal ones. A query stretch's whole-key calls are one sequence (its key stretches
@@ -257,13 +271,12 @@ class _RingAttention(torch.autograd.Function):
         qa, up = q.to(work), lambda x: _expand(x, groups).to(work)
         out, lse = torch.zeros(q.shape, dtype=acc, device=q.device), torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
         kv = torch.stack([k, v])  # [2, B, H_kv, m, D] in the inputs' dtype (bf16 travels as bf16): one message per step
-        plans = []  # each step's fused calls, planned once for the forward and the backward
+        plans = ring_plans(ring_index, doc, r, causal, window) if fused else [None] * n  # planned once for both passes
         for step in range(n):
             if step < n - 1: works, nxt = _pass_on(kv, group, stats)  # the next block travels while this one computes
             pair = ring_index[r], ring_index[(r - step) % n], doc, window, causal, tile
             stats.pairs += 1
-            calls = fused_calls(pair[0], pair[1], doc, causal, window) if fused else None
-            plans.append(calls)
+            calls = plans[step]
             if fused and calls:
                 fused_forward(qa, up(kv[0]), up(kv[1]), calls, scale, out, lse)
             elif not fused and _meets(*pair):
@@ -288,7 +301,8 @@ class _RingAttention(torch.autograd.Function):
         work = q.dtype if ctx.fused and q.is_cuda else acc
         qa, dout, up = q.to(work), dout.to(work), lambda x: _expand(x, groups).to(work)
         out_w = out.to(work)  # the merged output, as the fused backward reads it
-        dq, delta = torch.zeros(q.shape, dtype=acc, device=q.device), (dout * out_w).sum(-1, keepdim=True)  # [B, H, m, 1]
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        delta = None if ctx.fused else (dout * out_w).sum(-1, keepdim=True)  # [B, H, m, 1]: the plain kernel's softmax term
         kv, incoming = torch.stack([k, v]), None  # incoming: (works, buffer) of the block gradients on their way here
         for step in range(n):
             if step < n - 1: works, nxt = _pass_on(kv, group, ctx.stats)
