@@ -5,13 +5,15 @@ Two launches (2 and 4 gloo processes on CPU) measure, on every rank:
   planner's fake-tensor measurements are: on the plain kernel they equal `ring_attention_bytes` exactly on a rank that
   computes every block pair (the planner's terms are the tensors `_RingAttention` makes, read off its code), and no rank
   holds more; on the fused kernel they equal `ring_attention_bytes(..., kernel="fused", plans=ring_plans(...))` on every
-  rank (one document under two plans, packed rows of many short documents), and never exceed its whole-block bound;
+  rank (one document under two plans, packed rows of many short documents, sliding windows), and never exceed the
+  bound it gives without the row;
 - the bytes sent at the dispatcher (`workbench.sp.proofs.CountComm`: Ulysses all-to-alls, ring sends) during one training
   step of a tiny model: equal to `step_cost`'s "all-to-all" and "ring" bytes;
 - the FLOPs that ran (torch's `FlopCounterMode`): the busiest ring rank's equal `step_cost`'s total.
 Then `workbench.train.run` with --ring prints a memory readout and a step prediction and records "predicted".
 """
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -39,7 +41,11 @@ N_TOKENS = 256  # tokens of the row (ring blocks of 128 or 64)
 TILE = 40  # query rows per tile in the tiled case (at least 2 x head_dim): blocks of 128 or 64 rows in 4 or 2 tiles, the last one short
 SHORT = 48  # tokens of a short row: blocks of 24 or 12 rows, shorter than 2 x head_dim (a product, not the scores, sets the peak)
 LENGTHS = [150, 33, 1, 90, 64]  # a packed row: some block pairs are skipped, so ranks differ in work
-FUSED_ROWS = {"zigzag": None, "contiguous": None, "packed": LENGTHS, "short": [3] * 60 + [16]}  # the fused kernel's rows (None: one document of N_TOKENS)
+FUSED_ROWS = {  # the fused kernel's rows: (plan, packed lengths or None for one document, sliding window, row tokens)
+    "zigzag": ("zigzag", None, None, N_TOKENS), "contiguous": ("contiguous", None, None, N_TOKENS),
+    "packed": ("balanced", LENGTHS, None, N_TOKENS), "short": ("balanced", [3] * 60 + [16], None, N_TOKENS),
+    "windowed": ("zigzag", None, 16, N_TOKENS), "windowed packed": ("balanced", LENGTHS, 16, N_TOKENS),
+    "long window": ("zigzag", None, 300, 2048)}  # a band's mask, built beside the block, sets the peak
 COMM_CASES = {2: [(1, 2, "qwen2", False, "plain"), (1, 2, "qwen2", False, "fused")],  # (ulysses, ring, family, checkpointing, kernel)
               4: [(1, 4, "qwen2", False, "plain"), (2, 2, "qwen2", True, "plain"), (2, 2, "llama", False, "plain"),
                   (2, 2, "qwen2", True, "fused"), (1, 4, "mistral", False, "fused")]}  # mistral: its sliding window in the calls
@@ -51,15 +57,15 @@ def _shape(heads, kv_heads) -> Shape:
 
 
 def _row(u, r, plan, n_tokens=N_TOKENS, lengths=None):
-    "The ring blocks `[r, m]` and every token's document: one document of `n_tokens` under `plan`, or `lengths` packed and balanced."
+    "The ring blocks `[r, m]` and every token's document: one document of `n_tokens` under `plan`, or `lengths` packed under `plan`."
     if lengths is None:
         index = zigzag_plan(n_tokens, u * r) if plan == "zigzag" else contiguous_plan(n_tokens, u * r)
         return index.reshape(r, -1), documents(torch.tensor([0, n_tokens]))
-    padded, index = plan_row(FlatteningCollator(train_all_tokens=True)([{"input_ids": [1] * n} for n in lengths]), u * r, "balanced")
+    padded, index = plan_row(FlatteningCollator(train_all_tokens=True)([{"input_ids": [1] * n} for n in lengths]), u * r, plan)
     return index.reshape(r, -1), documents(padded["cu_seq_lens_q"])
 
 
-def _attention_bytes(u, r, heads, kv_heads, plan, tile=QUERY_TILE, n_tokens=N_TOKENS, kernel="plain", lengths=None):
+def _attention_bytes(u, r, heads, kv_heads, plan, tile=QUERY_TILE, n_tokens=N_TOKENS, kernel="plain", lengths=None, window=None):
     "One ring_attend call on this rank as the hybrid layout hands it (heads already exchanged), bf16: its peak live bytes."
     grid = ParallelGrid.build(u, r)
     g = torch.Generator().manual_seed(dist.get_rank())
@@ -69,7 +75,7 @@ def _attention_bytes(u, r, heads, kv_heads, plan, tile=QUERY_TILE, n_tokens=N_TO
     k, v = (torch.randn(1, max(kv_heads, u) // u, m, HEAD_DIM, generator=g).bfloat16().requires_grad_() for _ in "kv")
     w = torch.randn(q.shape, generator=g).bfloat16()  # made outside: (out * w).sum() hands the ring a fresh bf16 gradient
     with LiveBytes() as lb:
-        (ring_attend(q, k, v, index, doc, grid.group("ring"), tile=tile, kernel=kernel) * w).sum().backward()
+        (ring_attend(q, k, v, index, doc, grid.group("ring"), tile=tile, window=window, kernel=kernel) * w).sum().backward()
     return lb.peak - 4  # less the test's own bf16 scalar loss and its seed gradient (2 bytes each)
 
 
@@ -92,9 +98,8 @@ def _rank(world):
     memory.update({(case, "tiled"): _attention_bytes(*case, "zigzag", tile=TILE) for case in MEMORY_CASES[world]})
     memory.update({(case, "short"): _attention_bytes(*case, "zigzag", n_tokens=SHORT) for case in MEMORY_CASES[world]})
     for case in MEMORY_CASES[world]:
-        for name, lengths in FUSED_ROWS.items():
-            plan = "contiguous" if name == "contiguous" else "zigzag"
-            memory[case, "fused", name] = _attention_bytes(*case, plan, kernel="fused", lengths=lengths)
+        for name, (plan, lengths, window, n_tokens) in FUSED_ROWS.items():
+            memory[case, "fused", name] = _attention_bytes(*case, plan, n_tokens=n_tokens, kernel="fused", lengths=lengths, window=window)
         memory[case, "ring rank"] = ParallelGrid.build(*case[:2]).rank("ring")
     return memory, {case: _step(*case) for case in COMM_CASES[world]}
 
@@ -122,18 +127,19 @@ def test_ring_attention_bytes_equal_live_bytes(measured):
 
 def test_fused_ring_bytes_equal_live_bytes(measured):
     """The fused kernel on every rank: its live bytes equal the planner's from the rank's own calls (`ring_plans`), on one
-    document (zigzag, contiguous) and on packed rows of many short documents; none exceeds the whole-block bound, which a
-    contiguous plan's later ranks reach. Binding steps differ: a call's gradients, a GQA group's sum, or the hand-off."""
+    document (zigzag, contiguous), on packed rows of many short documents and under sliding windows; none exceeds the
+    bound the planner gives without the row, which a contiguous plan's later ranks reach. Binding steps differ: a call's
+    gradients, a band's mask, a GQA group's sum, or the hand-off."""
     for world, ranks in measured.items():
         for u, r, heads, kv in MEMORY_CASES[world]:
-            shape = _shape(heads, kv)
-            for name, lengths in FUSED_ROWS.items():
-                index, doc = _row(u, r, "contiguous" if name == "contiguous" else "zigzag", lengths=lengths)
+            for name, (plan, lengths, window, n_tokens) in FUSED_ROWS.items():
+                shape = replace(_shape(heads, kv), window=window)
+                index, doc = _row(u, r, plan, n_tokens, lengths)
                 n = index.numel() // (u * r)
-                bound = sum(ring_attention_bytes(shape, n, u, r, kernel="fused").values())  # a whole-block call at every step
+                bound = sum(ring_attention_bytes(shape, n, u, r, kernel="fused").values())  # the largest calls at every step
                 measured_bytes = []
                 for memory, _ in ranks:
-                    plans = ring_plans(index, doc, memory[(u, r, heads, kv), "ring rank"])
+                    plans = ring_plans(index, doc, memory[(u, r, heads, kv), "ring rank"], window=window)
                     planned = sum(ring_attention_bytes(shape, n, u, r, kernel="fused", plans=plans).values())
                     measured_bytes.append(memory[(u, r, heads, kv), "fused", name])
                     assert measured_bytes[-1] == planned <= bound, (u, r, heads, kv, name, measured_bytes[-1], planned, bound)

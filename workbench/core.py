@@ -17,8 +17,8 @@ import torch
 __all__ = ['IGNORE_INDEX', 'SAMPLES', 'SHRINK', 'EXPERTS', 'TOP_K', 'LAYER_KINDS', 'NOT_PER_LAYER', 'cu_seq_lens', 'example_ids',
            'restart_positions', 'lengths_from_positions', 'check_packed_batch', 'shift_labels', 'data_dir',
            'load_records', 'load_tokenizer', 'bos_eos', 'tokenize_records', 'load_sample', 'model_families',
-           'tiny_config', 'tiny_model', 'release', 'as_config', 'shrink_config', 'config_sizes', 'shrink_table',
-           'no_hf_bars']
+           'tiny_config', 'tiny_model', 'release', 'layer_windows', 'as_config', 'shrink_config', 'config_sizes',
+           'shrink_table', 'no_hf_bars']
 
 # %% ../nbs/01_packing/01_core.ipynb #3feea6d6
 IGNORE_INDEX = -100  # the label value that the loss skips
@@ -156,6 +156,13 @@ def release(package: str = "transformers") -> tuple[int, int]:
     from importlib.metadata import version
     major, minor = version(package).split(".")[:2]
     return int(major), int(minor)
+
+# %% ../nbs/01_packing/01_core.ipynb #f445ee7a
+def layer_windows(config) -> tuple[int, ...]:
+    "Each decoder layer's sliding window (0: full attention): by `layer_types`, or `sliding_window` on every layer of a config without them."
+    window = getattr(config, "sliding_window", None) or 0
+    types = getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * config.num_hidden_layers
+    return tuple(window if t == "sliding_attention" else 0 for t in types)
 
 # %% ../nbs/01_packing/01_core.ipynb #c9b2bec8
 SHRINK = dict(head_dim=16, intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=64,

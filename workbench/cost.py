@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, shape_wrapper
 
 from .config import BALANCES
-from .core import cu_seq_lens, lengths_from_positions
+from .core import cu_seq_lens, layer_windows, lengths_from_positions
 from .memory import LEVER_LADDER, Levers, Shape, estimate, max_context, preset_config
 from .packing import Plan, TokenBudgetSampler, lengths_of, plan_bins
 from .tiling import causal_lm_loss_sum, decoder_layers
@@ -100,9 +100,7 @@ def _dims(config) -> Dims:
     per_layer = {linear(l) for l in layers}
     if len(per_layer) != 1: raise ValueError(f"{config.model_type}'s decoder layers differ in their matrices: not modelled")
     heads = config.num_attention_heads
-    window = getattr(config, "sliding_window", None) or 0
-    types = getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * len(layers)
-    windows = tuple(window if t == "sliding_attention" else 0 for t in types[:len(layers)])
+    windows = layer_windows(config)[:len(layers)]
     return Dims(len(layers), heads, getattr(config, "num_key_value_heads", None) or heads,
                 getattr(config, "head_dim", None) or config.hidden_size // heads, config.hidden_size, config.vocab_size,
                 per_layer.pop(), _recomputed(layers[0], linear), linear(layers[0].mlp), linear(model.get_output_embeddings()),

@@ -16,6 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from .core import layer_windows
 from .sp.ring import KERNELS, QUERY_TILE
 from .tiling import causal_lm_loss_sum, checkpoint_layers, lean_kernels, shift_labels, tile_mlp
 
@@ -59,6 +60,7 @@ class Shape:
     "The dimensions of a decoder-only transformer that its memory depends on."
     hidden: int; layers: int; heads: int; kv_heads: int; head_dim: int; intermediate: int; vocab: int
     tied: bool; qk_norm: bool
+    window: int | None = None  # the widest sliding window of its layers (None: every layer attends in full)
 
     @classmethod
     def of(cls, config) -> "Shape":
@@ -75,7 +77,8 @@ class Shape:
         heads = config.num_attention_heads
         shape = cls(config.hidden_size, config.num_hidden_layers, heads, getattr(config, "num_key_value_heads", None) or heads,
                     getattr(config, "head_dim", None) or config.hidden_size // heads, config.intermediate_size,
-                    config.vocab_size, bool(getattr(config, "tie_word_embeddings", False)), qk_norm)
+                    config.vocab_size, bool(getattr(config, "tie_word_embeddings", False)), qk_norm,
+                    max(layer_windows(config)) or None)
         if matrices != shape.matrices:
             raise ValueError(f"cannot model {kind}'s memory: its weight matrices hold {matrices:,} parameters, a decoder "
                              f"with gated MLPs of this shape {shape.matrices:,} (mixture of experts, a two-matrix MLP "
@@ -283,7 +286,7 @@ def ring_attention_bytes(config,              # a transformers config or a `Shap
                          dtype_bytes: int = 2,  # activation bytes (bf16)
                          tile: int = QUERY_TILE,  # query rows computed at once (`ring_attend`'s tile; the plain kernel's)
                          kernel: str = "plain",   # the block-pair kernel (`workbench.sp.ring.KERNELS`); "fused": its CPU path
-                         plans: list | None = None,  # fused: this rank's calls per ring step (`ring_plans`); None: a whole-block call at every step, the most any row makes
+                         plans: list | None = None,  # fused: this rank's calls per ring step (`ring_plans`); None: the largest calls any row makes (`_bound_plans`)
                         ) -> dict:
     "Bytes one `ring_attend` call holds on a rank at its peak, by part: the plain kernel's at the backward of its second computed block pair, the fused kernel's at the step that holds the most."
     if dtype_bytes != 2: raise ValueError("the ring terms are read off bf16 training (fp32 accumulators): dtype_bytes must be 2")
@@ -293,7 +296,8 @@ def ring_attention_bytes(config,              # a transformers config or a `Shap
     s, b, a = Shape.of(config), dtype_bytes, 4
     m, heads = n * sp, s.heads // sp                 # the ring block's tokens and the query heads after the all-to-all
     Q, K, L = heads * m * s.head_dim, max(s.kv_heads, sp) // sp * m * s.head_dim, heads * m
-    if kernel == "fused": return _fused_ring_bytes(heads * s.head_dim, m, Q, K, L, b, a, ring, plans)
+    if kernel == "fused": return _fused_ring_bytes(heads * s.head_dim, m, Q, K, L, b, a, ring, 
+                                                     plans if plans is not None else _bound_plans(m, ring, s.window))
     if plans is not None: raise ValueError("plans are the fused kernel's calls: the plain kernel computes every met pair in tiles")
     if not isinstance(tile, int) or isinstance(tile, bool) or tile < 2 * s.head_dim:
         raise ValueError(f"tile must be an integer of at least 2 x head_dim = {2 * s.head_dim} query rows, got {tile!r} (as ring_attend)")
@@ -304,20 +308,30 @@ def ring_attention_bytes(config,              # a transformers config or a `Shap
             # the tile's peak: forming the score gradient (3 score-sized tensors), or, for short tiles, a product beside two
             "block scores": a * max(3 * S, 2 * S + heads * c * s.head_dim, 2 * S + Q + (K if Q > K else 0)) + M}
 
+def _bound_plans(m: int, ring: int, window: int | None) -> list:
+    """The fused kernel's calls at their largest, at every step: a whole-block call, and under a window a call of
+    `min(m, max(window, QUERY_TILE))` rows (a diagonal chunk, or a trimmed whole call) against the whole block with a causal band."""
+    calls = [(slice(0, m), slice(0, m), False, None)]
+    if window: calls.append((slice(0, min(m, max(window, QUERY_TILE))), slice(0, m), False, (0, window, True)))
+    return [calls] * ring
+
+def _fused_call_bytes(a: int, width: int, rows: slice, keys: slice, band) -> int:
+    "One fused call's backward working set: its dq, dk, dv beside its band mask; or building a causal band (two masks)."
+    n_rows, n_keys = rows.stop - rows.start, keys.stop - keys.start
+    gradients = a * width * (n_rows + 2 * n_keys)
+    if band is None: return gradients
+    mask = a * n_rows * n_keys  # `band_mask`: additive, in the kernel's dtype
+    return max(gradients + mask, 2 * mask if band[2] else mask)
+
 def _fused_ring_bytes(width, m, Q, K, L, b, a, ring, plans) -> dict:
     "The fused kernel's peak (CPU path): the backward step that holds the most, by part. `width` = query heads x head_dim."
-    if plans is None: plans = [[(slice(0, m), slice(0, m), False, None)]] * ring
     if len(plans) != ring: raise ValueError(f"plans has {len(plans)} steps but the ring has {ring}: pass ring_plans(ring_index, doc, rank)")
     best, best_total = None, -1
     for step, calls in enumerate(plans):
         held = 2 * a * K if step == 0 else 6 * a * K  # this step's share of dK, dV; later also the sum sent on and the one arriving
         largest = 0
-        for rows, keys, _, mask in calls:
-            if mask is not None:
-                raise ValueError("these calls carry a sliding window's band masks, which the planner does not model: "
-                                 "plan the fused kernel without a window, or the plain kernel")
-            largest = max(largest, a * width * (rows.stop - rows.start + 2 * (keys.stop - keys.start)))  # the call's dq, dk, dv
-        if calls:  # k, v and their gradients over every query head, beside the largest call's gradients (or a GQA group sum)
+        for rows, keys, _, band in calls: largest = max(largest, _fused_call_bytes(a, width, rows, keys, band))
+        if calls:  # k, v and their gradients over every query head, beside the largest call (or a GQA group sum)
             pair = {"expanded blocks": 4 * a * Q, "pair working set": max(largest, a * K if Q > K else 0)}
         else:  # no call: the step's peak is handing its gradients on (the new sum and the buffer for the next)
             pair = {"expanded blocks": 0, "pair working set": 2 * a * K if step == 0 else 4 * a * K}

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from .config import TrainConfig, model_config
-from .cost import ring_blocks, windowed
+from .cost import ring_blocks
 from .memory import Levers, estimate
 
 # %% auto #0
@@ -64,9 +64,6 @@ def memory_readout(cfg: TrainConfig,                    # the run
     if fused and device_type == "cuda":
         return None, ("expected per-rank peak: not planned for the fused ring kernel on CUDA (its varlen gathers and flash's "
                       "workspace are not measured yet; the plain kernel, --ring-kernel plain, is planned)")
-    if fused and windowed(model_config(cfg)):
-        return None, ("expected per-rank peak: not planned for the fused ring kernel under a sliding window (its calls' band "
-                      "masks depend on the row, and the planner does not model them)")
     where = "the fused ring kernel's CPU path" if fused else "on a GPU"
     if dtype.itemsize != 2:  # the planner's activation terms are measured for bf16/fp16: no figure to compare with this run
         try: same = f"; the same run in bf16 ({where}) is planned at {expected_memory(cfg).gib:.3f} GiB per rank"

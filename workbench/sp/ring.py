@@ -17,7 +17,7 @@ from .ulysses import register_key, to_head_shards, to_token_shards
 
 # %% auto #0
 __all__ = ['QUERY_TILE', 'KERNELS', 'KEY', 'block_mask', 'block_attention', 'merge', 'stretches', 'fused_calls', 'ring_plans',
-           'varlen_calls', 'fused_forward', 'fused_backward', 'ring_attend', 'documents', 'ring_attention',
+           'varlen_calls', 'band_mask', 'fused_forward', 'fused_backward', 'ring_attend', 'documents', 'ring_attention',
            'register_ring', 'ring_forward', 'block_pairs', 'ring_p2p_elements', 'comm_elements', 'comm_bytes']
 
 # %% ../../nbs/02_sequence_parallel/06_sp_ring.ipynb #fc561692
@@ -87,36 +87,33 @@ def stretches(index: torch.Tensor,  # [m] global indices of a block's tokens
     ends = torch.cat([starts[1:], torch.tensor([len(positions)])])
     return list(zip(starts.tolist(), ends.tolist(), positions[starts].tolist(), docs[starts].tolist()))
 
-def _band(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int, causal: bool) -> torch.Tensor:
-    "Which query sees which key inside the window, by global positions `[q, k]`: the mask a windowed fused call carries."
-    distance = q_pos[:, None] - k_pos[None, :]
-    allowed = distance < window
-    return allowed & (distance >= 0) if causal else allowed
-
-def _windowed(rows: slice, keys: torch.Tensor, q_index, k_index, window: int, causal: bool):
-    "A call's query rows trimmed to those that see a key, and its band mask (None where the window hides nothing)."
-    mask = _band(q_index[rows], k_index[keys], window, causal)
-    seen = int(mask.any(1).sum())  # the queries that see a key: a prefix (later queries are further from earlier keys)
-    mask = mask[:seen]
-    return slice(rows.start, rows.start + seen), (None if bool(mask.all()) else mask)
+def _windowed(rows: slice, keys: slice, q_index, k_index, window: int):
+    """A whole call's query rows trimmed to those the window lets see a key, and its band (None where the window hides
+    nothing). Positions are consecutive within a call's rows and within its keys, so a row's nearest key decides."""
+    offset = int(q_index[rows.start]) - int(k_index[keys.start])  # position of the first query less that of the first key
+    n_keys = keys.stop - keys.start
+    seen = min(rows.stop - rows.start, max(0, window - offset + n_keys - 1))  # row i sees key n_keys - 1 while offset + i - (n_keys - 1) < window
+    hidden = offset + seen - 1 >= window  # the farthest pair, the last row and the first key, is outside the window
+    return slice(rows.start, rows.start + seen), ((offset, window, False) if hidden else None)
 
 def _whole_call(rows: slice, keys: slice, q_index, k_index, window: int | None) -> list:
     "The call of query rows that see every key of a stretch (none, where a window trims away every row)."
-    mask = None
-    if window: rows, mask = _windowed(rows, keys, q_index, k_index, window, causal=False)
+    band = None
+    if window: rows, band = _windowed(rows, keys, q_index, k_index, window)
     if rows.stop == rows.start: return []
-    return [(rows, keys, False, mask)]
+    return [(rows, keys, False, band)]
 
 def fused_calls(q_index: torch.Tensor,   # [m] global indices of the query block's tokens
                 k_index: torch.Tensor,   # [m] global indices of the key/value block's tokens
                 doc: torch.Tensor,       # [T] document of every token of the row
                 causal: bool = True,     # causal (else bidirectional) attention
-                window: int | None = None,  # sliding window: each call carries its band as a mask
+                window: int | None = None,  # sliding window: each call it cuts carries its band
                ) -> list:
     """The fused calls of one block pair: per query stretch, each key stretch of its document it sees whole (one call
-    each), then itself causally (on the diagonal pair). `(query rows, key rows, causal, band mask or None)` each, key rows
+    each), then itself causally (on the diagonal pair). `(query rows, key rows, causal, band or None)` each, key rows
     always a slice of the block (a view: no key is gathered); with a window the rows are trimmed to those it lets meet,
-    and the diagonal stretch is cut into query chunks of at least the window."""
+    the diagonal stretch is cut into query chunks of at least the window, and a call the window cuts carries its band
+    `(offset, window, causal)`: the mask is built only while the call runs (`band_mask`)."""
     calls = []
     keys_of = {}  # document -> its key stretches: a query stretch looks only at its own document's
     for k0, k1, k_pos, k_doc in stretches(k_index, doc): keys_of.setdefault(k_doc, []).append((k0, k1, k_pos))
@@ -140,7 +137,8 @@ def fused_calls(q_index: torch.Tensor,   # [m] global indices of the query block
             for c0 in range(q0, q1, chunk):
                 c1 = min(c0 + chunk, q1)
                 rows, keys = slice(c0, c1), slice(own.start + max(0, c0 - window + 1 - q0), own.start + c1 - q0)
-                calls.append((rows, keys, False, _band(q_index[rows], k_index[keys], window, causal=True)))
+                offset = int(q_index[c0]) - int(k_index[keys.start])
+                calls.append((rows, keys, False, (offset, window, True)))
     return calls
 
 def ring_plans(ring_index: torch.Tensor,  # [ring, m] global token indices of every ring block
@@ -164,9 +162,9 @@ def varlen_calls(calls: list, device) -> list[tuple]:
     grouped = []
     for causal in (False, True):
         sequences = []  # (query rows, [key slices]): consecutive calls of the same rows share a sequence
-        for rows, keys, is_causal, mask in calls:
+        for rows, keys, is_causal, band in calls:
             if is_causal != causal: continue
-            if mask is not None: raise ValueError("CUDA's varlen calls carry no band mask: a sliding window runs kernel='plain' on CUDA")
+            if band is not None: raise ValueError("CUDA's varlen calls carry no band mask: a sliding window runs kernel='plain' on CUDA")
             if sequences and sequences[-1][0] == rows: sequences[-1][1].append(keys)
             else: sequences.append((rows, [keys]))
         if not sequences: continue
@@ -185,15 +183,24 @@ def varlen_calls(calls: list, device) -> list[tuple]:
 def _tokens_first(x: torch.Tensor, b: int, rows: torch.Tensor) -> torch.Tensor:
     return x[b].index_select(1, rows).transpose(0, 1).contiguous()  # rows of batch b as [tokens, heads, D]: varlen's layout
 
-def _additive(mask, dtype):
-    return None if mask is None else torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, float("-inf"))  # the kernel's mask form
+def band_mask(band: tuple | None,  # a windowed call's `(offset, window, causal)` (`fused_calls`), or None
+              n_rows: int,          # the call's query rows
+              n_keys: int,          # the call's keys
+              dtype,                # the kernel's dtype: the CPU flash kernel takes an additive mask in it
+             ) -> torch.Tensor | None:
+    "A call's additive mask `[rows, keys]`: 0 where query i sees key j (0 <= offset + i - j < window; no lower bound when not causal), -inf elsewhere."
+    if band is None: return None
+    offset, window, causal = band
+    mask = torch.full((n_rows, n_keys), float("-inf"), dtype=dtype).tril_(offset - window)  # keys `window` or more behind
+    if causal: mask += torch.full((n_rows, n_keys), float("-inf"), dtype=dtype).triu_(offset + 1)  # keys ahead of the query
+    return mask
 
 def _cpu_forward(q, k, v, calls, scale, out, lse):
-    for rows, keys, is_causal, mask in calls:
-        part, part_lse = _flash(q[:, :, rows], k[:, :, keys], v[:, :, keys], 0.0, is_causal, attn_mask=_additive(mask, q.dtype),
-                                scale=scale)
+    for rows, keys, is_causal, band in calls:
+        mask = band_mask(band, rows.stop - rows.start, keys.stop - keys.start, q.dtype)
+        part, part_lse = _flash(q[:, :, rows], k[:, :, keys], v[:, :, keys], 0.0, is_causal, attn_mask=mask, scale=scale)
         out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], part, part_lse)
-        del part, part_lse  # before the next call: one call's results live at a time
+        del part, part_lse, mask  # before the next call: one call's results live at a time
 
 def _cuda_forward(q, k, v, calls, scale, out, lse):
     for q_rows, k_rows, cu_q, cu_k, max_q, max_k, causal in varlen_calls(calls, q.device):
@@ -214,13 +221,14 @@ def fused_forward(q, k, v, calls: list, scale: float, out: torch.Tensor, lse: to
     else: _cpu_forward(q, k, v, calls, scale, out, lse)
 
 def _cpu_backward(q, k, v, dout, out, lse, calls, scale, dq, dk, dv):
-    for rows, keys, is_causal, mask in calls:
+    for rows, keys, is_causal, band in calls:
+        mask = band_mask(band, rows.stop - rows.start, keys.stop - keys.start, q.dtype)
         g_q, g_k, g_v = _flash_backward(dout[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys], out[:, :, rows],
-                                        lse[:, :, rows], 0.0, is_causal, attn_mask=_additive(mask, q.dtype), scale=scale)
+                                        lse[:, :, rows], 0.0, is_causal, attn_mask=mask, scale=scale)
         dq[:, :, rows] += g_q
         dk[:, :, keys] += g_k
         dv[:, :, keys] += g_v
-        del g_q, g_k, g_v  # before the next call: one call's gradients live at a time
+        del g_q, g_k, g_v, mask  # before the next call: one call's gradients live at a time
 
 def _cuda_backward(q, k, v, dout, out, lse, calls, scale, dq, dk, dv):
     rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: the kernel never reads it
