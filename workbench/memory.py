@@ -330,7 +330,11 @@ def _fused_ring_bytes(width, m, Q, K, L, b, a, ring, plans) -> dict:
     for step, calls in enumerate(plans):
         held = 2 * a * K if step == 0 else 6 * a * K  # this step's share of dK, dV; later also the sum sent on and the one arriving
         largest = 0
-        for rows, keys, _, band in calls: largest = max(largest, _fused_call_bytes(a, width, rows, keys, band))
+        for rows, keys, _, band in calls:
+            if max(rows.stop, keys.stop) > m:
+                raise ValueError(f"a call reaches row {max(rows.stop, keys.stop)} of a ring block of {m} tokens: these plans are "
+                                 f"another row's; pass ring_plans of this row's ring_index (n x sp = {m} tokens per block)")
+            largest = max(largest, _fused_call_bytes(a, width, rows, keys, band))
         if calls:  # k, v and their gradients over every query head, beside the largest call (or a GQA group sum)
             pair = {"expanded blocks": 4 * a * Q, "pair working set": max(largest, a * K if Q > K else 0)}
         else:  # no call: the step's peak is handing its gradients on (the new sum and the buffer for the next)

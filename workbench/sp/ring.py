@@ -149,6 +149,7 @@ def ring_plans(ring_index: torch.Tensor,  # [ring, m] global token indices of ev
               ) -> list[list]:
     "The fused calls of each ring step on `rank`, in the ring's order: step s pairs its queries with the block of rank - s."
     n = len(ring_index)
+    if not 0 <= rank < n: raise ValueError(f"rank {rank} is not a place in this ring of {n} blocks: pass 0 to {n - 1}")
     plans = []
     for step in range(n):
         keys = ring_index[(rank - step) % n]
