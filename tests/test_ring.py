@@ -259,13 +259,14 @@ def _torchrun_nodes(port: int, args: list, timeout: float = 240) -> list[str]:
 
 
 def test_train_ring_from_the_notebook_launcher_torchrun_nodes_and_accelerate_equals_one_process(tmp_path, capsys):
-    """workbench.train --ring: run() (forked ranks), two torchrun 'nodes' (Ulysses pairs {0,1}, {2,3}; rings {0,2}, {1,3};
-    the fused block-pair kernel) and accelerate launch."""
+    """workbench.train --ring: run() (forked ranks; the plain block-pair kernel, CUDA's default), two torchrun 'nodes'
+    (Ulysses pairs {0,1}, {2,3}; rings {0,2}, {1,3}; the fused kernel named) and accelerate launch (the default kernel:
+    fused on CPU)."""
     from workbench.config import _config, _parser, TrainConfig
     from workbench.train import run
     common = dict(model="qwen2", data="orca_like", steps=2, max_tokens=512)
     one = run(TrainConfig(**common, out=str(tmp_path / "one")))
-    hybrid = run(TrainConfig(**common, sp=2, ring=2, out=str(tmp_path / "hybrid")))
+    hybrid = run(TrainConfig(**common, sp=2, ring=2, ring_kernel="plain", out=str(tmp_path / "hybrid")))
     logs = _torchrun_nodes(free_port(), ["-m", "workbench.train", "--sp", "2", "--ring", "2", "--ring-kernel", "fused", "--dp", "1", "--model", "qwen2",
                                          "--data", "orca_like", "--steps", "2", "--max-tokens", "512", "--out", str(tmp_path / "nodes")])
     nodes = json.loads(logs[0].strip().splitlines()[-1])["losses"]  # global rank 0 (node 0) prints the losses
@@ -285,12 +286,13 @@ def test_train_ring_from_the_notebook_launcher_torchrun_nodes_and_accelerate_equ
         assert mine == sum(m["tokens"] for m in (json.loads(l) for l in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines())
                            if m["step"] == step)
     saved = json.loads((tmp_path / "hybrid" / "config.json").read_text())
-    assert saved["ring"] == 2 and saved["predicted"]["step_s"] > 0  # predicted (workbench.cost)
+    assert saved["ring"] == 2 and saved["ring_kernel"] == "plain" and saved["predicted"]["step_s"] > 0  # predicted (workbench.cost)
+    assert json.loads((tmp_path / "accelerate" / "config.json").read_text())["ring_kernel"] == "fused"  # auto, on CPU
     assert "expected_peak_bytes" in saved and saved["expected_peak_bytes"] is None  # fp32: the planner models bf16/fp16 only
     assert TrainConfig(sp=2, ring=2, dp=2).world == 8
     for bad, words in ((dict(ring=2, loss_chunk=64), "ring (--ring) > 1"), (dict(ring=2, attn="eager"), "ring (--ring) > 1"),
                        (dict(ring=2, shard=True), "ring (--ring) > 1"), (dict(ring=0), "ring (--ring) must be an integer >= 1"),
-                       (dict(ring=2, ring_kernel="flash"), "is not one of ('plain', 'fused')"),
+                       (dict(ring=2, ring_kernel="flash"), "is not one of ('auto', 'plain', 'fused')"),
                        (dict(ring_kernel="fused"), "this run has no ring")):
         with pytest.raises(ValueError, match=re.escape(words)): TrainConfig(**bad)
     p = _parser()

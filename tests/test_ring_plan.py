@@ -233,7 +233,8 @@ def test_plan_layout_ring_never_refused(split, gpus, memory):
 
 
 def test_ring_run_has_readout_and_prediction(tmp_path, capfd):
-    "Ulysses 2 x ring 2 on 4 processes: the planner's readout line, a step prediction, config.json's 'predicted', MFU rows."
+    """Ulysses 2 x ring 2 on 4 processes, the default kernel (fused on CPU): the planner's readout line for its CPU path,
+    a step prediction, config.json's kernel, planned peak and 'predicted', MFU rows."""
     sp, ring = 2, 2
     from workbench.config import TrainConfig
     from workbench.readouts import memory_readout
@@ -242,13 +243,14 @@ def test_ring_run_has_readout_and_prediction(tmp_path, capfd):
     cfg = TrainConfig(model="qwen2", sp=sp, ring=ring, steps=2, max_tokens=256, dtype="bfloat16", out=str(tmp_path / "run"))
     run(cfg)
     out = capfd.readouterr().out
-    assert "expected per-rank peak (planner, bf16)" in out and "predicted on" in out and "does not model ring" not in out
+    assert cfg.ring_kernel == "auto" and cfg.block_kernel == "fused"  # the default, settled on a machine without CUDA
+    assert "expected per-rank peak (planner, bf16, the fused ring kernel's CPU path)" in out and "predicted on" in out
     assert "not compared with the planner" in out  # a CPU's resident memory is not the planner's device bytes
     record = json.loads((tmp_path / "run" / "config.json").read_text())
     planned, line = memory_readout(cfg)
     unplanned, why = memory_readout(cfg, torch.float32)  # the planner's activation terms are bf16/fp16 only: no fp32 figure
     assert unplanned is None and "not planned for fp32" in why and f"{planned / 2**30:.3f} GiB" in why
-    assert record["expected_peak_bytes"] == planned > 0 and f"{planned / 2**30:.3f} GiB" in line
+    assert record["expected_peak_bytes"] == planned > 0 and f"{planned / 2**30:.3f} GiB" in line and record["ring_kernel"] == "fused"
     assert set(record["predicted"]) == {"step_s", "mfu", "flops_per_step", "peak_flops", "device"}
     assert record["predicted"]["step_s"] > 0 and 0 < record["predicted"]["mfu"] < 1
     rows = read_metrics(tmp_path / "run")

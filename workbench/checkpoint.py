@@ -37,7 +37,10 @@ SAVE_WAIT = timedelta(days=365)  # how long the other ranks wait for rank 0's sa
 
 def _identity(cfg: TrainConfig) -> dict: return {k: v for k, v in asdict(cfg).items() if k not in _MAY_CHANGE + LAYOUT}
 
-def _layout(cfg: TrainConfig) -> dict: return {k: getattr(cfg, k) for k in LAYOUT}
+def _layout(cfg: TrainConfig) -> dict:
+    layout = {k: getattr(cfg, k) for k in LAYOUT}
+    layout["ring_kernel"] = cfg.block_kernel  # the kernel it trains with ('auto' settled)
+    return layout
 
 def _layout_flags(layout: dict) -> str: return " ".join(f"{flag(k)} {v}" for k, v in layout.items())
 

@@ -17,7 +17,7 @@ from .core import model_families, tiny_config
 from .sp.ring import KERNELS
 
 # %% auto #0
-__all__ = ['DTYPES', 'BALANCES', 'PRESETS', 'flag', 'tracker_names', 'TrainConfig', 'model_config']
+__all__ = ['DTYPES', 'BALANCES', 'PRESETS', 'flag', 'tracker_names', 'auto_ring_kernel', 'TrainConfig', 'model_config']
 
 # %% ../nbs/03_runtime/02_config.ipynb #61c29e36
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}  # besides "auto"
@@ -52,6 +52,12 @@ def tracker_names(report_to: str | list | tuple | None) -> tuple[str, ...]:
             raise ValueError(f"report_to (--report-to) {n!r}: accelerate finds no {n} package here: pip install {n}")
     return tuple(dict.fromkeys(names))  # once each, in the order given
 
+def auto_ring_kernel(ring: int) -> str:
+    """The block-pair kernel `ring_kernel="auto"` trains with: fused on CPU, where its training is proven and its peak
+    planned; plain on CUDA until a ring of GPUs has trained through the fused kernel and its flash workspace is measured
+    (and without a ring, plain: there are no block pairs)."""
+    return "fused" if ring > 1 and not torch.cuda.is_available() else "plain"
+
 @dataclass
 class TrainConfig:
     "Everything one training run needs."
@@ -60,7 +66,7 @@ class TrainConfig:
     tokenizer: str = ""         # the tokenizer of the data and the checkpoints ('': the model directory's own; the shipped one for a shipped family)
     sp: int = 1                 # processes sharing one sequence (Ulysses)
     ring: int = 1               # ring attention degree: a row is split over sp x ring processes (Ulysses inside a node, the ring across)
-    ring_kernel: str = "plain"  # the ring's block-pair kernel: plain (masked products, any device) or fused (flash attention per document stretch: CPU, or CUDA in bf16)
+    ring_kernel: str = "auto"   # the ring's block-pair kernel: auto (fused on CPU, plain on CUDA: `auto_ring_kernel`), plain (masked products, any device) or fused (flash attention per document stretch: CPU, or CUDA in bf16)
     dp: int = 1                 # data-parallel replicas
     steps: int = 10             # optimizer steps (a resumed run continues up to this step)
     max_tokens: int = 2048      # tokens per packed row (one row per micro-step per DP replica, cut into `sp` shards)
@@ -90,6 +96,10 @@ class TrainConfig:
 
     @property
     def world(self) -> int: return self.sp * self.ring * self.dp
+    @property
+    def block_kernel(self) -> str:
+        "The ring's block-pair kernel this run trains with: `ring_kernel`, with 'auto' settled by `auto_ring_kernel` (a run records this one)."
+        return auto_ring_kernel(self.ring) if self.ring_kernel == "auto" else self.ring_kernel
 
     @property
     def global_batch(self) -> int: return self.dp * self.grad_accum  # plan bins per optimizer step: one per DP replica per micro-step
@@ -116,10 +126,11 @@ class TrainConfig:
         if self.ring > 1 and (self.attn != "sdpa" or self.loss_chunk or self.shard):
             raise ValueError("ring (--ring) > 1 computes attention with its own exact blocks and does not combine with "
                              "--attn other than sdpa, --loss-chunk or --shard yet: drop them or use --ring 1")
-        if self.ring_kernel not in KERNELS:
-            raise ValueError(f"ring_kernel (--ring-kernel) {self.ring_kernel!r} is not one of {KERNELS}: plain computes each "
-                             f"block pair as masked matrix products, fused as flash-attention calls per document stretch (CPU, or CUDA in bf16)")
-        if self.ring_kernel != "plain" and self.ring == 1:
+        if self.ring_kernel not in ("auto", *KERNELS):
+            raise ValueError(f"ring_kernel (--ring-kernel) {self.ring_kernel!r} is not one of {('auto', *KERNELS)}: plain computes each "
+                             f"block pair as masked matrix products, fused as flash-attention calls per document stretch (CPU, or CUDA in bf16), "
+                             f"auto picks fused on CPU and plain on CUDA")
+        if self.ring_kernel == "fused" and self.ring == 1:
             raise ValueError(f"ring_kernel (--ring-kernel) {self.ring_kernel!r} chooses the ring's block-pair kernel, and this "
                              f"run has no ring: set ring (--ring) to 2 or more, or drop --ring-kernel")
         if self.cpu_offload and not self.shard:

@@ -774,7 +774,7 @@ def run_options(cfg) -> dict:
     "`step_cost` options of a `workbench.train.TrainConfig` run."
     cuda = torch.cuda.is_available()
     dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if cuda else "float32")
-    return dict(sp=cfg.sp, ring=getattr(cfg, "ring", 1), ring_kernel=getattr(cfg, "ring_kernel", "plain"), dp=cfg.dp,
+    return dict(sp=cfg.sp, ring=getattr(cfg, "ring", 1), ring_kernel=getattr(cfg, "block_kernel", "plain"), dp=cfg.dp,
                 attention=attention_work(cfg.attn, "cuda" if cuda else "cpu"),  # Ulysses: the inner one's work
                 levers=Levers(checkpointing=cfg.checkpointing, offload_checkpoints=cfg.offload_checkpoints,
                               tiled_loss=bool(cfg.loss_chunk), loss_chunk=cfg.loss_chunk or 1024,

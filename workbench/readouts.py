@@ -50,7 +50,7 @@ def expected_memory(cfg: TrainConfig, dtype: torch.dtype = torch.bfloat16):
                     tiled_mlp=bool(cfg.mlp_chunk), mlp_chunk=cfg.mlp_chunk or None, lean_kernels=cfg.lean_kernels)
     seq = (-(-cfg.max_tokens // cfg.sp) * cfg.sp if cfg.ring == 1 else  # the row is padded to a multiple of sp,
            int(ring_blocks([cfg.max_tokens], cfg.sp, cfg.ring)[0][-1]))   # or as the ring's plan pads it
-    return estimate(model_config(cfg), seq, cfg.sp, cfg.dp, ring=cfg.ring, ring_kernel=cfg.ring_kernel, levers=levers,
+    return estimate(model_config(cfg), seq, cfg.sp, cfg.dp, ring=cfg.ring, ring_kernel=cfg.block_kernel, levers=levers,
                     zero_stage=3 if cfg.shard else 0,
                     optimizer_offload=cfg.cpu_offload, param_offload=cfg.cpu_offload, runtime_gib=0,
                     dtype_bytes=dtype.itemsize)
@@ -60,7 +60,7 @@ def memory_readout(cfg: TrainConfig,                    # the run
                    device_type: str = "cpu",             # where its ranks train: "cpu" or "cuda"
                   ) -> tuple[int | None, str]:
     "The planned per-rank peak in `dtype` in bytes and the line saying it, or None and the line saying why the planner cannot."
-    fused = cfg.ring > 1 and cfg.ring_kernel == "fused"
+    fused = cfg.ring > 1 and cfg.block_kernel == "fused"
     if fused and device_type == "cuda":
         return None, ("expected per-rank peak: not planned for the fused ring kernel on CUDA (its varlen gathers and flash's "
                       "workspace are not measured yet; the plain kernel, --ring-kernel plain, is planned)")

@@ -143,7 +143,7 @@ def evaluate_model(model,                 # this process's model, as training bu
             row = collate([pieces[i] for i in piece_ids])
             check_documents(row, len(piece_ids))
             shard, positions = eval_shard(row, grid, cfg)
-            if cfg.ring > 1: logits, _ = ring_forward(model, shard, grid, cfg.ring_kernel)
+            if cfg.ring > 1: logits, _ = ring_forward(model, shard, grid, cfg.block_kernel)
             else: logits, _ = sp_forward(model, shard, grid)
             repeated = k * cfg.dp + replica >= len(plan.bins)  # the table's last row repeats bins so every replica takes as many
             if not repeated: sums += example_sums(logits, shard, positions, torch.as_tensor(plan.example[piece_ids]), plan.n_examples)

@@ -212,7 +212,7 @@ def setup_rank(cfg: TrainConfig,
 
 def write_run_config(out: Path, rank_run: RankRun):
     "Rank 0's `config.json`: the config, the plan, the planner's peak, and the predicted imbalance and step time."
-    record = {**asdict(rank_run.cfg), "plan": repr(rank_run.plan),
+    record = {**asdict(rank_run.cfg), "ring_kernel": rank_run.cfg.block_kernel, "plan": repr(rank_run.plan),
               "expected_peak_bytes": memory_readout(rank_run.cfg, rank_run.model.dtype, rank_run.device.type)[0]}
     if rank_run.imbalance: record["imbalance"] = rank_run.imbalance
     if rank_run.predicted: record["predicted"] = rank_run.predicted.as_dict()
@@ -257,7 +257,7 @@ def forward_backward(model, shards: list[dict], grid, cfg: TrainConfig, device: 
     step_loss = torch.zeros((), device=device)
     for shard in shards:
         micro = {**shard, "num_items_in_batch": step_trained}  # the shard keeps its own row's count (the metrics read it)
-        if cfg.ring > 1: _, loss = ring_forward(model, micro, grid, cfg.ring_kernel)
+        if cfg.ring > 1: _, loss = ring_forward(model, micro, grid, cfg.block_kernel)
         else: _, loss = sp_forward(model, micro, grid, cfg.loss_chunk or None)
         loss.backward()
         step_loss += loss.detach()
@@ -386,14 +386,14 @@ def train_rank(cfg: TrainConfig,
 def preflight_run(cfg: TrainConfig) -> tuple[list[dict], object, list[dict] | None]:
     "Refuse, before any process starts, a run that would fail inside one: model, attention, run directory, data; return the run's `(features, tokenizer, eval_features)`, read once for every rank it forks."
     device = _device().type
-    if cfg.ring_kernel == "fused" and device == "cuda" and run_dtype(cfg, device) not in (torch.float16, torch.bfloat16):
+    if cfg.block_kernel == "fused" and device == "cuda" and run_dtype(cfg, device) not in (torch.float16, torch.bfloat16):
         raise ValueError(f"ring_kernel (--ring-kernel) 'fused' runs CUDA's flash attention, which computes in bfloat16, and this "
                          f"run trains in {cfg.dtype}: use --dtype bfloat16 or --ring-kernel plain (exact in any dtype)")
-    if cfg.ring_kernel == "fused" and device not in ("cpu", "cuda"):
+    if cfg.block_kernel == "fused" and device not in ("cpu", "cuda"):
         raise ValueError(f"ring_kernel (--ring-kernel) 'fused' runs PyTorch's flash attention on CPU or CUDA and this run trains "
                          f"on {device}: use --ring-kernel plain there (exact on any device)")
     config = model_config(cfg)
-    if cfg.ring_kernel == "fused" and device == "cuda" and windowed(config):
+    if cfg.block_kernel == "fused" and device == "cuda" and windowed(config):
         raise ValueError("ring_kernel (--ring-kernel) 'fused' has no sliding window on CUDA yet and this model's layers use one: "
                          "use --ring-kernel plain (exact with a window on any device)")
     if cfg.ring > 1: check_layout(config, cfg.sp, cfg.ring, world_size=cfg.world)  # Ulysses degree vs heads; the ring the rest
