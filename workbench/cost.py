@@ -113,9 +113,8 @@ def _recomputed(layer, linear) -> int:
     return linear(layer) - (0 if normed_after else last.in_features * last.out_features)
 
 def windowed(config) -> bool:
-    "Whether any layer of the model attends through a sliding window (its `Dims`; its config's `sliding_window` where `Dims` refuses the architecture)."
-    try: return any(Dims.of(config).windows)
-    except ValueError: return bool(getattr(config, "sliding_window", None))
+    "Whether any layer of the model attends through a sliding window (`workbench.core.layer_windows`)."
+    return any(layer_windows(config))
 
 
 # %% ../nbs/04_planning/03_cost.ipynb #1daf846d

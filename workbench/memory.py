@@ -296,8 +296,9 @@ def ring_attention_bytes(config,              # a transformers config or a `Shap
     s, b, a = Shape.of(config), dtype_bytes, 4
     m, heads = n * sp, s.heads // sp                 # the ring block's tokens and the query heads after the all-to-all
     Q, K, L = heads * m * s.head_dim, max(s.kv_heads, sp) // sp * m * s.head_dim, heads * m
-    if kernel == "fused": return _fused_ring_bytes(heads * s.head_dim, m, Q, K, L, b, a, ring, 
-                                                     plans if plans is not None else _bound_plans(m, ring, s.window))
+    if kernel == "fused":
+        plans = plans if plans is not None else _bound_plans(m, ring, s.window)
+        return _fused_ring_bytes(heads * s.head_dim, m, Q, K, L, b, a, ring, plans)
     if plans is not None: raise ValueError("plans are the fused kernel's calls: the plain kernel computes every met pair in tiles")
     if not isinstance(tile, int) or isinstance(tile, bool) or tile < 2 * s.head_dim:
         raise ValueError(f"tile must be an integer of at least 2 x head_dim = {2 * s.head_dim} query rows, got {tile!r} (as ring_attend)")
