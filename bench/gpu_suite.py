@@ -23,7 +23,8 @@ part is recorded as "timed out" or "failed" with its stderr tail and the suite g
                  median time over N runs and max |Δ| of output and grads against an fp32 reference
   3 sp_kernels   sequence parallelism's kernels on one GPU, on part 2's packed 16K row: the ring's block-pair kernel
                  (workbench.sp.ring.ring_attend, one block, as shipped) against workbench_varlen (flash / torch varlen),
-                 and Ulysses's local attention on its head shard (H/4 heads over the whole row); time, max |Δ| vs fp32
+                 and Ulysses's local attention on its head shard (H/4 heads over the whole row); time, max |Δ| vs fp32;
+                 the fused ring call's memory: its operators' bytes against the allocator's peak (flash's workspace)
   4 long_context bench/gpu_long_context.py: longest context under a memory cap, planned vs measured
   5 memory       planner vs measured peak: part 4's rows, and one `python -m workbench.train` run (nccl on a GPU,
                  gloo on CPU) whose memory readout lines are parsed
@@ -234,6 +235,32 @@ def ring_check(tensors, cu, doc, dtype, repeats: int) -> dict:
                 **{f"max_abs_d_{t}": (a - b).abs().max().item() for t, a, b in zip(("out", "dq", "dk", "dv"), got, ref)})
 
 
+def ring_memory(tensors, doc, dtype) -> dict:
+    """One fused ring call over the whole row (one block: its pair with itself), forward + backward: the bytes its
+    operators make (`LiveBytes`, what the memory planner counts) and, on a GPU, the allocator's peak over the same call.
+    Their difference is what the kernels allocate inside themselves (flash's workspace), the term the planner's CUDA
+    path still needs (issue 31)."""
+    import torch
+    from workbench.memory import LiveBytes
+    from workbench.sp.ring import ring_attend
+    T, H, D = tensors[0].shape
+    q, k, v = (x.to(dtype).transpose(0, 1)[None].contiguous().requires_grad_() for x in tensors[:3])
+    grad = tensors[3].to(dtype).transpose(0, 1)[None].contiguous()
+    ring_index = torch.arange(T, device=q.device)[None]
+    if q.is_cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    with LiveBytes() as live:
+        ring_attend(q, k, v, ring_index, doc, kernel="fused").backward(grad)
+    result = dict(tokens=T, heads=H, head_dim=D, dtype=str(dtype), visible_peak_bytes=live.peak)
+    if q.is_cuda:
+        torch.cuda.synchronize()
+        result["allocated_peak_bytes"] = torch.cuda.max_memory_allocated() - before
+        result["inside_kernels_bytes"] = result["allocated_peak_bytes"] - live.peak
+    return result
+
+
 def part_sp_kernels(dry: bool, repeats: int = 10, warmup: int = 3) -> dict:
     import torch
     from workbench.attention import pick_kernel, reference_varlen, varlen_attention
@@ -255,12 +282,20 @@ def part_sp_kernels(dry: bool, repeats: int = 10, warmup: int = 3) -> dict:
     rows += [dict(r, impl=f"Ulysses local, head shard {H // ULYSSES}/{H}: {r['impl']}")
              for r in compare({"workbench_varlen": varlen}, lambda q, k, v: reference_varlen(q, k, v, cu), tensors, dtype,
                               device, repeats, warmup, heads=shard)]
+    memory = ring_memory(tensors, doc, dtype)
+    table = kernel_table(rows)
+    table.append(f"fused ring call over the whole row, forward + backward: its operators' peak "
+                 f"{memory['visible_peak_bytes'] / 2**20:.1f} MiB" + (
+                     f", the allocator's {memory['allocated_peak_bytes'] / 2**20:.1f} MiB, inside the kernels "
+                     f"{memory['inside_kernels_bytes'] / 2**20:.1f} MiB" if "allocated_peak_bytes" in memory else ""))
     not_run = ["the ring's exchange between GPUs (one GPU here: its compute only)",
                "Ulysses's all-to-alls (one GPU here: its local attention only)"]
-    if device.type == "cpu": not_run.append("flash / torch varlen: on CPU workbench_varlen runs its reference kernel, PyTorch's CPU flash "
-                                            "call per document, as one fused ring block does (both Δ 0 by construction)")
+    if device.type == "cpu": not_run += ["flash / torch varlen: on CPU workbench_varlen runs its reference kernel, PyTorch's CPU flash "
+                                         "call per document, as one fused ring block does (both Δ 0 by construction)",
+                                         "the allocator's peak of the fused ring call (a CPU has no max_memory_allocated): its "
+                                         "operators' bytes only"]
     return dict(tokens=T, heads=H, head_dim=D, ulysses=ULYSSES, examples=len(lengths), dtype=str(dtype), rows=rows,
-                table="\n".join(kernel_table(rows)), not_run=not_run)
+                memory=memory, table="\n".join(table), not_run=not_run)
 
 
 def part_long_context(dry: bool) -> dict:

@@ -60,6 +60,10 @@ def test_sp_kernels_and_step_time_report_real_values(full):
     # one block of the fused kernel on CPU makes the reference's own flash call per document: equal by construction
     assert [fused[f"max_abs_d_{t}"] for t in ("out", "dq", "dk", "dv")] == [0.0] * 4
     assert all(r["fwd_bwd_ms"] > 0 for r in sp["rows"])
+    memory = sp["memory"]  # the fused ring call's operators' bytes; on CPU no allocator peak, and it says so
+    assert memory["visible_peak_bytes"] > 4 * 3 * memory["tokens"] * memory["heads"] * memory["head_dim"]  # q, k, v grads alone
+    assert "allocated_peak_bytes" not in memory and any("max_memory_allocated" in why for why in sp["not_run"])
+    assert f"its operators' peak {memory['visible_peak_bytes'] / 2**20:.1f} MiB" in sp["table"]
     step = report["parts"][5]["result"]
     sources = [r["source"] for r in step["rows"]]
     assert any(s.startswith("part 1 ") for s in sources) and any(s.startswith("part 4 ") for s in sources)
