@@ -26,7 +26,7 @@ from .packing import Plan, TokenBudgetSampler, lengths_of, plan_bins
 from .tiling import causal_lm_loss_sum, decoder_layers
 from .sp.balance import PLANS, balanced_plan, zigzag_plan
 from .sp.grid import check_layout, check_sp, sp_layouts
-from .sp.ring import KERNELS, comm_bytes, documents, fused_calls
+from .sp.ring import KERNELS, comm_bytes, documents, ring_plans
 from .sp.shard import contiguous_plan
 
 # %% auto #0
@@ -191,16 +191,16 @@ def fused_pairs(ring_index,         # [ring, m] global token indices of every ri
                 cu,                 # the row's document boundaries
                 window: int = 0,    # sliding window (0: none)
                ) -> np.ndarray:
-    """Query-key pairs the fused kernel's calls compute per ring rank `[ring]`: each call's rows x keys, from `fused_calls`
+    """Query-key pairs the fused kernel's calls compute per ring rank `[ring]`: each call's rows x keys, from `ring_plans`
     (the kernel's own plan). A causal call is counted whole, as the CPU kernel's counter counts it (CUDA's causal varlen
     call computes about half of it)."""
     doc = documents(torch.as_tensor(cu))
     blocks = torch.as_tensor(ring_index)
     work = np.zeros(len(blocks), dtype=np.int64)
-    for i, queries in enumerate(blocks):
-        for keys in blocks:
-            for rows, key_rows, _, _ in fused_calls(queries, keys, doc, window=window or None):
-                work[i] += (rows.stop - rows.start) * (key_rows.stop - key_rows.start)
+    for rank in range(len(blocks)):
+        for calls in ring_plans(blocks, doc, rank, window=window or None):
+            for rows, key_rows, _, _ in calls:
+                work[rank] += (rows.stop - rows.start) * (key_rows.stop - key_rows.start)
     return work
 
 @functools.lru_cache(maxsize=4096)
