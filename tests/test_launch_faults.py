@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from workbench.launch import RankError, launch
+from workbench.launch import RankError, launch, progress
 
 DEADLINE = 20  # every launch here is bounded, so a regression fails instead of hanging
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,6 +39,11 @@ def _segfault(): ctypes.string_at(0)
 def _sys_exit(): sys.exit(0)
 
 
+class _Unprintable(Exception):
+    def __str__(self): raise RuntimeError("a __str__ that fails")
+def _unprintable(): raise _Unprintable()
+
+
 FAULTS = {  # fault on rank 1 -> (exc_type, exitcode, text the message must contain)
     _raise: ("ZeroDivisionError", None, "rank 1 of 2 raised ZeroDivisionError: rank 1 divided by zero"),
     _interrupt: ("KeyboardInterrupt", None, "rank 1 of 2 raised KeyboardInterrupt"),
@@ -47,6 +52,8 @@ FAULTS = {  # fault on rank 1 -> (exc_type, exitcode, text the message must cont
     _exit3: (None, 3, "rank 1 of 2 exited with code 3 before returning a result"),
     _sigkill: (None, -signal.SIGKILL, "rank 1 of 2 was killed by SIGKILL (out of memory?"),
     _segfault: (None, -signal.SIGSEGV, "rank 1 of 2 was killed by SIGSEGV (a crash in native code)"),
+    _unprintable: ("_Unprintable", None,
+                   "rank 1 of 2 raised _Unprintable: <its message could not be printed: str() raised RuntimeError>"),
 }
 
 
@@ -119,6 +126,73 @@ def test_a_stack_is_read_once_written_whole(tmp_path):
     finally:
         p.kill(); p.join()
     assert " in _all_finished" in stack and _waits(stack), stack
+
+
+def test_a_rank_that_never_calls_progress_is_ended_at_the_stall_limit_with_its_stack():
+    "No progress() call at all: the clock runs from the launch's start; the rank not in a collective is named."
+    def silent():
+        if dist.get_rank() == 1: time.sleep(1e6)
+        dist.barrier()
+    with pytest.raises(RankError) as e: launch(silent, num_processes=2, cpu=True, quiet=True, stall_s=1, deadline_s=DEADLINE)
+    err = e.value
+    assert (err.rank, err.exc_type, err.exitcode) == (1, None, None), str(err)
+    assert "rank 1 of 2 made no progress within stall_s=1 (no progress() call since the launch started" in str(err)
+    assert "rank 0 waited for it" in str(err) and "in silent" in err.worker_traceback
+    _no_descendants()
+
+
+def test_progress_keeps_a_run_longer_than_the_stall_limit_alive():
+    "Rank 1 steps past stall_s in all, calling progress() each step; rank 0 has returned at once: a finished rank waits, it does not stall."
+    def steps():
+        for _ in range(5 if dist.get_rank() == 1 else 0):
+            progress(); time.sleep(0.4)
+        return dist.get_rank()
+    assert launch(steps, num_processes=2, cpu=True, quiet=True, stall_s=1, deadline_s=DEADLINE) == [0, 1]
+    progress()  # outside a launched rank: nothing
+
+
+@pytest.mark.parametrize("stall_s", [0, -1, float("nan")])
+def test_a_stall_limit_that_is_not_positive_seconds_is_refused(stall_s):
+    with pytest.raises(ValueError, match="stall_s=.*: the seconds a rank may go without calling progress"):
+        launch(lambda: 0, num_processes=2, cpu=True, stall_s=stall_s)
+
+
+def _start_workers(pids: str):
+    "Start what a rank may leave behind: a child (a subprocess), and a grandchild whose parent has exited (an orphan)."
+    child = subprocess.Popen(["sleep", "600"])
+    orphan = subprocess.run("sleep 600 > /dev/null 2>&1 & echo $!", shell=True, capture_output=True, text=True).stdout.strip()
+    with open(f"{pids}{dist.get_rank()}", "w") as f: f.write(f"{child.pid} {orphan}")
+
+
+def _survivors(pids: str, n: int = 2) -> list[int]:
+    "The workers `_start_workers` started in `n` ranks that are still alive (killed here, so a failure leaves nothing)."
+    started = [int(p) for r in range(n) for p in open(f"{pids}{r}").read().split()]
+    alive = [p for p in started if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    for p in alive: os.kill(p, signal.SIGKILL)
+    return alive
+
+
+@pytest.mark.parametrize("ending", ["rank 1 fails", "both return"])
+def test_no_worker_a_rank_started_outlives_the_launch(ending, tmp_path):
+    "A rank that exits leaves its workers as orphans, no longer its children: the reaper ends them by the rank's group."
+    def with_workers():
+        _start_workers(str(tmp_path / "pids"))
+        dist.barrier()
+        if ending == "rank 1 fails" and dist.get_rank() == 1: raise ValueError("rank 1 fails with its workers running")
+        dist.barrier()
+    if ending == "rank 1 fails": assert _fails(with_workers)[0].rank == 1
+    else: launch(with_workers, num_processes=2, cpu=True, quiet=True, deadline_s=DEADLINE)
+    assert _survivors(str(tmp_path / "pids")) == []
+
+
+def test_a_process_group_already_open_here_is_refused_with_its_fix():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(RuntimeError, match="a torch.distributed process group is already open in this process") as e:
+            launch(lambda: 0, num_processes=2, cpu=True, quiet=True, deadline_s=DEADLINE)
+    finally: dist.destroy_process_group()
+    assert "destroy_process_group() first, or call launch from a process without one" in str(e.value)
+    _no_descendants()
 
 
 def test_four_ranks_name_the_one_that_vanished():
@@ -281,6 +355,22 @@ def test_ctrl_c_in_the_parent_raises_keyboardinterrupt_and_leaves_no_rank():
     finally: proc.kill()
     assert err.rstrip().endswith("KeyboardInterrupt") and "RankError" not in err, err
     assert _gone(ranks)
+
+
+def test_ctrl_c_leaves_no_worker_a_rank_started(tmp_path):
+    pids = str(tmp_path / "pids")
+    proc = _script(f"""
+        from tests.test_launch_faults import _start_workers
+        def with_workers(): _start_workers({pids!r}); time.sleep(1e6)
+        launch(with_workers, num_processes=2, cpu=True)""")
+    end = time.time() + 60
+    while not all(os.path.exists(f"{pids}{r}") for r in range(2)) and time.time() < end: time.sleep(0.1)
+    time.sleep(0.5)  # the pid files are written, the workers run
+    os.killpg(proc.pid, signal.SIGINT)
+    try: _, err = proc.communicate(timeout=30)
+    finally: proc.kill()
+    assert err.rstrip().endswith("KeyboardInterrupt"), err
+    assert _survivors(pids) == []
 
 
 def _threads_taking_sigint(pid: int) -> list[int]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import faulthandler
+import math
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -29,7 +30,7 @@ from .sp.grid import check_layout, check_sp
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # torch.cuda.is_available() asks NVML instead of starting CUDA's driver, which no forked rank could then use
 
 # %% auto #0
-__all__ = ['MIXED_PRECISION', 'GRACE_S', 'WAKE_S', 'RankError', 'Layout', 'free_port', 'preflight', 'launch']
+__all__ = ['MIXED_PRECISION', 'GRACE_S', 'WAKE_S', 'RankError', 'Layout', 'free_port', 'preflight', 'progress', 'launch']
 
 # %% ../nbs/03_runtime/01_launch.ipynb #7020d702
 class RankError(RuntimeError):
@@ -84,6 +85,12 @@ def preflight(layout: Layout, port: int, mixed_precision: str = "no", model_conf
     if layout.cuda and torch.cuda.device_count() < layout.num_processes:
         raise ValueError(f"{layout.num_processes} processes but {torch.cuda.device_count()} GPUs: ask for at most "
                          f"{torch.cuda.device_count()} or pass cpu=True")
+    if dist.is_available() and dist.is_initialized():  # every forked rank would inherit it and fail to open its own
+        raise RuntimeError(f"a torch.distributed process group is already open in this process (rank "
+                           f"{dist.get_rank()} of {dist.get_world_size()}, {dist.get_backend()}), so no launched rank "
+                           "could open its own "
+                           "(\"trying to initialize the default process group twice\"): call "
+                           "torch.distributed.destroy_process_group() first, or call launch from a process without one")
     with socket.socket() as s:
         try: s.bind(("127.0.0.1", port))
         except OSError: raise ValueError(f"port {port} is in use: pass another port, or port=None to pick a free one") from None
@@ -131,8 +138,17 @@ def _no_hub_progress_bars():
     if "transformers.utils.logging" in sys.modules:  # imported before the fork: its switch was read already
         sys.modules["transformers.utils.logging"].disable_progress_bar()
 
-def _rank_main(fn, args, rank: int, layout: Layout, env: dict, listener_fd: int, exchange: Path, timeout_s: float):
+def _message(e: BaseException) -> str:
+    "`str(e)`, or that it could not be printed: a `__str__` that raises must not take the failure record down with it."
+    try: return str(e)
+    except Exception as broken: return f"<its message could not be printed: str() raised {type(broken).__name__}>"
+
+def _rank_main(fn, args, rank: int, layout: Layout, env: dict, listener_fd: int, exchange: Path, timeout_s: float,
+               beats):
     "One forked rank: torchrun's environment, a process group over loopback only, then `fn`'s result or failure in `exchange`."
+    global _heartbeat
+    os.setsid()  # it leads a group of its own: the reaper finds what it started (workers), even once it has exited
+    _heartbeat = beats, rank  # what `progress()` writes to
     os.close(listener_fd)  # the parent's rendezvous socket, inherited by the fork: the parent alone serves it
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the notebook's interrupt belongs to the parent, which ends every rank
     _die_with_parent(mp.parent_process().pid)
@@ -151,6 +167,7 @@ def _rank_main(fn, args, rank: int, layout: Layout, env: dict, listener_fd: int,
         store = dist.TCPStore("127.0.0.1", int(env["MASTER_PORT"]), layout.num_processes, is_master=False, timeout=timeout)
         dist.init_process_group(layout.backend, store=store, rank=rank, world_size=layout.num_processes, timeout=timeout)
         result = fn(*args)
+        beats[rank] = math.inf  # finished: waiting for its peers is no stall
         try: payload = pickle.dumps(result)
         except Exception as e:
             raise TypeError(f"its return value, a {type(result).__module__}.{type(result).__qualname__}, cannot be pickled "
@@ -159,9 +176,18 @@ def _rank_main(fn, args, rank: int, layout: Layout, env: dict, listener_fd: int,
         if dist.is_initialized(): dist.destroy_process_group()  # unless `fn` did (code written for torchrun does)
         _save(exchange / f"result{rank}.pkl", payload)
     except BaseException as e:
-        _save(exchange / f"error{rank}.pkl", pickle.dumps(dict(time=time.time(), exc_type=type(e).__name__, message=str(e),
-                                                               tb=traceback.format_exc())))
+        _save(exchange / f"error{rank}.pkl", pickle.dumps(dict(time=time.time(), exc_type=type(e).__name__,
+                                                               message=_message(e), tb=traceback.format_exc())))
         sys.exit(1)
+
+# %% ../nbs/03_runtime/01_launch.ipynb #16b7e874
+_heartbeat = None  # in a launched rank: (the last-progress times the launcher reads, one per rank; this rank's index)
+
+def progress():
+    "Tell the launcher that this rank has made progress: its `stall_s` clock starts again. Outside a launch: nothing."
+    if _heartbeat is not None:
+        beats, rank = _heartbeat
+        beats[rank] = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process of the machine
 
 # %% ../nbs/03_runtime/01_launch.ipynb #51da45c1
 GRACE_S = 5  # seconds a rank has to exit after SIGTERM (to finish writing a checkpoint, say) before SIGKILL
@@ -215,14 +241,30 @@ def _waits(stack: str) -> bool:
     "Is this stack waiting for its peers (inside torch.distributed, or finished and waiting for the others)?"
     return "torch/distributed" in stack or " in _all_finished" in stack
 
-def _past_deadline(running: dict, exchange: Path, deadline_s: float, world_size: int) -> RankError:
-    "Blame the first running rank not waiting for its peers, with its stack."
+def _holdup(running: dict, exchange: Path, suspects: list, world_size: int, cause) -> RankError:
+    "Blame the first of `suspects` (running ranks) not waiting for its peers, with its stack; `cause(rank)` says how."
     stacks = _stacks(running, exchange)
     waiting = [r for r, s in stacks.items() if _waits(s)]
-    rank = next((r for r in running if r not in waiting), min(running))
-    cause = f"was still running when the launch reached its deadline ({deadline_s:g} s)"
-    if waiting: cause += f"; {'rank' if len(waiting) == 1 else 'ranks'} {', '.join(map(str, waiting))} waited for it"
-    return RankError(rank, world_size, cause, stacks[rank])
+    rank = next((r for r in suspects if r not in waiting), suspects[0])
+    why = cause(rank)
+    if waiting: why += f"; {'rank' if len(waiting) == 1 else 'ranks'} {', '.join(map(str, waiting))} waited for it"
+    return RankError(rank, world_size, why, stacks[rank])
+
+def _past_deadline(running: dict, exchange: Path, deadline_s: float, world_size: int) -> RankError:
+    "Blame the first running rank not waiting for its peers, with its stack."
+    return _holdup(running, exchange, list(running), world_size,
+                   lambda _: f"was still running when the launch reached its deadline ({deadline_s:g} s)")
+
+def _stalled(running: dict, exchange: Path, stall_s: float, beats, started: float, world_size: int) -> RankError | None:
+    "Once a running rank has gone `stall_s` without `progress()`: blame the one holding up the others, oldest first."
+    now = time.monotonic()
+    if all(now - beats[r] <= stall_s for r in running): return None  # a finished rank's time is inf: never stale
+    def since(rank):
+        last = (f"no progress() call since the launch started {now - started:.1f} s ago" if beats[rank] == started
+                else f"its last progress() call was {now - beats[rank]:.1f} s ago")
+        return f"made no progress within stall_s={stall_s:g} ({last})"
+    suspects = sorted((r for r in running if beats[r] < math.inf), key=lambda r: beats[r])
+    return _holdup(running, exchange, suspects, world_size, since)
 
 def _in_collective(failure: RankError) -> bool:
     "Did this rank raise inside torch.distributed (a collective that failed: perhaps a peer's fault)?"
@@ -247,7 +289,8 @@ def _culprit(failed: dict, running: dict, exchange: Path, world_size: int) -> Ra
     return RankError(stuck, world_size, f"was not in the collective that rank {failure.rank} waited for "
                      f"until it failed ({first})", stacks[stuck])
 
-def _watch(ranks: list, exchange: Path, deadline_s: float | None) -> RankError | None:
+def _watch(ranks: list, exchange: Path, deadline_s: float | None, stall_s: float | None, beats,
+           started: float) -> RankError | None:
     "Wait until every rank has left its result (None), or return the error of the first rank that really failed."
     end = None if deadline_s is None else time.monotonic() + deadline_s
     running = dict(enumerate(ranks))
@@ -255,6 +298,8 @@ def _watch(ranks: list, exchange: Path, deadline_s: float | None) -> RankError |
         ready = mp.connection.wait([p.sentinel for p in running.values()], WAKE_S)
         if not ready:
             if end is not None and time.monotonic() >= end: return _past_deadline(running, exchange, deadline_s, len(ranks))
+            if stall_s is not None and (stall := _stalled(running, exchange, stall_s, beats, started, len(ranks))):
+                return stall
             continue
         ended = {r: p for r, p in running.items() if p.sentinel in ready}
         for p in ended.values(): p.join()
@@ -264,20 +309,27 @@ def _watch(ranks: list, exchange: Path, deadline_s: float | None) -> RankError |
         for r in ended: del running[r]
 
 
+def _group(leaders: list) -> list[psutil.Process]:
+    "The live processes of the groups these ranks lead: the ranks and what they started, orphans too (not zombies)."
+    found = []
+    for q in psutil.process_iter(["status"]):
+        with contextlib.suppress(psutil.Error, OSError):  # one that ends meanwhile
+            if q.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(q.pid) in leaders: found.append(q)
+    return found
+
 def _reap(ranks: list):
-    "End every rank still alive and whatever it started (DataLoader workers): SIGTERM, `GRACE_S` to exit, then SIGKILL."
-    started = []
-    for p in ranks:
-        with contextlib.suppress(psutil.Error): started += psutil.Process(p.pid).children(recursive=True)
-    for q in started:
+    "End every rank and whatever it started (DataLoader workers), even once it has exited: SIGTERM, `GRACE_S`, SIGKILL."
+    leaders = [p.pid for p in ranks]
+    for q in _group(leaders):
         with contextlib.suppress(psutil.Error): q.terminate()
-    for p in ranks: p.terminate()  # a no-op on one that has ended
+    for p in ranks: p.terminate()  # one forked a moment ago may not lead its group yet; a no-op on one that has ended
     end = time.monotonic() + GRACE_S
     for p in ranks:
         p.join(max(0, end - time.monotonic()))
         if p.exitcode is None: p.kill(); p.join()
         p.close()  # its sentinel pipe: 20 launches must not leak 20 file descriptors
-    for q in psutil.wait_procs(started, timeout=max(0, end - time.monotonic()))[1]:
+    while (left := _group(leaders)) and time.monotonic() < end: time.sleep(0.05)
+    for q in left:
         with contextlib.suppress(psutil.Error): q.kill()
 
 # %% ../nbs/03_runtime/01_launch.ipynb #c1d2e3f4
@@ -287,34 +339,40 @@ def launch(fn,                                # what every rank runs; a function
            sp_size: int = 1,                  # sequence-parallel group size; must divide num_processes
            ring: int = 1,                     # ring attention degree (workbench.sp.ring): sp_size x ring processes share a row
            cpu: bool = False,                 # gloo on CPU processes even where CUDA GPUs are present
-           timeout_s: float = 60,             # limit of the rendezvous and of each collective, in every rank
+           timeout_s: float = 60,             # limit of the rendezvous and each collective; not of Python between them
            port: int | None = None,           # rendezvous port on 127.0.0.1 (None: a free one)
            mixed_precision: str = "no",       # what accelerate inside the ranks reads: "no", "fp16" or "bf16"
            model_config=None,                 # a transformers config: its heads are checked against sp_size first
            seq_len: int | None = None,        # with model_config: the row length checked against sp_size
            quiet: bool = False,               # no one-line summary of what runs
            deadline_s: float | None = None,   # wall-clock limit of the whole launch (None: none)
+           stall_s: float | None = None,      # limit of a rank's time without a `progress()` call (None: none)
           ) -> list:
     "Run `fn(*args)` on `num_processes` forked ranks; return every rank's result, or raise the first real failure as `RankError`."
     layout = Layout(num_processes, sp_size, cpu, ring)
     if not timeout_s > 0 or not (deadline_s is None or deadline_s > 0):
         raise ValueError(f"timeout_s={timeout_s!r}, deadline_s={deadline_s!r}: both are seconds > 0 (deadline_s=None: no limit)")
+    if not (stall_s is None or stall_s > 0):
+        raise ValueError(f"stall_s={stall_s!r}: the seconds a rank may go without calling progress() are > 0 "
+                         "(None: no limit)")
     port = port or free_port()
     preflight(layout, port, mixed_precision, model_config, seq_len)
     if not quiet: print(f"workbench.launch: {layout}, collective timeout {timeout_s:g} s, "
-                        f"deadline {'none' if deadline_s is None else f'{deadline_s:g} s'}, rendezvous 127.0.0.1:{port}")
+                        f"deadline {'none' if deadline_s is None else f'{deadline_s:g} s'}, "
+                        f"stall limit {'none' if stall_s is None else f'{stall_s:g} s'}, rendezvous 127.0.0.1:{port}")
     ranks, store, env = [], None, _rank_env(layout, port, mixed_precision)
     with tempfile.TemporaryDirectory(prefix="workbench-launch-") as d, socket.create_server(("127.0.0.1", port)) as listener:
         exchange = Path(d)
+        beats = mp.get_context("fork").RawArray("d", [started := time.monotonic()] * num_processes)  # for `progress()`
         try:
             for rank in range(num_processes):
                 ranks.append(mp.get_context("fork").Process(target=_rank_main, name=f"rank {rank}", args=(
-                    fn, args, rank, layout, env, listener.fileno(), exchange, timeout_s)))
+                    fn, args, rank, layout, env, listener.fileno(), exchange, timeout_s, beats)))
                 ranks[-1].start()
             # the store starts after the last fork, so that no thread of it holds a lock at a fork (see above)
             store = dist.TCPStore("127.0.0.1", port, num_processes, is_master=True, timeout=timedelta(seconds=timeout_s),
                                   wait_for_workers=False, master_listen_fd=listener.detach())
-            failure = _watch(ranks, exchange, deadline_s)
+            failure = _watch(ranks, exchange, deadline_s, stall_s, beats, started)
         finally:
             _reap(ranks)
             del store  # closes the rendezvous socket
