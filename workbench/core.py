@@ -87,13 +87,14 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torc
 SAMPLES = ("flan_like", "orca_like")  # instruction-tuning samples: long-tailed and homogeneous lengths
 
 def data_dir() -> Path:
-    "The `data_samples/` folder: of the checkout around the current directory, else of the one workbench was installed from."
+    "The shipped `data_samples/` folder, found from the package itself: inside it (a wheel), else beside it (a checkout)."
     import workbench
-    here = Path.cwd().resolve()
-    for root in (here, *here.parents, Path(workbench.__file__).resolve().parent.parent):
-        if (root / "data_samples" / "tokenizer").is_dir(): return root / "data_samples"
-    raise FileNotFoundError("data_samples/ not found: install workbench in editable mode from its checkout "
-                            "(`pip install -e .`) or run from inside the checkout")
+    package = Path(workbench.__file__).resolve().parent
+    for folder in (package / "data_samples", package.parent / "data_samples"):
+        if (folder / "tokenizer").is_dir(): return folder
+    raise FileNotFoundError(f"workbench's data_samples/ is neither inside {package} (where a wheel puts it) nor beside it "
+                            f"(in the checkout of an editable install): reinstall workbench (`pip install .`, or "
+                            f"`pip install -e .` from its checkout)")
 
 def load_records(name: str) -> list[dict]:
     "The raw JSON-lines records of a shipped sample (`flan_like`, `orca_like` or `long_docs`)."

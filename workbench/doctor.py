@@ -10,6 +10,8 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from html import escape
+from itertools import combinations, count, islice
+from math import comb, frexp
 from pathlib import Path
 
 import numpy as np
@@ -23,11 +25,11 @@ from .core import (IGNORE_INDEX, cu_seq_lens, example_ids, lengths_from_position
 from .packing import FlatteningCollator, PaddingCollator
 
 # %% auto #0
-__all__ = ['STATUSES', 'MATRIX_IMPLS', 'FORWARD_ONLY', 'KNOWN_LIMITS', 'Finding', 'DoctorReport', 'boundary_fields',
-           'batch_lengths', 'padded_twin', 'unwrap', 'Equality', 'prompt_learning', 'trainable', 'compare_layouts',
-           'contamination_probe', 'leak_sources', 'boundaries_read', 'expected_position_start', 'accepts_position_ids',
-           'default_tolerance', 'check_packing', 'MatrixRow', 'matrix_examples', 'family_row', 'family_matrix',
-           'matrix_markdown', 'main']
+__all__ = ['STATUSES', 'NOISE_FACTOR', 'MATRIX_IMPLS', 'FORWARD_ONLY', 'KNOWN_LIMITS', 'Finding', 'DoctorReport',
+           'boundary_fields', 'batch_lengths', 'padded_twin', 'unwrap', 'as_tensors', 'check_token_ids', 'Equality',
+           'prompt_learning', 'trainable', 'compare_layouts', 'probe_sets', 'two_examples', 'contamination_probe',
+           'leak_sources', 'boundaries_read', 'expected_position_start', 'accepts_position_ids', 'rounding_tolerance',
+           'check_packing', 'MatrixRow', 'matrix_examples', 'family_row', 'family_matrix', 'matrix_markdown', 'main']
 
 # %% ../nbs/01_packing/07_doctor.ipynb #090b2688
 STATUSES = ("pass", "warn", "fail")  # a finding's status, from good to bad
@@ -51,7 +53,8 @@ class DoctorReport:
     seconds: float = 0.0       # time the checks took
     cross_example_effect: float | None = None  # largest change of other examples' logits when one example changes: exactly 0 when clean, in every dtype
     layout_difference: float | None = None  # max |logit difference| packed vs padded (rounding: compared with `tolerance`)
-    tolerance: float = 0.0     # largest packed vs padded difference counted as equal
+    tolerance: float | None = None  # largest packed vs padded difference counted as equal (None: not measured)
+    noise: float | None = None  # max |logit difference| between two layouts that cannot leak (None: tolerance given)
     wrappers: tuple = ()       # classes around the transformers model, outermost first (torch.compile, PEFT, DDP...)
     verified_with: str = ""    # what the printed fixes were measured with, e.g. "cross-example effect 0, logits 2e-07"
 
@@ -72,8 +75,9 @@ class DoctorReport:
                 f"{self.n_tokens} tokens: {self.verdict} ({self.seconds:.1f} s)")
     def _numbers(self):
         fmt = lambda v: "not measured" if v is None else f"{v:.3g}"
+        source = "" if self.tolerance is None else ", given" if self.noise is None else f", measured: layout noise {self.noise:.3g}"
         line = (f"cross-example effect {fmt(self.cross_example_effect)} (clean: exactly 0); packed vs padded logits "
-                f"{fmt(self.layout_difference)} (tolerance {self.tolerance:g})")
+                f"{fmt(self.layout_difference)} (tolerance {fmt(self.tolerance)}{source})")
         return line + (f"; every fix shown was measured to work: {self.verified_with}" if self.verified_with else "")
     def __str__(self):
         lines = [self._title(), f"  {self._numbers()}"]
@@ -146,6 +150,30 @@ def unwrap(model) -> tuple:
     wrappers += [type(runner.get_submodule(".".join(parts[:i]))).__name__ for i in range(len(parts))]  # torch.compile, PEFT...
     return runner, runner.get_submodule(name), tuple(wrappers)
 
+def as_tensors(batch: dict,     # a batch whose values may be numpy arrays (e.g. from a datasets pipeline)
+               device=None,     # where the converted arrays go (the model's device)
+               ) -> dict:
+    "`batch` with every numpy array as a torch tensor on `device`; tensors and other values as they are."
+    return {k: torch.from_numpy(v).to(device) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
+
+def check_token_ids(model, batch: dict):
+    "Raise `ValueError` naming the first input id that is not a row of `model`'s input embedding (negative or too large)."
+    inner = unwrap(model)[1]
+    emb, ids = inner.get_input_embeddings(), batch["input_ids"]
+    bad = (ids < 0) | (ids >= emb.num_embeddings)
+    if not bool(bad.any()): return
+    where = tuple(bad.nonzero()[0].tolist())
+    raise ValueError(f"input_ids{list(where)} = {int(ids[where])} is not a token of the model: its input embedding "
+                     f"({type(inner).__name__}) has ids 0..{emb.num_embeddings - 1}, and {int(bad.sum())} of the "
+                     f"{ids.numel()} ids lie outside; tokenize with the model's own tokenizer (or resize the embedding "
+                     f"with model.resize_token_embeddings after adding tokens)")
+
+def _prepared(inner, batch: dict) -> dict:
+    "`batch` as the doctor's passes take it: tensors on the model's device, every input id checked."
+    batch = as_tensors(batch, inner.get_input_embeddings().weight.device)
+    check_token_ids(inner, batch)
+    return batch
+
 def _model_inputs(batch: dict) -> dict:
     return {k: v for k, v in batch.items() if k not in _LOSS_ONLY}
 
@@ -177,6 +205,7 @@ def compare_layouts(model, batch: dict, forward_kwargs: dict | None = None, grad
     "Run a packed `batch` (with `forward_kwargs`, as the training loop would) and its padded twin; return the differences."
     forward_kwargs = {} if forward_kwargs is None else forward_kwargs
     runner, inner, _ = unwrap(model)
+    batch = _prepared(inner, batch)
     grads = grads and trainable(runner) > 0  # a frozen model has no gradient to compare
     lengths = batch_lengths(batch).tolist()
     was_training = runner.training
@@ -206,10 +235,10 @@ def _example_of_tokens(batch: dict) -> torch.Tensor:
         return torch.where(mask.bool(), rows, -1).reshape(-1)
     return torch.from_numpy(example_ids(batch_lengths(batch))).to(ids.device)
 
-def _perturbed(batch: dict, examples: torch.Tensor, which: int, vocab: int, seed: int) -> dict:
-    "`batch` with every token of example `which` replaced by another id."
+def _perturbed(batch: dict, examples: torch.Tensor, which, vocab: int, seed: int) -> dict:
+    "`batch` with every token of example `which` (an index, or a list of them) replaced by another id."
     ids = batch["input_ids"].clone()
-    flat, hit = ids.view(-1), examples == which
+    flat, hit = ids.view(-1), torch.isin(examples, torch.as_tensor(which, device=examples.device))
     g = torch.Generator().manual_seed(seed)
     flat[hit] = (flat[hit] + torch.randint(1, vocab, (int(hit.sum()),), generator=g).to(ids.device)) % vocab
     return {**batch, "input_ids": ids}
@@ -226,13 +255,33 @@ def _shape_stable_experts(inner):
     finally:
         if switch: inner.set_experts_implementation(before)
 
+def probe_sets(n: int) -> list[list[int]]:
+    "The examples each pass of the probe changes: the fewest passes in which every example changes while any other one stays."
+    m = next(m for m in count(2) if comb(m, m // 2) >= n)  # Sperner: no fewer passes can do it
+    codes = list(islice(combinations(range(m), m // 2), n))  # example i changes in the passes of codes[i]
+    return [[i for i, code in enumerate(codes) if p in code] for p in range(m)]
+
+def two_examples(batch: dict, n: int):
+    "Raise `ValueError` if the `n` examples of `batch` are fewer than two, naming the field that marks them."
+    if n >= 2: return
+    pos = batch.get("position_ids")
+    if pos is not None and torch.as_tensor(pos).ndim == 2:
+        p = torch.as_tensor(pos).reshape(-1).tolist()
+        shown = ", ".join(map(str, p[:3])) + f", ..., {p[-2]}, {p[-1]}" if len(p) > 5 else ", ".join(map(str, p))
+        seen = f"its position_ids [{shown}] never restart, so they mark one example"
+    else: seen = "its boundary fields mark one example"
+    raise ValueError(f"the doctor needs a batch of at least two examples, and {seen}: a packed batch restarts "
+                     f"position_ids at every example's first token (FlatteningCollator builds them); to check a "
+                     f"single example, pack it with others")
+
 def contamination_probe(model, batch: dict, forward_kwargs: dict | None = None, seed: int = 0) -> tuple[float, float]:
-    "Change every token of the first example, then of the last: (largest change of any other example's logits, smallest change of the changed one's)."
+    "Change the examples of each of the `probe_sets` in turn: (largest change of an unchanged example's logits, smallest largest change of a changed one's)."
     runner, inner, _ = unwrap(model)
+    batch = _prepared(inner, batch)
     forward_kwargs = {} if forward_kwargs is None else forward_kwargs
     examples = _example_of_tokens(batch)
     n = int(examples.max()) + 1
-    if n < 2: raise ValueError("the contamination probe needs a batch of at least two examples")
+    two_examples(batch, n)
     vocab = inner.get_input_embeddings().num_embeddings
     was_training, threads = runner.training, torch.get_num_threads()
     runner.eval()
@@ -246,15 +295,16 @@ def contamination_probe(model, batch: dict, forward_kwargs: dict | None = None, 
                 noise = (run(batch) - base).abs().max().item()
                 if noise: raise RuntimeError(f"two identical forward passes differ by {noise:.3g} even on one thread: the "
                                              f"probe cannot be exact; make the model deterministic (no dropout, no sampling)")
-            leak, own = 0.0, float("inf")
-            for which in (0, n - 1):
-                delta = (run(_perturbed(batch, examples, which, vocab, seed)) - base).abs().amax(-1)  # identical shapes: identical kernels
-                leak = max(leak, delta[(examples != which) & (examples >= 0)].max().item())
-                own = min(own, delta[examples == which].max().item())
+            leak, own = 0.0, torch.zeros(n, device=base.device)
+            for changed in probe_sets(n):
+                hit = torch.isin(examples, torch.tensor(changed, device=examples.device))
+                delta = (run(_perturbed(batch, examples, changed, vocab, seed)) - base).abs().amax(-1).float()  # identical shapes: identical kernels
+                leak = max(leak, delta.masked_fill(hit | (examples < 0), 0).max().item())
+                own = own.scatter_reduce(0, examples[hit], delta[hit], "amax")
     finally:
         runner.train(was_training)
         torch.set_num_threads(threads)
-    return leak, own
+    return leak, own.min().item()
 
 # %% ../nbs/01_packing/07_doctor.ipynb #a17aea70
 def _tensors(obj) -> list:
@@ -272,33 +322,40 @@ def _token_rows(x: torch.Tensor, B: int, T: int) -> torch.Tensor | None:
     return None
 
 def leak_sources(model, batch: dict, forward_kwargs: dict | None = None, seed: int = 0) -> list[str]:
-    "The modules where information first crosses examples: their output at other examples' tokens changes when the first example changes, though none of their inputs there does."
-    runner, _, _ = unwrap(model)
+    "The modules where information first crosses examples: in a pass of the probe, their output at unchanged examples' tokens changes, though none of their inputs there does."
+    runner, inner, _ = unwrap(model)
     runner = getattr(runner, "_orig_mod", runner)  # torch.compile: hooks run on the eager module
+    batch = _prepared(inner, batch)
     forward_kwargs = {} if forward_kwargs is None else forward_kwargs
     examples = _example_of_tokens(batch)
     B, T = batch["input_ids"].shape
-    others = (examples != 0) & (examples >= 0)
-    records, calls = {}, {}
+    records, calls = {}, {}  # (module name, call) -> (its inputs' token rows, its outputs' token rows) of one pass
     def hook(name):
         def fn(module, args, kwargs, output):
             calls[name] = calls.get(name, -1) + 1  # a module called twice in one pass is two records
-            rows = lambda obj: [r[others] for r in (_token_rows(t, B, T) for t in _tensors(obj)) if r is not None]
-            records.setdefault((name, calls[name]), []).append((rows((args, kwargs)), rows(output)))
+            rows = lambda obj: [r for r in (_token_rows(t, B, T) for t in _tensors(obj)) if r is not None]
+            records[(name, calls[name])] = (rows((args, kwargs)), rows(output))
         return fn
-    vocab = unwrap(model)[1].get_input_embeddings().num_embeddings
+    def recorded(b: dict) -> dict:
+        records.clear()
+        calls.clear()
+        _run(runner, b, forward_kwargs, grads=False)
+        return dict(records)
+    vocab = inner.get_input_embeddings().num_embeddings
     handles = [m.register_forward_hook(hook(n), with_kwargs=True) for n, m in runner.named_modules()]
-    was_training = runner.training
+    was_training, sources = runner.training, set()
     runner.eval()
     try:
-        for b in (batch, _perturbed(batch, examples, 0, vocab, seed)):
-            calls.clear()
-            _run(runner, b, forward_kwargs, grads=False)
+        base = recorded(batch)
+        for changed in probe_sets(int(examples.max()) + 1):
+            others = ~torch.isin(examples, torch.tensor(changed, device=examples.device)) & (examples >= 0)
+            same = lambda xs, ys: len(xs) == len(ys) and all(torch.equal(x[others], y[others]) for x, y in zip(xs, ys))
+            moved = recorded(_perturbed(batch, examples, changed, vocab, seed))
+            sources |= {n for (n, c), (ins, outs) in base.items()
+                        if (n, c) in moved and same(ins, moved[n, c][0]) and not same(outs, moved[n, c][1])}
     finally:
         for h in handles: h.remove()
         runner.train(was_training)
-    same = lambda xs, ys: len(xs) == len(ys) and all(torch.equal(x, y) for x, y in zip(xs, ys))
-    sources = {n for (n, _), r in records.items() if len(r) == 2 and same(r[0][0], r[1][0]) and not same(r[0][1], r[1][1])}
     inner = lambda n, o: o != n and (n == "" or o.startswith(n + "."))  # o lies inside n
     first = sorted(n for n in sources if not any(inner(n, o) for o in sources))
     def name(n):
@@ -333,11 +390,41 @@ def accepts_position_ids(model) -> bool:
     "Whether the forward of the transformers model (inside any wrapper) takes `position_ids`."
     return "position_ids" in inspect.signature(unwrap(model)[1].forward).parameters
 
-# %% ../nbs/01_packing/07_doctor.ipynb #ebd3a7e2
-def default_tolerance(dtype: torch.dtype) -> float:
-    "Largest packed vs padded difference still counted as equal: float32 rounding on tiny models, or the precision of half types."
-    return {torch.bfloat16: 5e-2, torch.float16: 1e-2}.get(dtype, 1e-5)
+# %% ../nbs/01_packing/07_doctor.ipynb #b7d1e0a2
+NOISE_FACTOR = 2  # |packed - padded| <= |packed - alone| + |alone - padded|: twice the noise, if packed rounds no worse
 
+def _ulp(x: float, dtype: torch.dtype) -> float:
+    "The spacing of `dtype`'s numbers at `x`: one rounding step."
+    return torch.finfo(dtype).eps * 2.0 ** (frexp(x)[1] - 1)
+
+def _alone(inner, row: dict) -> dict:
+    "One example in a row of its own, with the position ids the model expects and the cu_seq_lens varlen kernels read."
+    n, device = row["input_ids"].shape[1], row["input_ids"].device
+    if inner.config._attn_implementation in _CU_READERS:  # e.g. mRoPE models turn position_ids into 3-D ones
+        cu = torch.tensor([0, n], dtype=torch.int32, device=device)
+        row = {**row, "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": n, "max_length_k": n}
+    if not accepts_position_ids(inner): return row
+    start = expected_position_start(inner)
+    return {**row, "position_ids": torch.arange(start, start + n, device=device)[None]}
+
+def rounding_tolerance(model, batch: dict) -> tuple[float, float]:
+    "(tolerance, noise): how far each example run alone lands from the padded layout, two layouts that cannot leak, and `NOISE_FACTOR` times that (or times one rounding step of the largest logit or the loss, if larger)."
+    runner, inner, _ = unwrap(model)
+    batch = _prepared(inner, batch)
+    lengths = batch_lengths(batch).tolist()
+    twin = padded_twin(batch, _pad_id(inner))
+    was_training = runner.training
+    runner.eval()
+    try:
+        padded, loss, _ = _run(runner, twin, {"use_cache": False}, grads=False)
+        alone = [_run(runner, _alone(inner, {k: v[row:row + 1, :n] for k, v in twin.items()}), {"use_cache": False},
+                      grads=False)[0][0] for row, n in enumerate(lengths)]  # each padded row without its padding
+    finally: runner.train(was_training)
+    noise = max((a - padded[row, :len(a)]).abs().max().item() for row, a in enumerate(alone))
+    step = max(_ulp(max(a.abs().max().item() for a in alone), inner.dtype), _ulp(loss.item(), loss.dtype))
+    return NOISE_FACTOR * max(noise, step), noise
+
+# %% ../nbs/01_packing/07_doctor.ipynb #ebd3a7e2
 _USE_VARLEN = f"use attn_implementation={VARLEN!r} (import workbench.attention; model.set_attn_implementation({VARLEN!r}))"
 _USE_PADDED = "train this model on padded batches (PaddingCollator): its layers carry information across examples of a flattened row"
 
@@ -462,17 +549,21 @@ def _traps(inner, batch: dict, kwargs: dict, attn: str, lengths: np.ndarray) -> 
 def check_packing(model,                        # a transformers causal LM, or any wrapper around one (torch.compile, PEFT, DDP...)
                   batch: dict,                  # a packed batch, exactly as the training loop passes it
                   forward_kwargs: dict | None = None,  # extra keyword arguments of the loop's forward call, e.g. {"use_cache": False}
-                  tolerance: float | None = None,  # largest packed vs padded difference counted as equal (default: `default_tolerance`)
+                  tolerance: float | None = None,  # largest packed vs padded difference counted as equal (default: `rounding_tolerance`)
                   grads: bool = True,           # also compare gradients (set False when backward is unavailable)
                  ) -> DoctorReport:
     "Check that padding-free training of `model` on `batch` is clean: static traps, an exact contamination probe, packed == padded; every fix shown is measured first."
     t0 = time.perf_counter()
     runner, inner, wrappers = unwrap(model)
+    batch = as_tensors(batch, inner.get_input_embeddings().weight.device)
     kwargs = {} if forward_kwargs is None else dict(forward_kwargs)
     attn = inner.config._attn_implementation
-    tol = tolerance if tolerance is not None else default_tolerance(inner.dtype)
-    report = DoctorReport(inner.config.model_type, attn, 0, int(batch["input_ids"].numel()), tolerance=tol, wrappers=wrappers)
+    report = DoctorReport(inner.config.model_type, attn, 0, int(batch["input_ids"].numel()), tolerance=tolerance, wrappers=wrappers)
     add = report.findings.append
+    def stop(check: str, detail: str) -> DoctorReport:  # a failure that leaves nothing to measure
+        add(Finding(check, "fail", detail))
+        report.seconds = time.perf_counter() - t0
+        return report
     add(Finding("wrappers", "pass", f"{' > '.join(wrappers)} around {type(inner).__name__}: measured through "
                 f"{type(runner).__name__} (DDP-style `.module` wrappers are stepped through)" if wrappers
                 else f"no wrapper: {type(inner).__name__}"))
@@ -487,13 +578,19 @@ def check_packing(model,                        # a transformers causal LM, or a
         grads = False
     try:
         lengths = batch_lengths(batch)
+        report.n_examples = len(lengths)
         if batch.get("labels") is None: raise ValueError("the batch has no labels: the loss cannot be compared; "
                                                          "build it with FlatteningCollator, which returns them")
-    except ValueError as e:
-        add(Finding("example boundaries and labels", "fail", str(e)))
-        report.seconds = time.perf_counter() - t0
-        return report
-    report.n_examples = len(lengths)
+        two_examples(batch, len(lengths))
+    except ValueError as e: return stop("example boundaries and labels", str(e))
+    try: check_token_ids(inner, batch)
+    except ValueError as e: return stop("input_ids in the vocabulary", str(e))
+    add(Finding("input_ids in the vocabulary", "pass",
+                f"every id is a row of the input embedding (0..{inner.get_input_embeddings().num_embeddings - 1})"))
+    if tolerance is None:
+        try: report.tolerance, report.noise = rounding_tolerance(runner, batch)
+        except Exception as e: return stop("layout noise", f"the examples fail to run alone or padded: {_error_reason(e, attn)}")
+    tol = report.tolerance
     takes_pos = accepts_position_ids(inner)
     add(Finding("forward accepts position_ids", "pass" if takes_pos else "fail",
                 f"{type(inner).__name__}.forward {'takes' if takes_pos else 'has no'} position_ids argument"))
@@ -543,8 +640,9 @@ def check_packing(model,                        # a transformers causal LM, or a
             Finding("sequence-mixing layers", "fail", f"information first crosses examples in {', '.join(sources) or 'the forward'}{nothing}",
                     cure_text))
         add(Finding("contamination probe", "pass" if not measured.leak else "fail",
-                    f"changing every token of the first (then the last) example moves its own logits by at least "
-                    f"{measured.own:.3g} and the other examples' by {measured.leak:.3g} (clean: exactly 0){nothing if measured.leak else ''}",
+                    f"changing every token of each example in turn ({len(probe_sets(len(lengths)))} passes, each "
+                    f"changing some examples) moves each one's logits by at least {measured.own:.3g} and the unchanged "
+                    f"examples' by {measured.leak:.3g} (clean: exactly 0){nothing if measured.leak else ''}",
                     cure_text if measured.leak else ""))
         eq = measured.eq
         report.layout_difference = eq.logits

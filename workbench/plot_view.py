@@ -10,6 +10,7 @@ from functools import lru_cache
 import anywidget
 import plotly.graph_objects as go
 import traitlets
+from plotly.basedatatypes import BaseFigure
 from plotly.offline import get_plotlyjs
 
 # %% auto #0
@@ -59,6 +60,13 @@ def _plotly_js() -> bytes:
     "The plotly.js that the installed plotly ships (the version its figures' JSON is written for)."
     return get_plotlyjs().encode()
 
+def _figure_json(fig) -> dict:
+    "The JSON of a plotly figure, or a `TypeError` saying what `PlotView` needs."
+    if not isinstance(fig, BaseFigure):
+        raise TypeError(f"PlotView needs a plotly figure (plotly.graph_objects.Figure), got {type(fig).__name__}: "
+                        f"build one with go.Figure(...) or plotly.express (a figure dict converts with go.Figure(d))")
+    return json.loads(fig.to_json())
+
 class PlotView(anywidget.AnyWidget):
     "One plotly figure in the page: sent whole on every change, drawn by plotly.js, its zooms and pans sent back."
     _esm = _ESM
@@ -66,13 +74,14 @@ class PlotView(anywidget.AnyWidget):
     relayout = traitlets.Dict().tag(sync=True)  # the page's last zoom, pan or reset: plotly's relayout event data
 
     def __init__(self, fig: go.Figure):         # the figure to draw first
+        figure = _figure_json(fig)              # checked before the widget opens its channel to the page
         super().__init__()
-        self.show(fig)
+        self.figure = figure
         self.on_msg(self._answer)
 
     def show(self, fig: go.Figure):
         "Draw `fig` in place of what the page shows."
-        self.figure = json.loads(fig.to_json())
+        self.figure = _figure_json(fig)
 
     def _answer(self, _, content: dict, buffers: list):
         if content.get("kind") == "plotly.js": self.send({"kind": "plotly.js"}, [_plotly_js()])
