@@ -17,14 +17,23 @@ export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: demo test test-site test-fast test-floors bench docs serve-docs lab export clean-nbs
+.PHONY: demo test test-site test-fast test-floors bench docs serve-docs lab export clean-nbs git-filter
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0  # the CPU wheel on disk (pyproject's floor, see there)
 	$(PY) -m pip install -q -e ".[dev]"
+	$(MAKE) --no-print-directory git-filter
 	touch $(STAMP)
+
+# Notebooks are committed without outputs: .gitattributes names the filter `nbstrip` for *.ipynb and this target tells
+# git what it runs (.ci/strip_outputs.py), so the tutorials run in JupyterLab leave `git diff` empty and commit no
+# output, while the files keep theirs (`git status` lists a run notebook until `git add`, which then stages nothing).
+# The install above runs it; an older checkout runs `make git-filter` once.
+git-filter:  ## strip notebook outputs on commit: git's clean filter for *.ipynb (the install configures it)
+	@if git rev-parse --git-dir >/dev/null 2>&1; then git config filter.nbstrip.clean "$(PY) .ci/strip_outputs.py"; \
+	else echo "not a git checkout: no notebook filter to configure"; fi
 
 demo: $(STAMP)  ## the main job on the shipped data: prints the report and writes reports/demo.html
 	$(PY) -m workbench.demo --out reports

@@ -2,9 +2,10 @@
 
 1. Every notebook under nbs/ runs in a real Jupyter kernel (nbclient) with its own folder as cwd, skipping the cells
    nbdev_test skips (`#| eval: false`, the `tst_flags` of settings.ini that this machine cannot run, `nbdev_export()`).
-   Two notebooks run at a time; an executed notebook is cached in .docs-cache/ under the hash of its text, the library
-   and the data, so a local rerun only executes what changed (CI is a clean clone and executes everything). `make test`
-   fills the same cache (tests/test_notebooks.py calls `executed`), so `make docs` after it executes nothing. One line
+   Two notebooks run at a time; an executed notebook is cached in .docs-cache/ under the hash of its text, the library,
+   the data and the installed versions of the packages it imports, so a local rerun only executes what changed (CI is
+   a clean clone and executes everything). `make test` fills the same cache (tests/test_notebooks.py calls
+   `executed`), so `make docs` after it executes nothing. One line
    is printed per notebook as it finishes (cached or executed, seconds). No cell has a time limit unless `--timeout`
    (`make docs TIMEOUT=seconds`) sets one: a slow machine is not failed, and the pytest path has pytest-timeout.
    Kernels talk to this process over CurveZMQ-encrypted sockets where pyzmq and the kernelspec support it.
@@ -22,6 +23,7 @@ import fcntl
 import hashlib
 import html
 import importlib
+import importlib.metadata
 import inspect
 import os
 import re
@@ -29,6 +31,7 @@ import shutil
 import subprocess
 import sys
 import time
+import tomllib
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from configparser import ConfigParser
 from pathlib import Path
@@ -74,10 +77,27 @@ def runs(cell, flags: set[str]) -> bool:
         d.get("eval:", [""])[0].lower() != "false" and not (flags & d.keys())
 
 
+NOTEBOOK_EXTRAS = ("peft", "deepspeed")  # optional packages (pyproject's extras) that notebooks import
+
+
+def keyed_packages() -> list[str]:
+    "The packages whose installed versions key the cache: pyproject's dependencies and `NOTEBOOK_EXTRAS`."
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    return sorted({re.match(r"[A-Za-z0-9_.-]+", d).group(0).lower() for d in deps} | set(NOTEBOOK_EXTRAS))
+
+
+def installed_version(name: str) -> str:
+    "`name`'s installed version ('not installed' when it is not)."
+    try: return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError: return "not installed"
+
+
 def cache_key(nb_path: Path, flags: set[str]) -> str:
-    "Hash of everything an execution reads: the notebook, the library, the shipped data, the skipped flags, the executor."
+    """Hash of everything an execution reads: the notebook, the library, the shipped data, the installed versions of the
+    packages it imports (an upgrade in place executes it again), the skipped flags, the executor."""
     executor = inspect.getsource(execute) + inspect.getsource(kernel_config)  # how the kernel is run
-    h = hashlib.sha256(nb_path.read_bytes() + " ".join(sorted(flags)).encode() + executor.encode())
+    versions = " ".join(f"{p}=={installed_version(p)}" for p in keyed_packages())
+    h = hashlib.sha256(nb_path.read_bytes() + " ".join(sorted(flags)).encode() + executor.encode() + versions.encode())
     for p in sorted([*(ROOT / "workbench").rglob("*.py"), *(ROOT / "data_samples").rglob("*")]):
         if p.is_file(): h.update(str(p.relative_to(ROOT)).encode() + p.read_bytes())
     return h.hexdigest()[:20]

@@ -1,6 +1,8 @@
 "The dashboard against what real run directories do: reused while watched, torn lines, runs in sequence, a failing watch."
 import json
 import logging
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -127,17 +129,21 @@ def test_watch_thread_whose_reader_raises(tmp_path, caplog):
     dash.readers[0].read = flaky
     with caplog.at_level(logging.ERROR, logger="workbench.dashboard"):
         dash.watch(0.01)
-        wait_for(lambda: not dash._thread.is_alive())
-    assert "watch stopped: OSError: stale file handle" in dash.status.value
-    assert "dashboard watch thread stopped" in caplog.text and "stale file handle" in caplog.text
-    with pytest.raises(RuntimeError, match="stale file handle") as e: dash.stop()
+        wait_for(lambda: len(calls) >= 10)  # it keeps trying
+    assert dash._thread.is_alive() and "refresh failed, retrying: OSError: stale file handle" in dash.status.value
+    assert caplog.text.count("dashboard refresh failed; the watch retries") == 1 and "stale file handle" in caplog.text
+    with pytest.raises(RuntimeError, match="stale file handle") as e: dash.stop()  # its last refresh fails too
     assert isinstance(e.value.__cause__, OSError)
-    dash.readers[0].read = real
+    calls.clear()
+    dash.watch(0.01); wait_for(lambda: len(calls) >= 3)
+    dash.readers[0].read = real  # the error passes: the next refresh clears it, and stop() raises nothing stale
+    wait_for(lambda: dash.error is None)
+    assert dash._thread.is_alive() and dash.status.value == "0 of 1 runs done"
     dash.watch(0.01); dash.watch(0.01); time.sleep(0.05)  # watching again starts clean, and a second watch replaces the first
     assert len([t for t in threading.enumerate() if t.name == "dashboard watch"]) == 1
     dash.stop()
     with pytest.raises(ValueError, match="must be > 0"): dash.watch(0)
-    assert dash.error is None and "watch stopped" not in dash.status.value
+    assert dash.error is None and "refresh failed" not in dash.status.value
     assert not [t for t in threading.enumerate() if t.name == "dashboard watch"]
 
 
@@ -188,3 +194,55 @@ def test_the_slowest_rank_is_named_beside_its_figure_and_old_runs_show_none(tmp_
     assert "old" not in dash.ranks_text.value
     only_old = Dashboard(old)
     assert only_old.balance.data == () and only_old._ranks.layout.display == "none" and only_old.ranks_text.value == ""
+
+
+FRESH_WATCH = """
+import json, sys, time
+from pathlib import Path
+from workbench.config import TrainConfig
+from workbench.dashboard import Dashboard
+from workbench.train import run
+tmp = Path(sys.argv[1])
+(tmp / "mine.jsonl").write_text("".join(json.dumps({"text": f"example {i} " * (5 + i % 7)}) + "\\n" for i in range(32)))
+cfg = TrainConfig(data=str(tmp / "mine.jsonl"), steps=2, max_tokens=256, out=str(tmp / "run"), name="mine")
+pandas_before = "pandas" in sys.modules
+dash = Dashboard(cfg).watch(0.01)
+run(cfg)
+time.sleep(0.2)
+try: dash.stop(); stopped = "clean"
+except RuntimeError as e: stopped = str(e)
+drawn = len(dash.loss.data[0].y) if dash.loss.data else 0
+print("RESULT " + json.dumps(dict(pandas_before=pandas_before, stopped=stopped, status=dash.status.value,
+                                  progress=dash.texts[0].value, drawn=drawn)))
+"""
+
+
+def test_watching_a_run_on_your_own_jsonl_in_a_fresh_process(tmp_path):
+    """Nothing imported beforehand: while the watch thread draws, the run's `datasets` imports pandas on the main
+    thread. Before `watch` imported what plotly reads, the thread found pandas half initialised ("partially initialized
+    module 'pandas' has no attribute 'Series'"), the dashboard sat at "waiting" for the whole run and stop() raised."""
+    out = subprocess.run([sys.executable, "-c", FRESH_WATCH, str(tmp_path)], capture_output=True, text=True,
+                         timeout=300, cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
+    assert result["pandas_before"] is False, "pandas was imported before the run: this test no longer sets up the race"
+    assert result == dict(pandas_before=False, stopped="clean", status="1 of 1 runs done", progress=result["progress"],
+                          drawn=2), (result, out.stderr[-3000:])
+    assert result["progress"].startswith("done, 2/2 steps"), result
+
+
+def test_measured_lines_are_solid_beside_a_prediction(tmp_path):
+    "Two runs with the cost model's prediction (the demo's SP=1 and SP=2): measured lines solid, predictions dashed."
+    for sp in (1, 2):
+        d = tmp_path / f"sp{sp}"; d.mkdir()
+        predicted = {"step_s": 0.5, "mfu": 0.3}
+        (d / "config.json").write_text(json.dumps({"sp": sp, "dp": 1, "steps": 2, "predicted": predicted}))
+        work = dict(step_s=0.6, mfu=0.25, predicted_flops=1e9, predicted_attention_flops=1e8)
+        rows = [row(s, k, compute_s=0.4 + k, **work) for s in (0, 1) for k in range(sp)]
+        (d / "metrics.jsonl").write_text("".join(rows))
+    dash = Dashboard(tmp_path / "sp1", tmp_path / "sp2", names=["SP=1", "SP=2"])
+    styles = [{t.name: t.line.dash for t in fig.data} for fig in (dash.step_time, dash.mfu)]
+    assert styles == [{"SP=1": "solid", "SP=1 predicted": "dash", "SP=2": "solid", "SP=2 predicted": "dash"}] * 2
+    balance = {t.name: t.line.dash for t in dash.balance.data}
+    assert [balance[f"SP=2 rank {k}"] for k in (0, 1)] == ["solid"] * 2 and balance["SP=2 rank 1 predicted"] == "dot"
+    assert [t.line.dash for t in dash.loss.data] == ["solid", "dash"]  # no prediction: each run keeps its own dash

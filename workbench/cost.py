@@ -266,7 +266,9 @@ def step_cost(config,                    # a transformers config or a preset nam
     d, rows = Dims.of(config), rows_of(batch)
     if any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in (sp, ring, dp)):
         raise ValueError(f"sp, ring and dp must be positive integers, got sp={sp!r}, ring={ring!r}, dp={dp!r}")
-    if ring > 1: check_layout(config, sp, ring)  # the Ulysses degree against the heads; the ring has no limit
+    try: check_layout(config, sp, ring)  # the Ulysses degree against the heads; the ring has no limit
+    except ValueError as e:
+        raise ValueError(f"sp={sp}, ring={ring}: {e}; pass (sp, ring) as one of those layouts") from None
     if zero_stage not in (0, 1, 2, 3): raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
     if ring_kernel not in KERNELS: raise ValueError(f"ring_kernel={ring_kernel!r}; choose one of {KERNELS}")
     if dtype_bytes not in (2, 4, 8): raise ValueError(f"dtype_bytes must be 2 (bf16), 4 (fp32) or 8 (fp64), got {dtype_bytes!r}")

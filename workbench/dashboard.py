@@ -5,6 +5,8 @@
 # %% ../nbs/03_runtime/09_dashboard.ipynb #bd89e01f
 from __future__ import annotations
 import html
+import importlib
+import importlib.util
 import json
 import logging
 import math
@@ -18,7 +20,7 @@ import plotly.graph_objects as go
 
 # %% auto #0
 __all__ = ['METRIC_KEYS', 'CPU_CAVEAT', 'PLOTLY_MIME', 'COMM_TITLE', 'BALANCE_TITLE', 'MetricsReader', 'RunProgress',
-           'run_progress', 'RankBalance', 'rank_balance', 'figure_output', 'Dashboard']
+           'run_progress', 'RankBalance', 'rank_balance', 'figure_output', 'import_drawing_modules', 'Dashboard']
 
 # %% ../nbs/03_runtime/09_dashboard.ipynb #9c5d2370
 METRIC_KEYS = ("step", "rank", "loss", "tokens", "trained", "tokens_per_s", "peak_mem_bytes", "a2a_share", "ring_share",
@@ -206,6 +208,16 @@ def _measured_on(config: dict) -> str:
     import torch
     return "cuda" if torch.cuda.is_available() else "cpu"
 
+_DRAWING_MODULES = ("numpy", "pandas")  # plotly reads these from `sys.modules` as it draws, without importing them
+
+def import_drawing_modules():
+    """Import, on the calling thread, the modules plotly reads from `sys.modules` while it draws (those installed).
+    A watch thread that draws while the main thread is half-way through importing one (`datasets` imports pandas when a
+    run loads its data) would find a partially initialised module: "partially initialized module 'pandas' has no
+    attribute 'Series'"."""
+    for name in _DRAWING_MODULES:
+        if importlib.util.find_spec(name) is not None: importlib.import_module(name)
+
 class Dashboard:
     "Live or replayed figures of one or more runs: loss, tokens/s, per-rank memory, all-to-all and ring shares, the slowest rank, progress per run."
     def __init__(self, *runs,                       # run directories, or the `TrainConfig`s of the runs
@@ -271,10 +283,10 @@ class Dashboard:
         rows, config = reader.rows, reader.config
         rank0 = [r for r in rows if r["rank"] == 0]
         last = max((r["step"] for r in rows), default=0)
-        dash = _RUN_DASH[i % len(_RUN_DASH)]
+        dash = _RUN_DASH[i % len(_RUN_DASH)]  # where no prediction is drawn; by a prediction, measured is solid
         for fig, key, name, line in ((self.loss, "loss", label, dash), (self.speed, "tokens_per_s", label, dash),
                                      *((self.comm, k, f"{label} {kind}", d) for k, kind, d in _COMM),
-                                     (self.step_time, "step_s", label, dash), (self.mfu, "mfu", label, dash)):
+                                     (self.step_time, "step_s", label, "solid"), (self.mfu, "mfu", label, "solid")):
             have = [r for r in rank0 if key in r]  # a key older rows lack (ring_share before the ring) draws no trace
             if have: out[key] = (fig, name, [r["step"] for r in have], [r[key] for r in have], line)
         predicted = config.get("predicted") or {}
@@ -286,7 +298,8 @@ class Dashboard:
         balance = rank_balance(rows)
         self._balances[i] = balance  # the words beside the figure say the same
         for rank in (balance.measured if balance is not None else {}):  # each rank's share of every step, measured and predicted
-            out[f"rank {rank} share"] = (self.balance, f"{label} rank {rank}", balance.steps, balance.measured[rank], dash)
+            out[f"rank {rank} share"] = (self.balance, f"{label} rank {rank}", balance.steps, balance.measured[rank],
+                                         "solid")
             if balance.predicted is not None:
                 out[f"rank {rank} predicted share"] = (self.balance, f"{label} rank {rank} predicted", balance.steps,
                                                        balance.predicted[rank], "dot")
@@ -359,26 +372,28 @@ class Dashboard:
             bar.bar_style = "success" if p.finished else ""
             text.value = str(p).split(": ", 1)[1] + (f" ({rd.skipped} torn lines left out)" if rd.skipped else "")
         finished = sum(p.finished for p in self.runs)
-        line = f"{finished} of {len(self.runs)} runs done"
-        if self.error is not None:
-            line += (f" · <span style='color:#cf222e'>watch stopped: {html.escape(type(self.error).__name__)}: "
-                     f"{html.escape(str(self.error))}</span>")
-        self.status.value = line
+        self._line, self.error = f"{finished} of {len(self.runs)} runs done", None  # this refresh worked: no error
+        self.status.value = self._line
         return arrived
+
+    def _failed(self, e: Exception):
+        "A refresh that raised: the status line names the error and it is logged (once while it repeats)."
+        if self.error is None or repr(self.error) != repr(e):
+            logging.getLogger(__name__).error("dashboard refresh failed; the watch retries", exc_info=e)
+        self.error = e
+        self.status.value = (f"{self._line} · <span style='color:#cf222e'>refresh failed, retrying: "
+                             f"{html.escape(type(e).__name__)}: {html.escape(str(e))}</span>")
 
     def watch(self, interval_s: float = 0.5):
         "Refresh from a background thread every `interval_s` until `stop()` (the kernel stays free for `launch`)."
         if not interval_s > 0: raise ValueError(f"interval_s={interval_s!r}: the seconds between refreshes must be > 0")
         self._halt()
         self._stop.clear(); self.error = None
+        import_drawing_modules()  # here, before the thread draws: never half imported by a run started after this
         def loop():
-            try:
-                while not self._stop.wait(interval_s): self.refresh()
-            except Exception as e:  # shown, logged, and raised by stop(): never a thread that died unseen
-                self.error = e
-                logging.getLogger(__name__).error("dashboard watch thread stopped", exc_info=e)
-                self.status.value += (f" · <span style='color:#cf222e'>watch stopped: {html.escape(type(e).__name__)}: "
-                                      f"{html.escape(str(e))}</span>")
+            while not self._stop.wait(interval_s):
+                try: self.refresh()
+                except Exception as e: self._failed(e)  # shown and logged; the next refresh tries again
         self._thread = threading.Thread(target=loop, daemon=True, name="dashboard watch"); self._thread.start()
         return self
 
@@ -386,10 +401,11 @@ class Dashboard:
         if self._thread is not None: self._stop.set(); self._thread.join(); self._thread = None
 
     def stop(self):
-        "Stop watching, after one last refresh; raise the error that stopped the watch thread, if one did."
+        "Stop watching, after one last refresh; raise if that refresh fails (an error the watch got past is not)."
         was_watching = self._thread is not None
         self._halt()
-        if self.error is not None:
-            e, self.error = self.error, None
-            raise RuntimeError(f"the dashboard's watch thread stopped: {type(e).__name__}: {e}") from e
-        if was_watching: self.refresh()
+        if not was_watching: return
+        try: self.refresh()
+        except Exception as e:
+            self._failed(e)
+            raise RuntimeError(f"the dashboard's last refresh failed: {type(e).__name__}: {e}") from e
