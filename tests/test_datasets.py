@@ -1,5 +1,6 @@
 "Proofs for `datasets` inputs: planning over a Dataset, streaming packing (every token once, exact resume, DDP), hostile inputs."
 import io
+import json
 from collections import Counter
 
 import numpy as np
@@ -113,6 +114,35 @@ def test_hostile_streams_name_what_is_wrong():
     it = iter(state); next(it); next(it)
     shorter.load_state_dict(state.state_dict())
     with pytest.raises(ValueError, match="fewer than the 3 examples"): list(shorter)
+
+
+def test_a_stream_state_is_plain_data_that_knows_its_source():
+    """Issue 47: the state failed through JSON (TypeError: ndarray) and torch.load(weights_only=True) (UnpicklingError),
+    and resumed silently over another source of the same size."""
+    lengths = [3, 13, 2, 7, 4, 25, 1, 8, 3, 2, 5, 4, 2, 11, 6, 7, 2, 1, 3, 2, 4, 5]
+    make = lambda source: PackedStream(source, 10, buffer_size=4, overlong="split", num_replicas=2, rank=1)
+    whole = make(_features(lengths))
+    bins = list(whole)
+    s = make(_features(lengths))
+    it = iter(s)
+    first = [next(it) for _ in range(4)]
+    state = s.state_dict()
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    for saved in (json.loads(json.dumps(state)), torch.load(buf, weights_only=True)):
+        resumed = make(_features(lengths))
+        resumed.load_state_dict(saved)
+        assert first + list(resumed) == bins
+        assert repr(resumed.report) == repr(whole.report)
+    other = make(_features(lengths, offset=50))  # as many examples, as long, other tokens: before, resumed silently
+    other.load_state_dict(json.loads(json.dumps(state)))
+    p = state["pass"]
+    with pytest.raises(ValueError, match=f"first {p['consumed']} examples have fingerprint {p['source']}, but this "
+                                         f"source's .* another source"): list(other)
+    old = {**state, "pass": {k: v for k, v in state["pass"].items() if k != "source"}}
+    with pytest.raises(ValueError, match=r"older PackedStream.*load_state_dict\(\{\*\*state, 'pass': None\}\)"):
+        make(_features(lengths)).load_state_dict(old)
 
 
 def test_edges_of_size():

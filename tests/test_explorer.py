@@ -209,7 +209,7 @@ def bad_inputs(tmp_path):
     import datasets
     (tmp_path / "empty").mkdir()
     return {
-        "dataset without input_ids": (dict(data=datasets.Dataset.from_dict({"text": ["hi"]})), ValueError, "no 'input_ids' column"),
+        "dataset without input_ids": (dict(data=datasets.Dataset.from_dict({"words": ["hi"]})), ValueError, "no 'input_ids' column"),
         "empty dataset": (dict(data=datasets.Dataset.from_dict({"input_ids": []})), ValueError, "dataset is empty"),
         "dataset of text ids": (dict(data=datasets.Dataset.from_dict({"input_ids": ["not ids"]})), TypeError, "not token lists"),
         "streaming dataset": (dict(data=datasets.Dataset.from_dict({"input_ids": [[1]]}).to_iterable_dataset()), TypeError, "materialise"),
@@ -226,7 +226,8 @@ def bad_inputs(tmp_path):
         "batch of no tokens": (dict(data={"input_ids": torch.zeros(1, 0, dtype=torch.long)}), ValueError, "input_ids are empty"),
         "float batch": (dict(data={"input_ids": torch.rand(1, 4)}), ValueError, "cast token ids to int64"),
         "batch without input_ids": (dict(data={"labels": torch.ones(1, 3)}), ValueError, "has no input_ids"),
-        "a string as data": (dict(data="my_dataset.jsonl"), TypeError, "pass a datasets.Dataset"),
+        "a path that is no file": (dict(data="my_dataset.jsonl"), ValueError, "is neither a shipped sample"),
+        "a number as data": (dict(data=3), TypeError, "pass a file's path, a datasets.Dataset"),
         "model path that does not exist": (dict(model=tmp_path / "nope"), ValueError, "is not a directory"),
         "model dir without config.json": (dict(model=tmp_path / "empty"), ValueError, "has no config.json"),
         "model that is not a model": (dict(model=object()), TypeError, "pass a transformers model"),

@@ -6,7 +6,7 @@ from hypothesis import given, settings, strategies as st
 
 from workbench.core import IGNORE_INDEX, check_packed_batch, load_sample, load_tokenizer, tiny_model
 from workbench.packing import (FlatteningCollator, NaiveConcatCollator, PackedStream, PaddingCollator, TokenBudgetSampler,
-                               per_example_logits, plan_bins)
+                               packing_report, per_example_logits, plan_bins)
 
 # ---------------------------------------------------------------- properties of the collator
 
@@ -65,6 +65,42 @@ def test_bad_input_names_example_and_fix():
              ([{"input_ids": [1]}, {"text": "hi"}], "example 1 has no 'input_ids'")]
     for feats, msg in cases:
         with pytest.raises(ValueError, match=msg): c(feats)
+
+
+def test_arguments_and_ids_are_named_with_their_fix():
+    "Issue 47: each of these failed deep inside numpy, or succeeded wrongly, before (the old outcome is beside it)."
+    ids = lambda *a: [{"input_ids": np.array(x, dtype=d)} for x, d in a]
+    collate = FlatteningCollator(train_all_tokens=True)
+    big = np.array([1, 2**63], dtype=np.uint64)
+    cases = {  # name: (the call, words of its error)
+        "pad -4": (lambda: FlatteningCollator(pad_to_multiple_of=-4),  # negative dimensions are not allowed
+                   "pad_to_multiple_of must be a positive integer, got -4"),
+        "pad 2.5": (lambda: FlatteningCollator(pad_to_multiple_of=2.5), "got 2.5"),  # expected a sequence of integers
+        "padding pad -2": (lambda: PaddingCollator(pad_to_multiple_of=-2),  # boolean index cannot assign 3 values to 2
+                           "got -2: the row's length is rounded up"),
+        "pad past max_tokens": (lambda: FlatteningCollator(pad_to_multiple_of=4, max_tokens=3),  # a 4-token row
+                                "max_tokens=3 is not a multiple of pad_to_multiple_of=4"),
+        "a generator": (lambda: collate(f for f in [{"input_ids": [1, 2]}]),  # object of type 'generator' has no len()
+                        "got a generator: pass list(...)"),
+        "uint64 past int64": (lambda: collate(ids(([1, 2**63 + 5], np.uint64))),  # wrapped to -9223372036854775803
+                              "example 0: input_ids holds 9223372036854775813"),
+        "int past int64 in a list": (lambda: collate([{"input_ids": [1, 2]}, {"input_ids": [3, 2**64]}]),
+                                     "example 1: input_ids holds 18446744073709551616"),
+        "labels past int64": (lambda: collate([{"input_ids": [1, 2], "labels": big}]), "example 0: labels holds"),
+        "capacity 8.5": (lambda: plan_bins([2, 3], 8.5), "capacity must be a positive integer, got 8.5"),  # slice index
+        "capacity '8'": (lambda: plan_bins([2, 3], "8"), "got '8'"),  # '<' not supported between 'str' and 'int'
+        "float lengths": (lambda: plan_bins([2.7, 3], 8), "example 0 has 2.7: pass whole numbers"),  # has shape []
+        "batch_size 0": (lambda: packing_report([3, 4, 5], batch_size=0),  # integer division or modulo by zero
+                         "batch_size must be a positive integer, got 0"),
+        "batch_size -1": (lambda: packing_report([3, 4, 5], batch_size=-1), "got -1"),  # only one unknown dimension
+    }
+    for name, (call, words) in cases.items():
+        with pytest.raises((ValueError, TypeError)) as e: call()
+        assert words in str(e.value), (name, str(e.value))
+    mixed = collate(ids(([1, 2], np.int64), ([3, 2**63 - 1], np.uint64)))  # before: TypeError: not all integers
+    assert mixed["input_ids"].tolist() == [[1, 2, 3, 2**63 - 1]]
+    padded = FlatteningCollator(pad_to_multiple_of=4, max_tokens=8, train_all_tokens=True)(ids(([1] * 5, np.int64)))
+    assert padded["input_ids"].shape == (1, 8)
 
 
 def test_no_silent_drop_of_columns():

@@ -216,14 +216,16 @@ def test_resume_under_workers_serves_each_bin_once(workers, replicas):
 
 
 def test_plain_dataloader_with_workers_runs_ahead_resumable_does_not():
-    "The trap the ResumableLoader exists for: a plain DataLoader's workers take steps before the consumer does."
+    "Why ResumableLoader exists: a plain DataLoader's workers take steps before the consumer does (its count is refused)."
     lengths = np.full(40, 10)
     feats = [{"input_ids": [e] * 10} for e in range(40)]
     plan = plan_bins(lengths, 20)
     s = TokenBudgetSampler(plan, seed=0)
     it = iter(DataLoader(plan.dataset(feats), batch_sampler=s, collate_fn=FlatteningCollator(train_all_tokens=True), num_workers=2))
     next(it)
-    assert s.state_dict()["consumed"] > 1  # prefetched
+    assert s.consumed > 1  # prefetched: what the workers took, not what the consumer received
+    with pytest.raises(RuntimeError, match=r"num_workers=2 .* ResumableLoader\(dataset, sampler, num_workers=2"):
+        s.state_dict()  # before: the count the workers fetched, as if received
     del it
     s = TokenBudgetSampler(plan, seed=0)
     it = iter(ResumableLoader(plan.dataset(feats), s, collate_fn=FlatteningCollator(train_all_tokens=True), num_workers=2))

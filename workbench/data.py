@@ -9,10 +9,12 @@ import re
 from pathlib import Path
 
 from .config import TrainConfig
-from .core import SAMPLES, bos_eos, data_dir, load_sample, load_tokenizer, model_families, no_hf_bars, tokenize_records
+from .core import (IGNORE_INDEX, SAMPLES, bos_eos, data_dir, load_sample, load_tokenizer, model_families,
+                            no_hf_bars, tokenize_records)
+from .packing import LOSS_MASKS
 
 # %% auto #0
-__all__ = ['TOKENIZER_FILES', 'chat_features', 'tokenize_rows', 'load_features', 'run_tokenizer', 'run_features',
+__all__ = ['TOKENIZER_FILES', 'chat_features', 'tokenize_rows', 'load_features', 'run_tokenizer', 'read_features', 'run_features',
            'check_token_ids']
 
 # %% ../nbs/03_runtime/03_data.ipynb #3095ce07
@@ -24,6 +26,10 @@ _READERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "c
 _ROLES = ("system", "user", "assistant", "tool")
 
 _GENERATION = re.compile(r"{%-?\s*generation\s*-?%}")
+
+_MASKS = ("labels", *LOSS_MASKS)  # per-token columns of token-id rows that say what trains: kept and checked
+
+_FLAGS = {0: 0, 1: 1, "0": 0, "1": 1}  # a loss mask's values as JSON, Parquet or CSV write them (False / True are 0 / 1)
 
 def _kind(row: dict) -> str | None:
     return next((k for k, cols in _KINDS.items() if all(row.get(c) is not None for c in cols)), None)
@@ -70,18 +76,50 @@ def _check_messages(data: str, i: int, turns):
     if not any(t["role"] == "assistant" for t in turns):
         raise ValueError(f"{data} row {i}: no assistant turn, so nothing would be trained: add one or drop the row")
 
+def _flag(x) -> int | None:
+    "A loss mask's value as 0 or 1 (from an int, a bool or the string \"0\" / \"1\"), None for anything else."
+    return _FLAGS.get(x) if type(x) in (int, bool, str) else None
+
+def _is_label(x) -> bool: return type(x) is int and (x == IGNORE_INDEX or x >= 0)  # a target token id, or -100
+
+def _check_masks(data: str, i: int, r: dict, masks: list[str]):
+    "Refuse a mask column of token-id row `i` that is missing, of another length than input_ids, or holds other values."
+    n = len(r["input_ids"])
+    for c in masks:
+        v = r.get(c)
+        if v is None:
+            raise ValueError(f"{data} row {i}: no {c}, which other rows have: give it on every row (all ones, or "
+                             f"labels equal to input_ids, trains every token) or on none")
+        if not isinstance(v, list) or len(v) != n:
+            size = f"{len(v)} values" if isinstance(v, list) else f"a {type(v).__name__}"
+            raise ValueError(f"{data} row {i}: {c} has {size} but input_ids has {n} tokens: give one value per token")
+        ok, want = (_is_label, "-100 (not trained) or a token id") if c == "labels" else (
+            lambda x: _flag(x) is not None, '1 (trained) or 0 (not), as ints or the strings "0" / "1"')
+        j = next((j for j, x in enumerate(v) if not ok(x)), None)
+        if j is not None:
+            raise ValueError(f"{data} row {i}: {c} holds {v[j]!r} at token {j}: each value must be {want}")
+
 def _check_rows(data: str, records: list[dict], first: int = 1) -> str:
     "The kind of columns every row has, or an error naming the first row (numbered from `first`) that differs or holds the wrong types."
     if not records: raise ValueError(f"data (--data) {data} has no rows: give a file with at least one example")
     kind = _kind(records[0])
+    masks = [c for c in _MASKS if any(r.get(c) is not None for r in records)]
+    if kind not in ("input_ids", None) and masks:
+        raise ValueError(f"{data}: rows of {kind} carry {' and '.join(masks)}, but text is tokenized here, so a "
+                         f"per-token column cannot align with it: drop the column ({kind} rows say what trains) or "
+                         f"give token-id rows (input_ids beside {masks[0]})")
     for i, r in enumerate(records, first):
         if _kind(r) != kind or kind is None:
             head = f"row {first} has {kind}, " if kind else ""
             raise ValueError(f"{data} row {i}: {head}row {i} has columns {sorted(k for k, v in r.items() if v is not None)}; "
                              f"every row needs input_ids, prompt + completion, messages, or text (the same on every row)")
+        if kind == "input_ids" and isinstance(r["input_ids"], str):
+            raise ValueError(f"{data} row {i}: input_ids is the text {r['input_ids'][:30]!r}, not a list of token ids "
+                             f"(a CSV cell holds text only): write token-id rows as JSON lines, JSON or Parquet")
         if kind == "input_ids" and not (isinstance(r["input_ids"], list) and r["input_ids"]
                                         and all(isinstance(x, int) and not isinstance(x, bool) for x in r["input_ids"])):
             raise ValueError(f"{data} row {i}: input_ids must be a non-empty list of integer token ids")
+        if kind == "input_ids": _check_masks(data, i, r, masks)
         if kind == "messages": _check_messages(data, i, r["messages"])
         elif kind != "input_ids" and not all(isinstance(r[c], str) for c in _KINDS[kind]):
             raise ValueError(f"{data} row {i}: {' and '.join(_KINDS[kind])} must be strings")
@@ -120,7 +158,9 @@ def chat_features(conversations: list[list[dict]], tokenizer) -> list[dict]:
 
 def _tokenize(records: list[dict], kind: str, tokenizer) -> list[dict]:
     "Token features of rows already checked to be of one `kind` (`_check_rows`)."
-    if kind == "input_ids": return [{"input_ids": list(r["input_ids"])} for r in records]
+    if kind == "input_ids":  # with the masks that say what trains: labels as written, loss masks as 0 / 1
+        return [{"input_ids": list(r["input_ids"]), **{c: list(r[c]) if c == "labels" else [_flag(x) for x in r[c]]
+                                                         for c in _MASKS if r.get(c) is not None}} for r in records]
     if kind == "prompt + completion": return tokenize_records(records, tokenizer)
     if kind == "messages": return chat_features([r["messages"] for r in records], tokenizer)
     ids = tokenizer([r["text"] for r in records], add_special_tokens=False)["input_ids"]
@@ -157,21 +197,33 @@ def run_tokenizer(cfg: TrainConfig):
         raise ValueError(f"{named} {where!r}: its tokenizer cannot be loaded ({type(e).__name__}: {e}): pass the "
                          f"directory tokenizer.save_pretrained wrote") from None
 
+def read_features(data: str,  # a shipped sample or a local file, as `load_features` reads it
+                  tokenizer,  # what tokenizes text; None reads token-id rows only
+                 ) -> list[dict] | None:
+    "`load_features` with exactly `tokenizer`: without one, the token-id rows of a file (None where it holds text)."
+    if tokenizer is not None: return load_features(data, tokenizer)
+    if data in SAMPLES: return None
+    records, kind = _read_rows(data, _data_path(data))
+    return _tokenize(records, kind, None) if kind == "input_ids" else None
+
 def run_features(cfg: TrainConfig) -> tuple[list[dict], object]:
     "The run's token features and the tokenizer that made them (saved beside the model in every checkpoint; None for token ids)."
     tokenizer = run_tokenizer(cfg)
-    if tokenizer is not None: return load_features(cfg.data, tokenizer), tokenizer
-    if cfg.data not in SAMPLES:
-        records, kind = _read_rows(cfg.data, _data_path(cfg.data))
-        if kind == "input_ids": return _tokenize(records, kind, None), None
+    features = read_features(cfg.data, tokenizer)
+    if features is not None: return features, tokenizer
     raise ValueError(f"model (--model) {cfg.model!r} has no tokenizer, and data (--data) {cfg.data!r} is text: the shipped "
                      f"tokenizer serves only the shipped families. Pass --tokenizer PATH (the tokenizer the model was "
                      f"trained with), or put it in the directory (tokenizer.save_pretrained({cfg.model!r}))")
 
 def check_token_ids(features: list[dict], vocab_size: int, data: str):
-    "Refuse a token id outside the model's vocabulary, naming the row (the embedding would fail with an index error)."
+    """Refuse a token id (or a label other than -100) outside the model's vocabulary, naming the row (the embedding or
+    the loss would fail with an index error)."""
     for i, f in enumerate(features, 1):
-        bad = next((x for x in f["input_ids"] if not 0 <= x < vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"{data} row {i}: token id {bad} is outside the model's vocabulary of {vocab_size} "
-                             f"(ids 0..{vocab_size - 1}): tokenize with the model's tokenizer or choose another --model")
+        for c in ("input_ids", "labels"):
+            ids = f.get(c) if f.get(c) is not None else ()
+            bad = next((x for x in ids if not 0 <= x < vocab_size and (c == "input_ids" or x != IGNORE_INDEX)), None)
+            if bad is not None:
+                what = "token id" if c == "input_ids" else "label"
+                raise ValueError(f"{data} row {i}: {what} {bad} is outside the model's vocabulary of {vocab_size} "
+                                 f"(ids 0..{vocab_size - 1}): tokenize with the model's tokenizer or choose another "
+                                 f"--model")

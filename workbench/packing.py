@@ -11,7 +11,7 @@ import sys
 import warnings
 from array import array
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from itertools import chain, islice
 
@@ -29,6 +29,14 @@ __all__ = ['LOSS_MASKS', 'OVERLONG', 'UNTRAINED', 'Flat', 'flatten_features', 'F
 # %% ../nbs/01_packing/02_packing.ipynb #269dc2db
 def _lengths(cols: list) -> np.ndarray:
     return np.fromiter(map(len, cols), dtype=np.int64, count=len(cols))
+
+def _positive_int(name: str,  # the argument, as the error names it
+                  value,      # what was passed
+                  fix: str,   # what the argument means, said after the value
+                 ) -> int:
+    "`value` as an int when it is a positive integer (not a bool, a float or a string), else a `ValueError` naming it."
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 1: return int(value)
+    raise ValueError(f"{name} must be a positive integer, got {value!r}: {fix}")
 
 LOSS_MASKS = ("completion_mask", "assistant_masks")  # per-token 0/1 columns: 0 excludes a token from the loss
 _BOUNDARIES = ("seq_lengths", "position_ids")  # read for document boundaries (TRL's packed rows), then rebuilt
@@ -59,23 +67,31 @@ def _as_row(v, i: int, key: str):
         raise ValueError(f"example {i}: {key} must hold integers (got dtype {a.dtype}): tokenize text first and cast ids to int")
     return a
 
+_INT64 = np.iinfo(np.int64)
+
+def _int64(r, i: int, key: str) -> np.ndarray:
+    "Row `r` (a flat list or a 1-D array) of example `i` as int64 values, else a `ValueError` naming the bad value."
+    a = None if type(r) is list else np.asarray(r)
+    if a is not None and (a.dtype.kind in "ib" or a.dtype.kind == "u" and (not a.size or a.max() <= _INT64.max)):
+        return a.astype(np.int64, copy=False)
+    values = r if a is None else a.tolist()
+    bad = next((x for x in values if not isinstance(x, (int, np.integer)) or not _INT64.min <= x <= _INT64.max), None)
+    if bad is None: return np.array(values, dtype=np.int64)
+    if isinstance(bad, (int, np.integer)):
+        raise ValueError(f"example {i}: {key} holds {bad}, past the int64 range ({_INT64.min}..{_INT64.max}) of a "
+                         f"packed row: no vocabulary has such an id; check how the ids were made (a wrapped uint64?)")
+    dtype = (a if a is not None else np.asarray(r)).dtype
+    raise ValueError(f"example {i}: {key} must hold integers (got dtype {dtype}): tokenize text first, cast ids to int")
+
 def _concat(rows: list, key: str, total: int) -> np.ndarray:
-    "Rows (flat lists or 1-D integer arrays) laid end to end as `total` int64 values (`ValueError` naming the example otherwise)."
-    try:
-        if all(type(r) is list for r in rows):  # what a datasets.Dataset yields
-            # the sum is an int only if every value is one (a float or str anywhere makes it a float or raises)
-            if not isinstance(sum(map(sum, rows)), (int, np.integer)): raise TypeError("not all integers")
-            return np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=total)
-        out = np.concatenate([np.asarray(r) for r in rows])
-        if out.dtype.kind not in "iub": raise TypeError("not all integers")  # a float list beside integer arrays
-        return out.astype(np.int64, copy=False)
-    except (TypeError, OverflowError, ValueError):
-        for i, r in enumerate(rows):
-            a = np.asarray(r)
-            if a.dtype.kind not in "iub":
-                raise ValueError(f"example {i}: {key} must hold integers (got dtype {a.dtype}): tokenize text first "
-                                 f"and cast ids to int") from None
-        raise
+    """Rows (flat lists or 1-D integer arrays, int64 or uint64 alike) laid end to end as `total` int64 values
+    (`ValueError` naming the example and the value otherwise)."""
+    if all(type(r) is list for r in rows):  # what a datasets.Dataset yields
+        try:  # the sum is an int only if every value is one (a float or str anywhere makes it a float or raises)
+            if isinstance(sum(map(sum, rows)), (int, np.integer)):
+                return np.fromiter(chain.from_iterable(rows), dtype=np.int64, count=total)
+        except (TypeError, OverflowError): pass  # a string, or an int past int64: named just below
+    return np.concatenate([_int64(r, i, key) for i, r in enumerate(rows)])
 
 def _documents(features: list[dict], sizes: list[int], keys) -> list[int]:
     "Document lengths of the batch: each example is one document unless it carries `seq_lengths` or restarting `position_ids`."
@@ -114,6 +130,9 @@ def _flatten_any(features: list[dict], max_tokens: int | None = None) -> Flat:
     there) trains on all its tokens, and its carried mask is all ones. Any other per-token column must be on every
     example or on none. A row carrying `seq_lengths` (TRL's `pack_dataset`) or restarting `position_ids` is unpacked
     into its documents. An `attention_mask` must be all ones (padding inside an example is refused)."""
+    if not isinstance(features, Sequence) or isinstance(features, str):
+        raise ValueError(f"features must be a list of per-example dicts, got a {type(features).__name__}: pass "
+                         f"list(...) of it (a generator or iterator is read once and has no length)")
     if len(features) == 0:
         raise ValueError("got an empty feature list: the sampler yielded an empty batch; check the dataset is not "
                          "empty and the token budget is at least the shortest example")
@@ -223,6 +242,11 @@ _ALL_TOKENS = ("FlatteningCollator: no example of this batch has labels or a los
                "remove_unused_columns removed them: use prepare_dataset or PackedTrainer (workbench.hf). If training every "
                "token is meant, say so: FlatteningCollator(train_all_tokens=True). (Said once per collator.)")
 
+def _padding_multiple(value) -> int | None:
+    "`pad_to_multiple_of` as the collators take it: None (no padding) or a positive integer."
+    if value is None: return None
+    return _positive_int("pad_to_multiple_of", value, "the row's length is rounded up to a multiple of it (None: none)")
+
 def _chooses_targets(features: list[dict]) -> bool:
     "Whether any example carries labels or a loss mask: a column that says which of its tokens are trained."
     for f in features:
@@ -243,6 +267,16 @@ class FlatteningCollator:
     return_tensors: str = "pt"         # "pt" for torch tensors, "np" for numpy arrays
     train_all_tokens: bool = False     # a batch without labels or loss masks trains every token by intent: no warning
     _warned: bool = field(default=False, init=False, repr=False, compare=False)  # the all-token warning was given
+
+    def __post_init__(self):
+        self.pad_to_multiple_of = _padding_multiple(self.pad_to_multiple_of)
+        if self.max_tokens is None: return
+        m = self.max_tokens = _positive_int("max_tokens", self.max_tokens, "the most tokens of a row (None: no limit)")
+        p = self.pad_to_multiple_of
+        if p and m % p:
+            raise ValueError(f"max_tokens={m} is not a multiple of pad_to_multiple_of={p}: a row of {m} tokens would "
+                             f"be padded to {-(-m // p) * p}, over max_tokens. Choose max_tokens a multiple of {p} "
+                             f"(e.g. {max(p, m // p * p)}), and plan bins of that capacity")
 
     def __call__(self, features: list[dict], return_tensors: str | None = None) -> dict:
         rt = return_tensors or self.return_tensors
@@ -275,6 +309,8 @@ class PaddingCollator:
     "Padded baseline: one row per example, right-padded to the longest (or a multiple), with an attention mask."
     pad_token_id: int = 0               # token id used for padding
     pad_to_multiple_of: int | None = None  # round the padded length up to a multiple of this
+
+    def __post_init__(self): self.pad_to_multiple_of = _padding_multiple(self.pad_to_multiple_of)
 
     def __call__(self, features: list[dict]) -> dict:
         flat = flatten_features(features)
@@ -340,6 +376,10 @@ def lengths_of(data, column: str = "input_ids") -> np.ndarray:
         return np.asarray(data, dtype=np.int64)
     data = list(data)
     if not data or all(isinstance(n, (int, np.integer)) for n in data): return np.asarray(data, dtype=np.int64)
+    if not _is_row(data[0]) and not isinstance(data[0], Mapping):  # numbers, one of which is not an integer
+        i = next(i for i, n in enumerate(data) if not isinstance(n, (int, np.integer)))
+        raise TypeError(f"lengths must be integer token counts, but example {i} has {data[i]!r}: pass whole numbers "
+                        f"(or the token rows, feature dicts or Dataset they count)")
     if isinstance(data[0], Mapping):
         missing = next((i for i, f in enumerate(data) if column not in f), None)
         if missing is not None:
@@ -415,7 +455,8 @@ _TARGET_KEYS = ("labels", *LOSS_MASKS, *_BOUNDARIES)  # columns that change whic
 
 def _arrow_targets(ds, lengths: np.ndarray) -> np.ndarray | None:
     """`_target_row` of every row of a `datasets.Dataset` without document columns, laid end to end and computed in
-    Arrow (no row read into Python); None where a row is missing or does not align: the row-by-row path names it."""
+    Arrow (no row read into Python); None where a row is missing, does not align or holds no integers (strings "0" /
+    "1" are not 0 / 1): the row-by-row path names it."""
     import pyarrow as pa, pyarrow.compute as pc
     cols = [c for c in ("labels", *LOSS_MASKS) if c in ds.column_names]
     table, t = ds.select_columns(cols).with_format("arrow")[:], np.ones(int(lengths.sum()), dtype=bool)
@@ -427,7 +468,7 @@ def _arrow_targets(ds, lengths: np.ndarray) -> np.ndarray | None:
             col = pc.list_flatten(col)
         if not np.array_equal(pc.list_value_length(col).to_numpy(zero_copy_only=False), lengths): return None
         flat = pc.list_flatten(col)
-        if flat.null_count: return None
+        if flat.null_count or not (pa.types.is_integer(flat.type) or pa.types.is_boolean(flat.type)): return None
         t &= flat.to_numpy(zero_copy_only=False) != (IGNORE_INDEX if c == "labels" else 0)
     t[np.cumsum(lengths)[:-1]] = False  # every example's first token (the first of all is cleared just below)
     if len(t): t[0] = False
@@ -498,8 +539,8 @@ def plan_bins(lengths,  # per-example token counts, or anything `lengths_of` rea
     if overlong not in OVERLONG: raise ValueError(f"overlong must be one of {OVERLONG}, got {overlong!r}")
     if untrained not in UNTRAINED:
         raise ValueError(f"untrained must be one of {UNTRAINED} (what to do with a piece that trains no token), got {untrained!r}")
+    capacity = _positive_int("capacity", capacity, "the token budget of one bin")
     data, lengths = lengths, lengths_of(lengths)
-    if capacity < 1: raise ValueError(f"capacity must be a positive token count, got {capacity}")
     if (lengths <= 0).any():
         i = int(np.flatnonzero(lengths <= 0)[0])
         raise ValueError(f"example {i} has length {lengths[i]}: remove empty examples before planning")
@@ -588,8 +629,9 @@ class TokenBudgetSampler(torch.utils.data.Sampler):
     step serves the same bins however its global batch (`num_replicas * grad_accum`) is split. Its state is (epoch,
     micro-steps consumed). Iterated directly or by a `DataLoader` with `num_workers=0`, a micro-step counts as consumed
     when it is yielded. A `DataLoader` with workers fetches ahead of its consumer: iterate it through `ResumableLoader`,
-    which records what the consumer received. `set_epoch(e)` starts epoch `e` from its first step, unless the sampler is
-    already in epoch `e` (for instance just restored), where it keeps its position.
+    which records what the consumer received (after a plain one with workers, `state_dict` refuses, naming it).
+    `set_epoch(e)` starts epoch `e` from its first step, unless the sampler is already in epoch `e` (for instance just
+    restored), where it keeps its position.
 
     `steps` serves a grouping made elsewhere (e.g. `workbench.cost.BalancedPlan.sampler`) exactly as given, one optimizer
     step per row; shuffling moves whole rows, never what is inside one."""
@@ -600,14 +642,14 @@ class TokenBudgetSampler(torch.utils.data.Sampler):
                  rank: int = 0,         # this process's rank in [0, num_replicas)
                  steps=None,            # a grouping to serve: [n_steps, grad_accum * num_replicas] bin ids covering every bin (None: bins of similar size side by side)
                  grad_accum: int = 1):  # micro-steps per optimizer step: each rank takes this many bins of every row
-        for name, v in (("num_replicas", num_replicas), ("grad_accum", grad_accum)):
-            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        num_replicas = _positive_int("num_replicas", num_replicas, "the data-parallel ranks")
+        grad_accum = _positive_int("grad_accum", grad_accum, "the micro-steps of one optimizer step")
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} is outside num_replicas={num_replicas}: need 0 <= rank < num_replicas")
         if not plan.bins: raise ValueError("the plan has no bins: nothing to sample (is the dataset empty, or does none of it train?)")
         self.plan, self.shuffle, self.seed, self.num_replicas, self.rank = plan, shuffle, seed, num_replicas, rank
         self.epoch, self.consumed, self.given, self.grad_accum = 0, 0, steps is not None, grad_accum
+        self.ahead = 0  # workers of the plain DataLoader iterating this sampler (0: its count is what was received)
         width = num_replicas * grad_accum  # the global batch: bins per optimizer step
         if steps is None:
             by_size = np.argsort(-plan.bin_tokens, kind="stable")
@@ -635,6 +677,13 @@ class TokenBudgetSampler(torch.utils.data.Sampler):
         return np.take_along_axis(steps, rng.random(steps.shape).argsort(1), 1)
 
     def __iter__(self):
+        # a DataLoader's iterator calls iter() on its sampler from a method that holds the loader as `loader`
+        loader = sys._getframe(1).f_locals.get("loader")
+        plain = isinstance(loader, torch.utils.data.DataLoader) and not isinstance(loader, ResumableLoader)
+        self.ahead = loader.num_workers if plain else 0
+        return self._micro_steps()
+
+    def _micro_steps(self):
         self._roll()
         table = self.epoch_steps()
         for k in range(self.consumed, len(self)):
@@ -645,6 +694,11 @@ class TokenBudgetSampler(torch.utils.data.Sampler):
         self._roll()
 
     def state_dict(self) -> dict:
+        if self.ahead:
+            raise RuntimeError(f"a DataLoader with num_workers={self.ahead} iterates this sampler, and its workers "
+                               f"take steps ahead of the consumer: consumed={self.consumed} counts what they fetched, "
+                               f"not what was trained. Iterate it through ResumableLoader(dataset, sampler, "
+                               f"num_workers={self.ahead}, ...), whose state is what the consumer received")
         self._roll()
         return {"epoch": self.epoch, "consumed": self.consumed, "seed": self.seed, "steps": len(self.steps),
                 "num_replicas": self.num_replicas, "grad_accum": self.grad_accum, "grouping": self.grouping}
@@ -744,6 +798,7 @@ class PackingReport:
 
 def packing_report(lengths, batch_size: int = 8, capacity: int | None = None, name: str = "dataset", seed: int = 0) -> PackingReport:
     "Measure padded batching of `lengths` against a token-budget plan (default budget: `batch_size` mean-length examples)."
+    batch_size = _positive_int("batch_size", batch_size, "the examples of one padded batch, the baseline measured")
     lengths = lengths_of(lengths)
     if len(lengths) < batch_size: raise ValueError(f"{len(lengths)} examples cannot fill one batch of {batch_size}")
     capacity = capacity or int(max(lengths.max(), -(-batch_size * lengths.mean() // 64) * 64))
@@ -760,7 +815,7 @@ class OnlineBestFit:
     `flush` repacks what is left with best-fit decreasing. Deterministic."""
     def __init__(self, capacity: int,  # token budget of one bin
                  buffer_size: int):     # most items held in open bins between calls
-        if capacity < 1: raise ValueError(f"capacity must be a positive token count, got {capacity}")
+        capacity = _positive_int("capacity", capacity, "the token budget of one bin")
         if buffer_size < 1: raise ValueError(f"buffer_size must be at least 1 example, got {buffer_size}")
         self.capacity, self.buffer_size = capacity, buffer_size
         self.rooms, self.open, self.held, self.next_bin = [], {}, 0, 0
@@ -790,11 +845,14 @@ class OnlineBestFit:
         self.rooms, self.open, self.held = [], {}, 0
         return [bins[b] for b in sorted(bins)]
 
-    def state_dict(self) -> dict:
-        return {"rooms": list(self.rooms), "open": {b: list(v) for b, v in self.open.items()}, "held": self.held, "next_bin": self.next_bin}
+    def state_dict(self, save=lambda item: item) -> dict:  # save: an item as the state holds it
+        "Plain lists and numbers (JSON and `torch.load(weights_only=True)` read them) when `save` makes each item so."
+        return {"rooms": [list(r) for r in self.rooms], "held": self.held, "next_bin": self.next_bin,
+                "open": [[b, [[n, save(item)] for n, item in v]] for b, v in self.open.items()]}
 
-    def load_state_dict(self, state: dict):
-        self.rooms, self.open = [tuple(r) for r in state["rooms"]], {b: list(v) for b, v in state["open"].items()}
+    def load_state_dict(self, state: dict, load=lambda item: item):  # load: an item from its saved form
+        self.rooms = [tuple(r) for r in state["rooms"]]
+        self.open = {b: [(n, load(item)) for n, item in v] for b, v in state["open"]}
         self.held, self.next_bin = state["held"], state["next_bin"]
 
 
@@ -818,6 +876,7 @@ class StreamReport:
 
     def __post_init__(self):
         if self.piece_counts is None: self.piece_counts = np.zeros(self.capacity + 1, dtype=np.int64)
+        else: self.piece_counts = np.asarray(self.piece_counts, dtype=np.int64)  # a list, from a saved state
     @property
     def fill(self) -> float: return self.tokens / (self.bins * self.capacity) if self.bins else 0.0
     def global_plan(self) -> Plan:
@@ -830,6 +889,15 @@ class StreamReport:
                 f"{self.truncated}, split {self.split}, dropped {self.dropped}, tokens lost {self.lost_tokens}, "
                 f"untrained pieces dropped {self.untrained} ({self.untrained_tokens} tokens), bins repeated {self.repeated})")
 
+def _fingerprint(h, row):
+    "Feed one example's token `row` to the running hash `h`: its length and its first, middle and last ids (cheap)."
+    n = len(row)
+    h.update(f"{n},{row[0]},{row[n // 2]},{row[-1]};".encode() if n else b"0;")
+
+def _piece(f, i: int, lo: int, k: int, n: int) -> tuple:
+    "Tokens `[lo, lo + k)` of example `i` (feature dict `f` of `n` tokens) as a stream holds them: `(k, i, lo, f)`."
+    return (k, i, lo, f if k == n else _cut_example(f, lo, k, n))
+
 class PackedStream(torch.utils.data.IterableDataset):
     """Bins of at most `capacity` tokens packed as a stream of feature dicts is read (`OnlineBestFit` over a buffer of
     `buffer_size` examples), each bin a list of features for `FlatteningCollator` (or `collate_fn(bin)`).
@@ -838,7 +906,9 @@ class PackedStream(torch.utils.data.IterableDataset):
     rank packs the whole stream (the same bins on every rank, no communication) and serves every `num_replicas`-th bin;
     when the bins do not divide evenly, the ranks short of one at the end repeat a bin of the last round (counted in
     `report.repeated`), so all ranks take the same number of steps. One pass over the source is one epoch.
-    `state_dict()` after a step resumes exactly at the next one: it holds the position in the source and the buffer."""
+    `state_dict()` after a step resumes exactly at the next one: it holds the position in the source, a fingerprint
+    of the examples read (a resume over another source is refused) and the buffer as plain numbers (JSON and
+    `torch.load(weights_only=True)` read it back), each piece by its example and first token."""
     def __init__(self, source,             # re-iterable feature dicts: an IterableDataset, a Dataset, a list...
                  capacity: int,            # token budget of one bin
                  buffer_size: int = 2000,  # examples held while packing (memory is bounded by them)
@@ -859,15 +929,19 @@ class PackedStream(torch.utils.data.IterableDataset):
         self.epoch, self._saved, self._live, self._passes = 0, None, None, 0
         self.report = StreamReport(capacity, buffer_size)
 
-    def _pieces(self, f, i: int) -> list[tuple[int, dict]]:
-        "Example `i` as (length, feature) pieces under `capacity`, following `overlong`; refuses what cannot be packed."
+    def _row(self, f, i: int):
+        "Example `i`'s token row (its `column`), or an error naming what keeps it from being packed."
         if not isinstance(f, Mapping): raise TypeError(f"example {i} is a {type(f).__name__}: the stream must yield feature dicts")
         v = f.get(self.column)
         if v is None:
             raise ValueError(f"example {i} has no {self.column!r} (it has {sorted(f)}): tokenize it first, or name the column")
         if isinstance(v, str):
             raise ValueError(f"example {i}: {self.column} is text ({v[:30]!r}): tokenize it into token ids first")
-        n, cap, r = len(_as_row(v, i, self.column)), self.capacity, self.report
+        return _as_row(v, i, self.column)
+
+    def _pieces(self, f, i: int, row) -> list[tuple]:
+        "Example `i` (token `row`) as pieces `(tokens, i, first token, feature)` under `capacity`, as `overlong` says."
+        n, cap, r = len(row), self.capacity, self.report
         if n == 0: raise ValueError(f"example {i} has no tokens: remove empty examples before packing")
         if n <= cap: spans = [(0, n)]
         elif self.overlong == "error":
@@ -883,7 +957,7 @@ class PackedStream(torch.utils.data.IterableDataset):
             else: kept = [(lo, k) for lo, k in spans if k > 1]  # every token trains but a piece's first
             r.untrained += len(spans) - len(kept); r.untrained_tokens += sum(k for _, k in spans) - sum(k for _, k in kept)
             spans = kept
-        return [(k, f if k == n else _cut_example(f, lo, k, n)) for lo, k in spans]
+        return [_piece(f, i, lo, k, n) for lo, k in spans]
 
     def _serve(self, s: dict):
         "Yield the bins ready in `s` that belong to this rank (each counted when handed over)."
@@ -891,7 +965,7 @@ class PackedStream(torch.utils.data.IterableDataset):
         while s["ready"]:
             b = s["ready"].popleft()
             g, r.bins = r.bins, r.bins + 1
-            r.tokens += sum(n for n, _ in b)
+            r.tokens += sum(p[0] for p in b)
             if k > 1: s["round"] = [b] if g % k == 0 else s["round"] + [b]  # kept for the repeat at the end
             if g % k == self.rank: s["served"] += 1; yield b
 
@@ -903,24 +977,22 @@ class PackedStream(torch.utils.data.IterableDataset):
             raise TypeError("the source is a one-shot iterator and was already read: pass a re-iterable source (a list, "
                             "a Dataset, an IterableDataset)")
         self._passes += 1
-        s, self._saved = self._saved, None
-        if s is None:
-            self.report = StreamReport(self.capacity, self.buffer_size)
-            s = {"consumed": 0, "served": 0, "ready": deque(), "round": [], "packer": None}
+        saved, self._saved = self._saved, None
+        if saved is None: self.report = StreamReport(self.capacity, self.buffer_size)
+        s = {"consumed": 0, "served": 0, "ready": deque(), "round": [], "digest": hashlib.blake2b(digest_size=8)}
         packer = OnlineBestFit(self.capacity, self.buffer_size)
-        if s["packer"]: packer.load_state_dict(s["packer"])
-        self._live = (s, packer)
         if hasattr(self.source, "set_epoch"): self.source.set_epoch(self.epoch)
         it = iter(self.source)
-        if s["consumed"] and sum(1 for _ in islice(it, s["consumed"])) < s["consumed"]:
-            raise ValueError(f"the source has fewer than the {s['consumed']} examples read before the state was saved: "
-                             f"resume over the same source")
+        if saved is not None: self._restore(saved, s, packer, it)
+        self._live = (s, packer)
         for f in it:
             i, s["consumed"] = s["consumed"], s["consumed"] + 1
             self.report.examples = s["consumed"]
-            for n, piece in self._pieces(f, i):
-                self.report.piece_counts[n] += 1
-                s["ready"].extend(packer.add(n, (n, piece)))
+            row = self._row(f, i)
+            _fingerprint(s["digest"], row)
+            for piece in self._pieces(f, i, row):
+                self.report.piece_counts[piece[0]] += 1
+                s["ready"].extend(packer.add(piece[0], piece))
             for b in self._serve(s): yield self._out(b)
         s["ready"].extend(packer.flush())
         for b in self._serve(s): yield self._out(b)
@@ -931,21 +1003,49 @@ class PackedStream(torch.utils.data.IterableDataset):
             yield self._out(s["round"][self.rank % len(s["round"])])
         self.epoch, self._live = self.epoch + 1, None
 
+    def _restore(self, p: dict, s: dict, packer: OnlineBestFit, it):
+        """Re-read from `it` the examples before the saved position `p`, check they are those it was saved over, and
+        rebuild its buffer from them."""
+        n = p["consumed"]
+        held = [*p["ready"], *p["round"], *([ref for _, ref in v] for _, v in p["packer"]["open"])]
+        wanted, rows = {ref[1] for b in held for ref in b}, {}
+        for i, f in enumerate(islice(it, n)):
+            row = self._row(f, i)
+            _fingerprint(s["digest"], row)
+            if i in wanted: rows[i] = (f, len(row))
+            s["consumed"] = i + 1
+        if s["consumed"] < n:
+            raise ValueError(f"the source has fewer than the {n} examples read before the state was saved (it has "
+                             f"{s['consumed']}): resume over the same source")
+        if s["digest"].hexdigest() != p["source"]:
+            raise ValueError(f"the state was saved over a source whose first {n} examples have fingerprint "
+                             f"{p['source']}, but this source's first {n} have {s['digest'].hexdigest()}: it is "
+                             f"another source (or another order). Resume over the same source, files, split and "
+                             f"shuffle seed as the run that saved it")
+        piece = lambda ref: _piece(rows[ref[1]][0], ref[1], ref[2], ref[0], rows[ref[1]][1])  # [tokens, example, first]
+        s["served"], s["round"] = p["served"], [list(map(piece, b)) for b in p["round"]]
+        s["ready"] = deque(list(map(piece, b)) for b in p["ready"])
+        packer.load_state_dict(p["packer"], piece)
+
     def _out(self, b: list):
-        b = [f for _, f in b]
+        b = [p[3] for p in b]
         return self.collate_fn(b) if self.collate_fn else b
 
     def set_epoch(self, epoch: int): self.epoch = epoch  # passed on to the source's own set_epoch (a shuffled IterableDataset)
 
     def state_dict(self) -> dict:
-        "Where the pass stands after the last bin handed over: examples read, bins held, counts (the next pass if none runs)."
+        """Where the pass stands after the last bin handed over (the next pass if none runs): examples read and their
+        fingerprint, the bins held (each piece as `[tokens, example, first token]`), counts; lists, strings, numbers."""
         cfg = {"capacity": self.capacity, "buffer_size": self.buffer_size, "overlong": self.overlong,
                "num_replicas": self.num_replicas, "rank": self.rank, "untrained": self.untrained}
         if self._live is None: return {**cfg, "epoch": self.epoch, "pass": None}
         s, packer = self._live
-        r = self.report
-        return {**cfg, "epoch": self.epoch, "pass": {**s, "ready": list(s["ready"]), "round": list(s["round"]),
-                "packer": packer.state_dict(), "report": asdict(r)}}
+        ref = lambda p: list(p[:3])  # a piece without its feature dict, which a resume cuts again from the source
+        refs = lambda bins: [list(map(ref, b)) for b in bins]
+        return {**cfg, "epoch": self.epoch, "pass": {
+            "consumed": s["consumed"], "served": s["served"], "source": s["digest"].hexdigest(),
+            "ready": refs(s["ready"]), "round": refs(s["round"]), "packer": packer.state_dict(ref),
+            "report": {**asdict(self.report), "piece_counts": self.report.piece_counts.tolist()}}}
 
     def load_state_dict(self, state: dict):
         "Resume: the next iteration skips the examples already read and continues from the saved buffer."
@@ -955,7 +1055,10 @@ class PackedStream(torch.utils.data.IterableDataset):
                 raise ValueError(f"state was saved with {k}={saved!r} but this stream has {k}={getattr(self, k)!r}: "
                                  f"rebuild it as the run that saved it")
         self.epoch, p = state["epoch"], state["pass"]
-        if p is not None:
-            self.report = StreamReport(**p["report"])
-            self._saved = {**p, "ready": deque(p["ready"]), "round": list(p["round"])}
+        if p is not None and "source" not in p:
+            raise ValueError("state['pass'] was saved by an older PackedStream, whose buffer held the examples "
+                             "themselves and no fingerprint of its source: it cannot be resumed exactly. Start its "
+                             "epoch again: load_state_dict({**state, 'pass': None})")
+        if p is not None: self.report = StreamReport(**p["report"])
+        self._saved = p
 

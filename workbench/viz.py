@@ -19,6 +19,7 @@ import torch
 from .config import BALANCES
 from .core import SAMPLES, load_sample, load_tokenizer, tiny_config, tiny_model
 from .cost import Dims, attention_work, plan_balanced, served_steps
+from .data import _kind, read_features, tokenize_rows
 from .masks import (IMPLEMENTATIONS, SDPA_LIKE, MaskReport, eager_attentions, attention_leakage, example_grid,
                              mask_report)
 from .packing import (LOSS_MASKS, FlatteningCollator, NaiveConcatCollator, PackingReport, PaddingCollator, TokenBudgetSampler,
@@ -423,30 +424,48 @@ def _sample(name: str) -> list[dict]:
     return load_sample(name)
 
 # %% ../nbs/01_packing/05_viz.ipynb #81d769a2
-def explorer_data(data,              # a `datasets.Dataset`, a list of feature dicts, or one collated batch (a dict of [B, T])
+def explorer_data(data,              # a file (read as --data is), a Dataset, a list of rows or features, or one batch
                   vocab_size: int | None = None,  # every id must lie below it (the tokenizer's or the model's), when known
+                  tokenizer=None,    # what tokenizes rows of messages, prompt + completion or text (None: ids only)
                   ) -> list[dict] | dict:
-    "The user's data as the explorer takes it: features (batched by the chosen strategy) or one batch, drawn as given."
+    """The user's data as the explorer takes it, read as training reads it (`workbench.data`): a file by
+    `read_features`, rows of messages, prompt + completion or text by `tokenize_rows`; features (batched by the chosen
+    strategy) or one collated batch (a dict of [B, T]), drawn as given."""
     import datasets
+    if isinstance(data, (str, Path)):
+        features = read_features(str(data), tokenizer)
+        if features is None:
+            raise ValueError(f"data {str(data)!r} holds text and no tokenizer was given: pass tokenizer= (the "
+                             f"model's) to tokenize it as training does")
+        data = features
     if isinstance(data, datasets.IterableDataset):
         raise TypeError("an IterableDataset cannot be indexed by step: materialise a part of it, e.g. "
                         "datasets.Dataset.from_list(list(ds.take(1000)))")
     if isinstance(data, datasets.Dataset):
-        if "input_ids" not in data.column_names:
-            raise ValueError(f"the dataset has no 'input_ids' column (columns: {data.column_names}): tokenize it first, "
-                             f"e.g. ds.map(lambda r: tokenizer(r['text']))")
         if len(data) == 0: raise ValueError("the dataset is empty: pass at least one example")
-        lengths_of(data)  # raises on a column of text, nulls or batched rows
-        data = data.select_columns([c for c in data.column_names if c in ("input_ids", "labels", *LOSS_MASKS)]).to_list()
+        if "input_ids" in data.column_names:
+            lengths_of(data)  # raises on a column of text, nulls or batched rows
+            data = data.select_columns([c for c in data.column_names if c in ("input_ids", "labels", *LOSS_MASKS)])
+            data = data.to_list()
+        elif _kind(data[0]) is not None: data = data.to_list()  # rows of text: tokenized below, as training does
+        else:
+            raise ValueError(f"the dataset has no 'input_ids' column (columns: {data.column_names}): give token ids, "
+                             f"or rows of messages, prompt + completion or text, tokenized as training tokenizes them")
     if isinstance(data, (list, tuple)):
         if len(data) == 0: raise ValueError("data is an empty list: pass at least one tokenized example")
+        kind = _kind(data[0]) if isinstance(data[0], Mapping) and data[0].get("input_ids") is None else None
+        if kind is not None:
+            if tokenizer is None:
+                raise ValueError(f"data holds rows of {kind} and no tokenizer was given: pass tokenizer= (the model's) "
+                                 f"to tokenize them as training does")
+            data = tokenize_rows(list(data), tokenizer, "data")  # the reader of --data files and of PackedSFTTrainer
         ids = flatten_features(list(data)).input_ids  # names the example and the fix on any bad feature
     elif isinstance(data, Mapping):
         data = _explorer_batch(data)
         ids = data["input_ids"].reshape(-1).numpy()
     else:
-        raise TypeError(f"data is a {type(data).__name__}: pass a datasets.Dataset, a list of feature dicts with "
-                        f"input_ids, or one collated batch (a dict with input_ids [B, T])")
+        raise TypeError(f"data is a {type(data).__name__}: pass a file's path, a datasets.Dataset, a list of rows or "
+                        f"feature dicts, or one collated batch (a dict with input_ids [B, T])")
     if ids.min() < 0: raise ValueError(f"data holds a negative token id ({int(ids.min())}): ids must be vocabulary indices")
     if vocab_size is not None and ids.max() >= vocab_size:
         raise ValueError(f"data holds token id {int(ids.max())}, but the vocabulary has {vocab_size} entries: pass the "
@@ -551,7 +570,7 @@ class MaskExplorer:
                  ones_mask: bool = False,                # trap 2: an all-ones attention_mask
                  max_cells: int = 128,                   # mask cells per side at most, at every zoom
                  leak_tokens: int = 1024,                # measure leaked attention mass up to this many tokens (eager is O(T^2))
-                 data=None,                              # your data: a datasets.Dataset, a list of feature dicts, or one batch
+                 data=None,                              # your data: a file, a Dataset, a list of rows, or one batch
                  tokenizer=None,                         # your tokenizer (object or folder) for your data's token text
                  model=None,                             # your model: a folder with config.json, or a model object
                  data_name: str = "your data",           # how your data is named in the dataset menu
@@ -580,7 +599,9 @@ class MaskExplorer:
         self._sources = {s: (None, _shipped_tokenizer) for s in SAMPLES}  # name -> (data or None for shipped, tokenizer getter)
         if data is not None:
             if data_name in SAMPLES: raise ValueError(f"data_name {data_name!r} is a shipped sample's name: choose another")
-            self._sources = {data_name: (explorer_data(data, _vocab(tok, user_config)), lambda: tok)} | self._sources
+            tok = tok if tok is not None or model is not None else _shipped_tokenizer()  # the shipped models' own
+            mine = explorer_data(data, _vocab(tok, user_config), tok)
+            self._sources = {data_name: (mine, lambda: tok)} | self._sources
         labels = list(self._models_by_label)
         family = family or (self._user_model or "llama")
         chosen = [l for l in labels if l == family or l.startswith(f"{family} (")]
