@@ -118,3 +118,75 @@ def test_the_command_line_writes_one_row_per_example(held_out, trained, tmp_path
     assert [r["example"] for r in rows] == [0, 1, 2, 3] and [r["tokens"] for r in rows] == want.tokens.tolist()
     assert max(abs(r["loss"] - l) / l for r, l in zip(rows, want.loss)) <= 1e-6
     assert "eval: 4 examples" in cli.stdout
+
+
+def test_a_model_that_is_not_trained_weights_is_refused_or_named(tmp_path):
+    """--model: a directory with config.json and a tokenizer but no weights is refused, naming the files transformers
+    looks for (it would score a random initialisation); a run directory with no complete checkpoint names what is
+    missing; a LoRA run's checkpoint is refused (model/ is the base without the adapter); a shipped family is evaluated
+    at random and says so in one line."""
+    import contextlib, io
+    from workbench.checkpoint import commit_checkpoint
+    from workbench.core import load_tokenizer, tiny_config
+    from workbench.evaluate import eval_model, main
+    bare = tmp_path / "bare"
+    tiny_config("llama").save_pretrained(bare); load_tokenizer().save_pretrained(bare)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as e:
+        main(["--model", str(bare), "--out", str(tmp_path)])
+    refused = (f"model (--model) '{bare}' has a config.json but no weights (none of model.safetensors, "
+               "model.safetensors.index.json, pytorch_model.bin, pytorch_model.bin.index.json): evaluating it would "
+               "score a random initialisation")
+    assert e.value.code == 2 and refused in err.getvalue(), err.getvalue()
+    said = []
+    assert eval_model("qwen2", seed=3, say=said.append) == "qwen2"
+    assert said == ["model (--model) 'qwen2' is a shipped family: evaluating a random initialisation of its tiny "
+                    "config (seed 3), a baseline, not a trained model"]
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"model": "llama", "steps": 10, "plan": "PackingPlan(...)"}))  # a run
+    with pytest.raises(ValueError, match=r"run's directory with nothing to evaluate: it has no checkpoints/"):
+        eval_model(str(run))
+    (run / "checkpoints" / "step-000010").mkdir(parents=True)  # killed in its save: no manifest
+    with pytest.raises(ValueError, match=r"checkpoints holds no complete checkpoint \(a step-\* directory with its"):
+        eval_model(str(run), say=lambda _: None)
+
+    def lora_dirs(d):  # what a LoRA run's save writes: the frozen base and the adapter
+        for sub in ("model", "adapter"): (d / sub).mkdir(); (d / sub / "config.json").write_text("{}")
+    commit_checkpoint(run, 10, {}, {"config": {}}, keep=1, write_model=lora_dirs)
+    with pytest.raises(ValueError, match=r"step-000010 is a LoRA run's: model/ holds the frozen base and adapter/"):
+        eval_model(str(run))
+
+
+def test_a_run_directory_evaluates_its_newest_checkpoint_with_row_ids(run_dir, trained, tmp_path, capsys):
+    "--model RUN evaluates RUN's newest complete checkpoint (named in one line); eval.jsonl keeps each row's own id."
+    from workbench.data import load_features, run_tokenizer
+    from workbench.evaluate import main
+    rows = [json.loads(l) for l in (ROOT / "data_samples" / "orca_like.jsonl").read_text().splitlines()[-3:]]
+    data = tmp_path / "with_ids.jsonl"
+    data.write_text("".join(json.dumps({"id": f"orca-{i}", **r}) + "\n" for i, r in enumerate(rows, 7)))
+    main(["--model", str(run_dir), "--data", str(data), "--max-tokens", "512", "--out", str(tmp_path / "eval")])
+    assert f"evaluating its newest complete checkpoint, {trained} (step 12)" in capsys.readouterr().out
+    got = [json.loads(l) for l in (tmp_path / "eval" / "eval.jsonl").read_text().splitlines()]
+    want = each_alone(TrainConfig(model=trained), load_features(str(data), run_tokenizer(TrainConfig(model=trained))))
+    ids = ["orca-7", "orca-8", "orca-9"]
+    assert [(r["example"], r["id"], r["tokens"]) for r in got] == list(zip([0, 1, 2], ids, want.tokens.tolist()))
+    assert max(abs(r["loss"] - l) / l for r, l in zip(got, want.loss)) <= 1e-6
+
+
+def test_flash_attention_without_flash_attn_names_the_fix(held_out, monkeypatch):
+    """--attn flash_attention_2 where flash-attn is not installed: an error naming the gpu extra and workbench_varlen
+    before any process starts, not an ImportError inside a rank."""
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # as on a machine without flash-attn
+    with pytest.raises(ValueError, match=r"flash-attn package, which is not installed here .*pip install -e "
+                                         r"'\.\[gpu\]'.*--attn workbench_varlen, the workbench's own varlen attention"):
+        evaluate(TrainConfig(model="qwen2", max_tokens=512, attn="flash_attention_2"), held_out)
+
+
+def test_help_lists_only_the_flags_evaluation_reads(capsys):
+    import re
+    from workbench.config import flag
+    from workbench.evaluate import EVAL_FIELDS, main
+    with pytest.raises(SystemExit) as e: main(["--help"])
+    listed = set(re.findall(r"--[a-z][a-z-]*", capsys.readouterr().out))
+    assert e.value.code == 0 and listed == {"--help", "--nproc", *map(flag, EVAL_FIELDS)}, listed

@@ -315,7 +315,7 @@ def test_training_runs_the_configured_ring_kernel_and_refuses_fused_in_fp32_on_a
     for kernel in KERNELS:
         with monkeypatch.context() as m, pytest.raises(InterruptedError):
             m.setattr("workbench.train.ring_forward", spy)
-            forward_backward(None, [{"num_items_in_batch": 1}], None, TrainConfig(ring=2, ring_kernel=kernel), torch.device("cpu"))
+            forward_backward(None, [{"num_items_in_batch": 1}], None, TrainConfig(ring=2, ring_kernel=kernel))
     assert seen == list(KERNELS)
     with monkeypatch.context() as m:  # CUDA's flash kernel computes in bf16: an fp32 run is refused before any process starts
         m.setattr("workbench.train._device", lambda: torch.device("cuda", 0))

@@ -339,6 +339,17 @@ def test_a_save_slower_than_the_collective_timeout_does_not_kill_the_run(tmp_pat
     assert [(d.name, m is not None) for d, m in checkpoints(out)] == [("step-000002", True)]  # only the last: no --save-every
 
 
+def test_a_save_slower_than_the_stall_limit_does_not_end_the_run(tmp_path):
+    "The save sleeps 5 s under a 2 s stall limit (--stall-s): a checkpoint being written is progress, however slow the disk."
+    script, out = tmp_path / "faults.py", tmp_path / "run"
+    script.write_text(KILLER)
+    r = subprocess.run([sys.executable, str(script), "slow save", "5", "--steps", "1", "--max-tokens", "256", "--data",
+                        "orca_like", "--stall-s", "2", "--out", str(out)],
+                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    from workbench.checkpoint import checkpoints
+    assert [(d.name, m is not None) for d, m in checkpoints(out)] == [("step-000001", True)]
+
 def test_ctrl_c_of_a_single_process_run_exits_130_and_resumes(tmp_path, reference):
     "SIGINT to a terminal run of one process after 2 steps: exit code 130, the last checkpoint named, resume equals the reference."
     out = tmp_path / "run"

@@ -93,6 +93,17 @@ def test_a_chat_file_trains_only_its_assistant_turns(tmp_path):
     assert [r["trained"] for r in read_metrics(tmp_path / "run")] == [answers]  # both conversations fit one row
 
 
+def test_a_token_id_file_trains_what_its_masks_name(tmp_path):
+    "Issue 47: --data of token-id rows with completion_mask trained every token (the masks were dropped); now the masks'."
+    from workbench.tracking import read_metrics
+    rows = [{"input_ids": list(range(10 + i, 40 + 2 * i)), "completion_mask": [0] * 20 + [1] * (10 + i)} for i in range(4)]
+    data = tmp_path / "ids.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    losses, _, error = _main("--steps", "1", "--max-tokens", "256", "--data", str(data), "--out", str(tmp_path / "run"))
+    assert losses is not None, error
+    assert [r["trained"] for r in read_metrics(tmp_path / "run")] == [sum(map(sum, (r["completion_mask"] for r in rows)))]
+
+
 def test_reading_a_data_file_draws_no_third_party_bar(tmp_path, capfd):
     "datasets draws 'Generating train split' while it reads a file: --data and --eval-data files are read without it."
     from workbench.data import load_features
@@ -158,3 +169,25 @@ def test_a_model_directory_trains_with_its_own_tokenizer_and_saves_it(tmp_path):
     p = _parser()
     given = _config(p, p.parse_args(["--model", str(bare), "--tokenizer", str(own), "--data", str(data)]), 1)
     assert run_features(given)[0] == ours  # --tokenizer PATH: the fix the refusal names
+
+
+def test_a_model_directory_without_weights_trains_from_its_config_and_says_so(tmp_path, tiny_data, capsys):
+    "--model DIR with a config.json and no weights: no error, one line naming the missing files and the random start."
+    from workbench.core import tiny_config
+    from workbench.config import TrainConfig
+    from workbench.train import preflight_run
+    tiny_config("llama").save_pretrained(tmp_path / "bare")
+    preflight_run(TrainConfig(model=str(tmp_path / "bare"), data=tiny_data, max_tokens=64, out=str(tmp_path / "run")))
+    assert capsys.readouterr().out.splitlines() == [
+        f"model (--model) '{tmp_path / 'bare'}' has a config.json but no weights (none of model.safetensors, "
+        "model.safetensors.index.json, pytorch_model.bin, pytorch_model.bin.index.json): training starts from a random "
+        "initialisation of that config (seed 0)"]
+
+
+def test_flash_attention_without_flash_attn_is_a_usage_error(tmp_path, tiny_data, monkeypatch):
+    "--attn flash_attention_2 where flash-attn is not installed: exit code 2 naming the gpu extra and workbench_varlen."
+    import sys
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # as on a machine without flash-attn
+    losses, _, error = _main("--attn", "flash_attention_2", "--data", tiny_data, "--out", str(tmp_path))
+    assert losses is None and "'flash_attention_2' runs the flash-attn package, which is not installed" in error
+    assert "pip install -e '.[gpu]'" in error and "--attn workbench_varlen, the workbench's own varlen" in error

@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import shutil
+import zlib
 from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
@@ -23,17 +24,18 @@ from .fsdp import full_state, is_sharded, load_full_state
 from .tracking import process_rank
 
 # %% auto #0
-__all__ = ['CHECKPOINTS', 'MODEL_DIR', 'ADAPTER_DIR', 'LAYOUT', 'SAVE_WAIT', 'dropout_of', 'plan_id', 'save_model_dir',
-           'checkpoints', 'latest_checkpoint', 'commit_checkpoint', 'check_resume', 'check_out', 'save_checkpoint',
-           'load_checkpoint']
+__all__ = ['CHECKPOINTS', 'MODEL_DIR', 'ADAPTER_DIR', 'LAYOUT', 'SAVE_WAIT', 'DIGEST_BLOCK', 'dropout_of', 'plan_id',
+           'file_digest', 'save_model_dir', 'checkpoints', 'damaged_file', 'latest_checkpoint', 'commit_checkpoint',
+           'check_resume', 'check_out', 'save_checkpoint', 'load_checkpoint']
 
 # %% ../nbs/03_runtime/05_checkpoint.ipynb #1c20deb6
 CHECKPOINTS = "checkpoints"  # out/checkpoints/step-000012/{state.pt, model/, manifest.json}
 MODEL_DIR = "model"          # inside a checkpoint: the directory `AutoModelForCausalLM.from_pretrained` loads
 ADAPTER_DIR = "adapter"      # inside a checkpoint of a LoRA run: the adapter `PeftModel.from_pretrained` loads onto model/
-_MAY_CHANGE = ("steps", "save_every", "keep", "timeout_s", "resume", "out", "name", "report_to", "eval_data", "eval_every")  # what a resumed run may change
+_MAY_CHANGE = ("steps", "save_every", "keep", "timeout_s", "stall_s", "resume", "out", "name", "report_to", "eval_data", "eval_every")  # what a resumed run may change
 LAYOUT = ("dp", "sp", "ring", "ring_kernel", "grad_accum")  # how a step is split: a resumed run may change it, keeping dp x grad_accum
 SAVE_WAIT = timedelta(days=365)  # how long the other ranks wait for rank 0's save: outside the collective timeout
+DIGEST_BLOCK = 1 << 20  # bytes read at a time when a file's digest is computed (1 MiB)
 
 def _identity(cfg: TrainConfig) -> dict: return {k: v for k, v in asdict(cfg).items() if k not in _MAY_CHANGE + LAYOUT}
 
@@ -76,6 +78,13 @@ def _sync_tree(d: Path) -> dict[str, int]:
         if p.is_file(): files[p.relative_to(d).as_posix()] = p.stat().st_size
     return files
 
+def file_digest(path: Path) -> str:
+    "The CRC-32 of a file's bytes as 8 hex digits, read in `DIGEST_BLOCK` blocks: what a manifest records of each file."
+    crc = 0
+    with open(path, "rb") as f:
+        while block := f.read(DIGEST_BLOCK): crc = zlib.crc32(block, crc)
+    return f"{crc:08x}"
+
 def save_model_dir(model,                 # the trained model (plain, Ulysses or sharded: only its config is read)
                    weights: dict,         # its full state dict (on rank 0 of a sharded run: `full_state(...)["model"]`)
                    where: Path,           # the checkpoint directory being written
@@ -113,11 +122,25 @@ def checkpoints(out: Path) -> list[tuple[Path, dict | None]]:
     dirs = sorted((Path(out) / CHECKPOINTS).glob("step-*"), key=lambda d: int(d.name.split("-")[1]))
     return [(d, _manifest(d)) for d in dirs]
 
-def latest_checkpoint(out: Path, say=print) -> tuple[Path, dict] | None:
-    "The newest complete checkpoint of `out` and its manifest; `say` names each newer one skipped as incomplete."
+def damaged_file(d: Path, manifest: dict) -> str | None:
+    "The first file of checkpoint `d` whose bytes differ from the digest in its manifest (None: every one matches)."
+    return next((name for name, digest in manifest.get("digests", {}).items() if file_digest(d / name) != digest), None)
+
+def latest_checkpoint(out: Path, say=print,
+                      verify: bool = False,  # also read every file against its recorded digest (what a resume does)
+                     ) -> tuple[Path, dict] | None:
+    "The newest complete checkpoint of `out` and its manifest; `say` names each newer one skipped, and why."
     for d, m in reversed(checkpoints(out)):
-        if m is not None: return d, m
-        say(f"skipping {d}: incomplete (no manifest, or a file shorter than it records)")
+        if m is None:
+            say(f"skipping {d}: incomplete (no manifest, or a file shorter than it records)"); continue
+        if not verify: return d, m
+        if "digests" not in m:
+            say(f"{d} is unverified: it was saved without digests (by an older workbench); only its files' sizes "
+                f"are checked")
+            return d, m
+        damaged = damaged_file(d, m)
+        if damaged is None: return d, m
+        say(f"skipping {d}: damaged ({damaged} differs from the digest recorded when it was saved)")
     return None
 
 def commit_checkpoint(out: Path, step: int, state: dict, manifest: dict, keep: int, write_model=None) -> Path:
@@ -130,7 +153,9 @@ def commit_checkpoint(out: Path, step: int, state: dict, manifest: dict, keep: i
     _write_synced(tmp / "state.pt", lambda f: torch.save(state, f))
     if write_model is not None: write_model(tmp)
     files = _sync_tree(tmp)  # every file the manifest vouches for is on the disk at its size
-    _write_synced(tmp / "manifest.json", lambda f: f.write(json.dumps({**manifest, "step": step, "files": files}).encode()))
+    digests = {name: file_digest(tmp / name) for name in files}  # read back: what the disk holds, not what was meant
+    record = {**manifest, "step": step, "files": files, "digests": digests}
+    _write_synced(tmp / "manifest.json", lambda f: f.write(json.dumps(record).encode()))
     _fsync(tmp)
     if final.exists(): shutil.rmtree(final)  # only an incomplete one (resume starts after the newest complete one)
     tmp.rename(final); _fsync(root)
@@ -197,8 +222,9 @@ def save_checkpoint(out: Path, step: int, model, opt, sampler, cfg: TrainConfig,
     if dist.is_initialized(): dist.barrier(group=wait_group)  # the others wait here, not under the collective timeout
 
 def load_checkpoint(out: Path, model, opt, sampler, cfg: TrainConfig, plan: str) -> int:
-    "Restore the newest complete checkpoint of `out` after checking it belongs to this run; return its step (0: none)."
-    found = latest_checkpoint(out, say=print if process_rank() == 0 else lambda _: None)
+    """Restore the newest intact checkpoint of `out` (every file at its size and digest) after checking it belongs to
+    this run; return its step (0: none)."""
+    found = latest_checkpoint(out, say=print if process_rank() == 0 else lambda _: None, verify=True)
     if found is None: return 0
     where, manifest = found
     check_resume(cfg, manifest, where, plan, model.config)

@@ -87,6 +87,7 @@ class TrainConfig:
     save_every: int = 0         # save a checkpoint every this many steps (0: only at the end)
     keep: int = 2               # complete checkpoints kept in `out/checkpoints` (the newest; older ones are deleted)
     timeout_s: float = 120.0    # collective timeout of the process group, seconds (checkpoint saves wait outside it)
+    stall_s: float = 1800.0     # a rank finishing no step in this many seconds ends the run with its stack (0: none)
     resume: bool = False        # continue from the newest complete checkpoint in `out` if there is one
     out: str = "runs/latest"    # run directory: config.json, metrics.jsonl, checkpoints/
     name: str = ""              # label of the run in dashboards
@@ -113,6 +114,9 @@ class TrainConfig:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ValueError(f"{name} ({flag(name)}) must be a positive number, got {v!r}")
+        if not isinstance(self.stall_s, (int, float)) or not math.isfinite(self.stall_s) or self.stall_s < 0:
+            raise ValueError(f"stall_s (--stall-s) must be a number of seconds >= 0 (0: no limit), got "
+                             f"{self.stall_s!r}")
         if self.dtype not in ("auto", *DTYPES):
             why = " (float16 training needs loss scaling, which this loop does not do: use bfloat16)" if self.dtype == "float16" else ""
             raise ValueError(f"dtype (--dtype) {self.dtype!r} is not one of {['auto', *DTYPES]}{why}")
@@ -159,12 +163,14 @@ def model_config(cfg: TrainConfig):
                      f"with config.json")
 
 # %% ../nbs/03_runtime/02_config.ipynb #533e86e6
-def _parser() -> argparse.ArgumentParser:
+def _parser(names: tuple[str, ...] | None = None,  # the fields that get a flag (None: every field, and --preset)
+           ) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m workbench.train", description="DP x SP training with padding-free packing")
-    p.add_argument("--preset", choices=sorted(PRESETS), help="start from a named configuration")
+    if names is None: p.add_argument("--preset", choices=sorted(PRESETS), help="start from a named configuration")
     p.add_argument("--nproc", type=int, help="processes to launch here (dp defaults to nproc / sp); omit under torchrun")
     docs = {k: v or "" for k, v in docments(TrainConfig).items()}  # each field's comment is its flag's help (none in __main__)
     for f in fields(TrainConfig):
+        if names is not None and f.name not in names: continue
         if f.type in ("bool", bool): p.add_argument(flag(f.name), action="store_true", default=None, help=docs[f.name])
         else:  # a tuple field takes one comma-separated string, which TrainConfig splits
             shown = ",".join(f.default) if isinstance(f.default, tuple) else str(f.default)
@@ -174,8 +180,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def _config(p: argparse.ArgumentParser, a: argparse.Namespace, world: int) -> TrainConfig:
     "The run's config from parsed flags and the launcher's world size, or a usage error naming the flag."
-    given = {f.name: getattr(a, f.name) for f in fields(TrainConfig) if getattr(a, f.name) is not None}
-    try: cfg = replace(PRESETS[a.preset] if a.preset else TrainConfig(), **given)
+    given = {f.name: getattr(a, f.name) for f in fields(TrainConfig) if getattr(a, f.name, None) is not None}
+    preset = getattr(a, "preset", None)  # absent from a parser of some fields (`_parser(names)`)
+    try: cfg = replace(PRESETS[preset] if preset else TrainConfig(), **given)
     except ValueError as e: p.error(str(e))
     if a.nproc is not None and a.nproc < 1: p.error(f"--nproc must be at least 1 process, got {a.nproc}")
     nproc = a.nproc or (world if world > 1 else None)

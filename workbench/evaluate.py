@@ -14,22 +14,24 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .checkpoint import ADAPTER_DIR, CHECKPOINTS, MODEL_DIR, latest_checkpoint
 from .config import TrainConfig, _config, _parser, flag, model_config
-from .core import IGNORE_INDEX
-from .data import run_features
-from .launch import launch
+from .core import IGNORE_INDEX, SAMPLES, model_families
+from .data import _data_path, _read_rows, run_features
+from .launch import launch, progress
 from .packing import FlatteningCollator
 from .scoring import EvalResult, check_eval_features, evaluate_model
 from .sp.grid import ParallelGrid, check_layout, check_sp
 from .tracking import replace_file
-from .train import _device, build_model, check_world, rank_model
+from .train import _device, build_model, check_attention, check_world, has_weights, no_weights, rank_model
 
 # %% auto #0
-__all__ = ['EVAL_FIELDS', 'eval_config', 'evaluate_rank', 'evaluate', 'each_alone', 'main']
+__all__ = ['EVAL_FIELDS', 'ID_FIELDS', 'eval_config', 'evaluate_rank', 'is_run_dir', 'run_model', 'eval_model', 'preflight_eval',
+           'evaluate', 'each_alone', 'record_ids', 'eval_rows', 'main']
 
 # %% ../nbs/03_runtime/10_evaluate.ipynb #864e5bb5
 EVAL_FIELDS = ("model", "data", "tokenizer", "sp", "ring", "ring_kernel", "dp", "max_tokens", "attn", "dtype", "seed", "out",
-               "timeout_s")  # what an evaluation reads of a TrainConfig (the rest is training's)
+               "timeout_s", "stall_s")  # what an evaluation reads of a TrainConfig (the rest is training's)
 
 
 # %% ../nbs/03_runtime/10_evaluate.ipynb #baaf2894
@@ -47,21 +49,79 @@ def evaluate_rank(cfg: TrainConfig,       # the layout, model and token budget (
     device = _device()
     grid = ParallelGrid.build(cfg.sp, cfg.ring, device.type)
     model = rank_model(cfg, grid, device, cfg.world)
+    progress()  # loaded: the launcher's stall clock (`cfg.stall_s`) restarts here, and after every row
     return evaluate_model(model, grid, cfg, features)
 
+# %% ../nbs/03_runtime/10_evaluate.ipynb #d9204005
+def is_run_dir(d: Path) -> bool:
+    "Whether `d` is a training run's directory: it has `checkpoints/`, or its config.json is a run's (no `model_type`)."
+    if (d / CHECKPOINTS).is_dir(): return True
+    try: record = json.loads((d / "config.json").read_text())
+    except (OSError, ValueError): return False
+    return isinstance(record, dict) and "model_type" not in record and "plan" in record  # `write_run_config`'s record
+
+def run_model(run: Path,   # a training run's directory
+              say=print,   # where the line naming the checkpoint goes
+             ) -> str:
+    "The model directory of the newest complete checkpoint of `run`, or an error naming what is missing."
+    found = latest_checkpoint(run, say=say)
+    if found is None:
+        missing = f"it has no {CHECKPOINTS}/ directory"
+        if (run / CHECKPOINTS).is_dir():
+            missing = (f"{run / CHECKPOINTS} holds no complete checkpoint (a step-* directory with its manifest.json "
+                       f"and every file it lists)")
+        raise ValueError(f"model (--model) {str(run)!r} is a training run's directory with nothing to evaluate: "
+                         f"{missing}. A run saves a checkpoint every --save-every steps and after its last one: "
+                         f"evaluate a run that finished a save, or pass a model directory")
+    where, manifest = found
+    if (where / ADAPTER_DIR).is_dir():
+        raise ValueError(f"model (--model) {str(run)!r}: its newest checkpoint {where} is a LoRA run's: {MODEL_DIR}/ "
+                         f"holds the frozen base and {ADAPTER_DIR}/ the trained adapter, and evaluation loads one "
+                         f"plain model. Merge them (peft: PeftModel.from_pretrained(base, adapter).merge_and_unload()"
+                         f".save_pretrained(DIR)) and pass --model DIR")
+    say(f"model (--model) {str(run)!r} is a training run: evaluating its newest complete checkpoint, "
+        f"{where / MODEL_DIR} (step {manifest['step']})")
+    return str(where / MODEL_DIR)
+
+def eval_model(model: str,     # `--model`: a shipped family, a model directory, or a training run's directory
+               seed: int = 0,  # what a shipped family's random initialisation draws from
+               say=print,      # where the line saying what is evaluated goes (a run's checkpoint, a random baseline)
+              ) -> str:
+    "The model an evaluation loads for `model`: a run's newest checkpoint model; a directory without weights refused."
+    if model in model_families():
+        say(f"model (--model) {model!r} is a shipped family: evaluating a random initialisation of its tiny config "
+            f"(seed {seed}), a baseline, not a trained model")
+        return model
+    if is_run_dir(Path(model)): return run_model(Path(model), say)
+    if (Path(model) / "config.json").is_file() and not has_weights(model):
+        raise ValueError(f"{no_weights(model)}: evaluating it would score a random initialisation. Pass the directory "
+                         f"save_pretrained wrote (a checkpoint's {MODEL_DIR}/), a training run's directory (its newest "
+                         f"checkpoint), or a shipped family {model_families()} for a random baseline")
+    return model
+
 # %% ../nbs/03_runtime/10_evaluate.ipynb #7fcf6892
+def preflight_eval(cfg: TrainConfig,
+                   say=print,  # where `eval_model`'s line goes
+                  ) -> tuple[TrainConfig, object]:
+    """The evaluation's config (`eval_config`, its model resolved by `eval_model`) and the model's transformers config,
+    after refusing what no process could run: the layout against the model's heads, the attention."""
+    cfg = eval_config(cfg)
+    cfg = replace(cfg, model=eval_model(cfg.model, cfg.seed, say))
+    config = model_config(cfg)
+    if cfg.ring > 1: check_layout(config, cfg.sp, cfg.ring, world_size=cfg.world)
+    else: check_sp(config, cfg.sp, world_size=cfg.world)
+    check_attention(cfg, config)  # as training does: flash-attn missing, an attention the model refuses
+    return cfg, config
+
 def evaluate(cfg: TrainConfig,                  # the layout, model, data and token budget (the fields in `EVAL_FIELDS`)
              features: list[dict] | None = None, # tokenized examples to evaluate (None: read `cfg.data` as training does)
             ) -> EvalResult:
     "Evaluate on `cfg.world` forked processes under `cfg`'s layout: per-example loss and token accuracy, as one process evaluating each example alone."
-    cfg = eval_config(cfg)
-    config = model_config(cfg)
-    if cfg.ring > 1: check_layout(config, cfg.sp, cfg.ring, world_size=cfg.world)
-    else: check_sp(config, cfg.sp, world_size=cfg.world)
+    cfg, config = preflight_eval(cfg)
     if features is None: features, _ = run_features(cfg)
     check_eval_features(features, cfg.max_tokens, config.vocab_size, cfg.data)
     results = launch(evaluate_rank, cfg, features, num_processes=cfg.world, sp_size=cfg.sp, ring=cfg.ring,
-                     model_config=config, timeout_s=cfg.timeout_s)
+                     model_config=config, timeout_s=cfg.timeout_s, stall_s=cfg.stall_s or None)
     print(results[0].summary())
     return results[0]
 
@@ -85,32 +145,57 @@ def each_alone(cfg: TrainConfig,        # the model (`cfg.model`, `cfg.seed`, `c
     return EvalResult.from_sums(sums)
 
 
+# %% ../nbs/03_runtime/10_evaluate.ipynb #c7a7e29f
+ID_FIELDS = ("id", "uid", "uuid", "example_id")  # a data row's own id, kept in eval.jsonl beside the example's number
+
+def record_ids(data: str) -> dict[str, list]:
+    """The own id of every row of `data` (`--data`) by its field's name, the first of `ID_FIELDS` the rows carry ({}:
+    none, or a shipped sample); read beside `run_features`, which tokenizes the same rows, one feature per row."""
+    if data in SAMPLES: return {}
+    rows, _ = _read_rows(data, _data_path(data))
+    name = next((n for n in ID_FIELDS if any(r.get(n) is not None for r in rows)), None)
+    return {} if name is None else {name: [r.get(name) for r in rows]}
+
+def eval_rows(result: EvalResult,
+              ids: dict[str, list],  # each example's own id by its field's name (`record_ids`; {}: none)
+             ) -> list[dict]:
+    "The rows of eval.jsonl: each example's number, its own id, its trained targets, loss and accuracy."
+    rows = result.rows()
+    for name, values in ids.items():  # strict: an id for every example, never one shifted onto another
+        rows = [{"example": r["example"], name: v, **r} for r, v in zip(rows, values, strict=True)]
+    return rows
+
 # %% ../nbs/03_runtime/10_evaluate.ipynb #3abf16e3
 def main(argv=None) -> EvalResult:
-    "Command line: `python -m workbench.evaluate --model runs/x/checkpoints/step-000010/model --data held_out.jsonl --sp 2 --nproc 2 --out runs/x`."
-    p = _parser()
+    "Command line: `python -m workbench.evaluate --model runs/x --data held_out.jsonl --sp 2 --nproc 2 --out runs/x`."
+    p = _parser(EVAL_FIELDS)  # --help lists what an evaluation reads, and nothing else
     p.prog, p.description = "python -m workbench.evaluate", "per-example loss and token accuracy under any DP x SP layout"
-    a = p.parse_args(argv)
-    other = [flag(f.name) for f in fields(TrainConfig) if f.name not in EVAL_FIELDS and getattr(a, f.name) is not None]
-    if a.preset: other.append("--preset")
-    if other:
-        p.error(f"{', '.join(other)} do not apply to evaluation: it reads "
+    a, rest = p.parse_known_args(argv)
+    given = {arg.split("=")[0] for arg in rest if arg.startswith("--")}
+    training = [flag(f.name) for f in fields(TrainConfig) if flag(f.name) in given]
+    training += ["--preset"] * ("--preset" in given)
+    if training:
+        p.error(f"{', '.join(training)} do not apply to evaluation: it reads "
                 f"{' '.join(flag(name) for name in EVAL_FIELDS)} and --nproc")
+    if rest: p.error(f"unrecognized arguments: {' '.join(rest)}")
     world = int(os.environ.get("WORLD_SIZE", 1))  # > 1 when torchrun / accelerate launch started the processes
-    cfg = eval_config(_config(p, a, world))
+    cfg = _config(p, a, world)
+    first = int(os.environ.get("RANK", 0)) == 0
     try:
         if world > 1:  # join the launcher's process group
+            cfg, config = preflight_eval(cfg, say=print if first else lambda _: None)
             features, _ = run_features(cfg)
+            check_eval_features(features, cfg.max_tokens, config.vocab_size, cfg.data)
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(seconds=cfg.timeout_s))
             try: result = evaluate_rank(cfg, features)
             finally: dist.destroy_process_group()
         else: result = evaluate(cfg)
     except ValueError as e: p.error(str(e))  # what evaluate and the launcher refuse: usage errors, exit code 2
-    if int(os.environ.get("RANK", 0)) == 0:
+    if first:
         if world > 1: print(result.summary())  # evaluate() printed it on one machine
         out = Path(cfg.out)
         out.mkdir(parents=True, exist_ok=True)
-        lines = [json.dumps(row) for row in result.rows()]
+        lines = [json.dumps(row) for row in eval_rows(result, record_ids(cfg.data))]
         replace_file(out / "eval.jsonl", "\n".join(lines) + "\n")
         print(f"wrote {out / 'eval.jsonl'}")
     return result

@@ -4,19 +4,22 @@
 
 # %% ../nbs/03_runtime/06_readouts.ipynb #df083339
 from __future__ import annotations
+import json
 import re
 import resource
+import statistics
 from pathlib import Path
 
 import torch
 
 from .config import TrainConfig, model_config
-from .cost import ring_blocks
+from .cost import _run_record, check_run, ring_blocks
 from .memory import Levers, estimate
+from .tracking import read_metrics
 
 # %% auto #0
-__all__ = ['peak_memory_bytes', 'watch_memory', 'expected_memory', 'memory_readout', 'plan_readout', 'balance_readout',
-           'memory_comparison']
+__all__ = ['START_STEP', 'peak_memory_bytes', 'watch_memory', 'expected_memory', 'memory_readout', 'plan_readout',
+           'balance_readout', 'memory_comparison', 'segment_start', 'segment_rows', 'prediction_comparison']
 
 # %% ../nbs/03_runtime/06_readouts.ipynb #d219f250
 _STATUS = Path("/proc/self/status")  # Linux: VmRSS (resident now) and VmHWM (its peak), in KiB
@@ -107,5 +110,38 @@ def memory_comparison(rows: list[dict],       # the run's metrics rows (`read_me
         return (f"{measured}\n  not compared with the planner: a CPU process's resident memory also holds the Python runtime, "
                 f"the libraries, the dataset and the allocator's caches; the planner counts device tensor bytes")
     if planned is None: return measured
-    worst = max(peak, key=peak.get)
-    return f"{measured}\n  planner against the largest: {planned / 2**30:.3f} GiB planned, measured/planned {peak[worst] / planned:.2f}"
+    largest = max(peak.values())
+    return (f"{measured}\n  peak memory of the largest rank: predicted {planned / 2**30:.3f} GiB (planner), measured "
+            f"{largest / 2**30:.3f} GiB, ratio {planned / largest:.2f}")
+
+# %% ../nbs/03_runtime/06_readouts.ipynb #d6b2c302
+START_STEP = "start_step"  # config.json's key: the step the run's last segment began at (a resume's checkpoint step)
+
+def segment_start(out) -> int:
+    "The step the last training in `out` began at: 0, or the checkpoint step a resume continued from."
+    return json.loads((Path(out) / "config.json").read_text()).get(START_STEP, 0)  # absent: a run from before it was
+
+def segment_rows(out) -> list[dict]:
+    "The metrics rows of the segment that ran last in `out` (a resume's `metrics.jsonl` holds the steps before it too)."
+    start = segment_start(out)  # the rows from it on are this segment's: `truncate_metrics` dropped the older ones
+    return [r for r in read_metrics(out) if r["step"] >= start]
+
+def prediction_comparison(out,                # a run directory `workbench.train.run` wrote: config.json, metrics.jsonl
+                          record: bool = True,  # `check_run`'s: later predictions in this process carry the run
+                         ) -> str | None:
+    """Every predicted number of the segment that ran last against its measured steps past the segment's first
+    (medians): s/step (`check_run`), tokens/s and MFU; None without a prediction or without such a step."""
+    skip = segment_start(out) + 1  # the segment's first step warms up, as check_run leaves out a run's step 0
+    try: checked = check_run(out, skip, record)
+    except ValueError: return None  # no prediction (LoRA, an unmodelled architecture) or no step past the first
+    predicted, rows = _run_record(out, skip)
+    tokens = [r["tokens_per_s"] for r in rows]
+    predicted_tokens = [t * predicted["mfu"] / r["mfu"] for t, r in zip(tokens, rows)]  # its tokens in predicted seconds
+    numbers = [("s/step", checked.predicted_s, checked.measured_s, ".4g"),
+               ("tokens/s", statistics.median(predicted_tokens), statistics.median(tokens), ",.0f"),
+               ("MFU", predicted["mfu"], statistics.median(r["mfu"] for r in rows), ".1%")]
+    steps = [r["step"] for r in rows]
+    head = (f"predicted against measured, medians over steps {min(steps)}-{max(steps)} (this run's steps past its "
+            f"first), ratio = predicted / measured:")
+    lines = [f"  {name}: predicted {p:{f}}, measured {m:{f}}, ratio {p / m:.2f}" for name, p, m, f in numbers]
+    return "\n".join([head] + lines)

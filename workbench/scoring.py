@@ -16,6 +16,7 @@ from tqdm import tqdm  # the text bar: forked ranks cannot draw notebook widgets
 from .config import TrainConfig
 from .core import IGNORE_INDEX
 from .data import check_token_ids
+from .launch import progress
 from .packing import FlatteningCollator, TokenBudgetSampler, plan_bins
 from .sp.balance import ring_batch
 from .sp.grid import ParallelGrid
@@ -147,6 +148,7 @@ def evaluate_model(model,                 # this process's model, as training bu
             else: logits, _ = sp_forward(model, shard, grid)
             repeated = k * cfg.dp + replica >= len(plan.bins)  # the table's last row repeats bins so every replica takes as many
             if not repeated: sums += example_sums(logits, shard, positions, torch.as_tensor(plan.example[piece_ids]), plan.n_examples)
+            progress()  # a row scored: the launcher's stall clock (`stall_s`) starts again
     model.train(was_training)
     if dist.is_initialized():
         device = next(model.parameters()).device

@@ -4,9 +4,11 @@
 
 # %% ../nbs/03_runtime/08_train.ipynb #c717fc3d
 from __future__ import annotations
+import contextlib
 import json
 import os
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, replace
 from datetime import timedelta
@@ -19,16 +21,17 @@ from tqdm import tqdm  # the text bar: forked ranks cannot draw notebook widgets
 from .attention import KEY as VARLEN_KEY, register as register_varlen
 from .checkpoint import SAVE_WAIT, check_out, latest_checkpoint, load_checkpoint, plan_id, save_checkpoint
 from .config import DTYPES, TrainConfig, _config, _parser, model_config
-from .cost import BalancedPlan, Dims, attention_flops, bin_work, check_run, fresh_cpu, measured_mfu, plan_balanced, run_device, run_efficiency, run_options, run_prediction, served_steps, unmodelled, windowed
+from .cost import BalancedPlan, Dims, attention_flops, bin_work, fresh_cpu, measured_mfu, plan_balanced, run_device, run_efficiency, run_options, run_prediction, served_steps, unmodelled, windowed
 from .core import model_families, no_hf_bars
 from .data import check_token_ids, run_features
 from .fsdp import reduce_gradients, shard_model
-from .launch import launch
+from .launch import launch, progress
 from .packing import FlatteningCollator, TokenBudgetSampler, plan_bins
 from .scoring import check_eval_features, evaluate_model
-from .readouts import balance_readout, memory_comparison, memory_readout, peak_memory_bytes, plan_readout, watch_memory
+from .readouts import (START_STEP, balance_readout, memory_comparison, memory_readout, peak_memory_bytes, plan_readout,
+                                prediction_comparison, segment_rows, watch_memory)
 from .tiling import checkpoint_layers, lean_kernels, tile_mlp
-from .tracking import process_rank, read_metrics, replace_file, reporting, truncate_metrics, write_evaluation, write_metrics
+from .tracking import process_rank, replace_file, reporting, truncate_metrics, write_evaluation, write_metrics
 from .sp.balance import plan_window, ring_batch
 from .sp.grid import check_layout, check_sp, ParallelGrid
 from .sp.loss import global_loss
@@ -37,11 +40,12 @@ from .sp.shard import shard_batch
 from .sp.ulysses import register_ulysses, sp_forward
 
 # %% auto #0
-__all__ = ['add_lora', 'run_dtype', 'build_model', 'attention_key', 'cost_modelled', 'token_imbalance', 'plan_run',
-           'check_trained', 'step_bytes', 'RankRun', 'check_world', 'rank_model', 'read_run_data', 'setup_rank',
-           'write_run_config', 'next_step_bins', 'evaluation_due', 'checkpoint_due', 'step_shards', 'forward_backward',
-           'step_totals', 'optimizer_step', 'shard_tokens', 'row_tokens', 'step_metrics', 'train_step',
-           'evaluate_during_training', 'train_rank', 'preflight_run', 'run', 'main']
+__all__ = ['WEIGHT_FILES', 'FLASH_ATTN', 'add_lora', 'run_dtype', 'has_weights', 'no_weights', 'random_start', 'build_model',
+           'attention_key', 'cost_modelled', 'token_imbalance', 'plan_run', 'check_trained', 'step_bytes',
+           'check_attention', 'RankRun', 'check_world', 'rank_model', 'read_run_data', 'setup_rank', 'write_run_config',
+           'next_step_bins', 'evaluation_due', 'checkpoint_due', 'step_shards', 'forward_backward', 'step_totals',
+           'optimizer_step', 'shard_tokens', 'row_tokens', 'step_metrics', 'train_step', 'evaluate_during_training',
+           'progressing', 'train_rank', 'preflight_run', 'run', 'main']
 
 # %% ../nbs/03_runtime/08_train.ipynb #b48e5e3a
 def add_lora(model, r: int):
@@ -56,13 +60,34 @@ def run_dtype(cfg: TrainConfig, device_type: str) -> torch.dtype:
     "The dtype the run trains in: `cfg.dtype`, or for 'auto' bf16 on CUDA and fp32 on a CPU."
     return DTYPES.get(cfg.dtype) or (torch.bfloat16 if device_type == "cuda" else torch.float32)
 
+# what `from_pretrained` loads from a directory: transformers' SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME
+# and WEIGHTS_INDEX_NAME (an index names the shards of a sharded checkpoint)
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json",
+                "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+def has_weights(model: str) -> bool:
+    "Whether `model` (`cfg.model`) is a directory holding weights `from_pretrained` loads (one of `WEIGHT_FILES`)."
+    return model not in model_families() and any((Path(model) / name).is_file() for name in WEIGHT_FILES)
+
+def no_weights(model: str) -> str:
+    "What a model directory without weights lacks, in words: the start of a message about `model`."
+    return f"model (--model) {model!r} has a config.json but no weights (none of {', '.join(WEIGHT_FILES)})"
+
+def random_start(cfg: TrainConfig) -> str | None:
+    """The line a run prints when it trains a model directory without weights from a random initialisation of its
+    config; None when weights are loaded (a shipped family starts at random by design, a resumed run at its
+    checkpoint)."""
+    if cfg.model in model_families() or has_weights(cfg.model): return None
+    if cfg.resume and latest_checkpoint(Path(cfg.out), say=lambda _: None): return None
+    return f"{no_weights(cfg.model)}: training starts from a random initialisation of that config (seed {cfg.seed})"
+
 def build_model(cfg: TrainConfig, attn_implementation: str, device: torch.device):
-    "The model of `cfg.model` with the given attention, seeded, in train mode (checkpoint weights loaded when present)."
+    "The model of `cfg.model` with the given attention, seeded, in train mode (its weights loaded if it has them)."
     from transformers import AutoModelForCausalLM
     dtype = run_dtype(cfg, device.type)
     config = model_config(cfg)
     torch.manual_seed(cfg.seed)
-    weights = cfg.model not in model_families() and any(p.suffix in (".safetensors", ".bin") for p in Path(cfg.model).iterdir())
+    weights = has_weights(cfg.model)
     with no_hf_bars():  # no "Loading weights" bar around a notebook's result
         model = (AutoModelForCausalLM.from_pretrained(cfg.model, attn_implementation=attn_implementation, dtype=dtype) if weights
                  else AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype))
@@ -135,6 +160,29 @@ def step_bytes(config,            # the model config
     "Bytes this process sent in one optimizer step: `comm_bytes` of every micro-step's (padded) row, over each group."
     sent = [comm_bytes(config, n, cfg.sp, cfg.ring, cfg.checkpointing, dtype_bytes) for n in rows]
     return dict(a2a_bytes=sum(b["all_to_all"] for b in sent), ring_bytes=sum(b["ring"] for b in sent))
+
+# %% ../nbs/03_runtime/08_train.ipynb #85c221e1
+FLASH_ATTN = "flash_attention_2"  # transformers' key for the flash-attn package's kernels
+
+def check_attention(cfg: TrainConfig,
+                    config,  # the model's transformers config (`model_config`)
+                   ):
+    "Refuse an attention `cfg.attn` this model cannot run here, naming the fix (built on the meta device: no memory)."
+    if cfg.attn == FLASH_ATTN:
+        try: import flash_attn  # noqa: F401
+        except ImportError as e:
+            raise ValueError(f"attn (--attn) {FLASH_ATTN!r} runs the flash-attn package, which is not installed "
+                             f"here ({e}): install it with the gpu extra, pip install -e '.[gpu]' (flash-attn, CUDA "
+                             f"only), or use --attn {VARLEN_KEY}, the workbench's own varlen attention (CPU and GPU, "
+                             f"nothing to install)") from None
+    from transformers import AutoModelForCausalLM
+    try:  # the model's own refusal of an attention it cannot use
+        with torch.device("meta"): AutoModelForCausalLM.from_config(config, attn_implementation=attention_key(cfg))
+    except (ValueError, ImportError) as e: raise ValueError(f"attn (--attn) {cfg.attn!r}: {e}") from None
+    except KeyError:
+        raise ValueError(f"attn (--attn) {cfg.attn!r}: {config.model_type} models do not look attention up in "
+                         f"transformers' AttentionInterface, so they cannot run a registered one: use sdpa or "
+                         f"eager") from None
 
 # %% ../nbs/03_runtime/08_train.ipynb #3809c823
 @dataclass
@@ -210,9 +258,12 @@ def setup_rank(cfg: TrainConfig,
     return RankRun(cfg, device, grid, model, opt, plan, sampler, imbalance, predicted, pieces, collate, tokenizer, save_group,
                    eval_features, bin_flops)
 
-def write_run_config(out: Path, rank_run: RankRun):
-    "Rank 0's `config.json`: the config, the plan, the planner's peak, and the predicted imbalance and step time."
-    record = {**asdict(rank_run.cfg), "ring_kernel": rank_run.cfg.block_kernel, "plan": repr(rank_run.plan),
+def write_run_config(out: Path, rank_run: RankRun,
+                     start: int,  # the step this run begins at (a resume's checkpoint step): what its readouts cover
+                    ):
+    "Rank 0's `config.json`: the config, its start step, the plan, the planner's peak, the predicted imbalance, step."
+    record = {**asdict(rank_run.cfg), "ring_kernel": rank_run.cfg.block_kernel, START_STEP: start,
+              "plan": repr(rank_run.plan),
               "expected_peak_bytes": memory_readout(rank_run.cfg, rank_run.model.dtype, rank_run.device.type)[0]}
     if rank_run.imbalance: record["imbalance"] = rank_run.imbalance
     if rank_run.predicted: record["predicted"] = rank_run.predicted.as_dict()
@@ -251,17 +302,17 @@ def step_shards(bins: list,       # this replica's plan bins of one optimizer st
         shards.append(shard)
     return shards
 
-def forward_backward(model, shards: list[dict], grid, cfg: TrainConfig, device: torch.device) -> torch.Tensor:
+def forward_backward(model, shards: list[dict], grid, cfg: TrainConfig) -> torch.Tensor:
     "Forward and backward every micro-step's shard; this process's share of the step's loss (summed token losses / the step's trained tokens)."
     step_trained = sum(shard["num_items_in_batch"] for shard in shards)  # every micro-step's row: the loss denominator
-    step_loss = torch.zeros((), device=device)
+    losses = []
     for shard in shards:
         micro = {**shard, "num_items_in_batch": step_trained}  # the shard keeps its own row's count (the metrics read it)
         if cfg.ring > 1: _, loss = ring_forward(model, micro, grid, cfg.block_kernel)
         else: _, loss = sp_forward(model, micro, grid, cfg.loss_chunk or None)
         loss.backward()
-        step_loss += loss.detach()
-    return step_loss
+        losses.append(loss.detach())
+    return torch.stack(losses).sum()  # in the loss's own dtype: a float64 run's loss is not rounded to float32
 
 def step_totals(bins: list, shards: list[dict], plan, grid, device: torch.device) -> torch.Tensor:
     "The plan's tokens and the trained targets of the whole step, over every replica: `[real, trained]` (one all-reduce)."
@@ -331,7 +382,7 @@ def train_step(rank_run: RankRun, step: int, bins: list,
     totals = step_totals(bins, shards, rank_run.plan, grid, rank_run.device)
     check_trained(int(totals[1]), step, bins)  # before any forward: no step is taken on nothing
     t_compute = time.perf_counter()
-    step_loss = forward_backward(rank_run.model, shards, grid, rank_run.cfg, rank_run.device)
+    step_loss = forward_backward(rank_run.model, shards, grid, rank_run.cfg)
     compute_s = time.perf_counter() - t_compute
     optimizer_step(rank_run.model, rank_run.opt, grid)
     loss = global_loss(step_loss, grid)
@@ -351,6 +402,17 @@ def evaluate_during_training(rank_run: RankRun, step: int, sink):
         tqdm.write(f"after step {step + 1}: {result.summary()}", file=sys.stdout)
     sink.log(row, prefix="eval")
 
+@contextlib.contextmanager
+def progressing(every_s: float = 1.0):  # seconds between two `progress()` calls
+    "`progress()` every `every_s` seconds while the block runs: a checkpoint save progresses, however slow the disk."
+    done = threading.Event()
+    def beat():
+        while not done.wait(every_s): progress()
+    beating = threading.Thread(target=beat, daemon=True)
+    beating.start()
+    try: yield
+    finally: done.set(); beating.join()
+
 def train_rank(cfg: TrainConfig,
                prepared: tuple | None = None,  # `(features, tokenizer, eval_features)` as `preflight_run` returned them (None: read the data here)
               ) -> list[float]:
@@ -361,9 +423,10 @@ def train_rank(cfg: TrainConfig,
     pid = plan_id(rank_run.plan)
     start = load_checkpoint(out, rank_run.model, rank_run.opt, rank_run.sampler, cfg, pid) if cfg.resume else 0
     if process_rank() == 0:
-        write_run_config(out, rank_run)
+        write_run_config(out, rank_run, start)
         truncate_metrics(out, start)  # a resumed run logs each step once: rows past the checkpoint go
     if dist.is_initialized(): dist.barrier()
+    progress()  # loaded: the launcher's stall clock (`cfg.stall_s`) restarts here, and after every step
     bin_stream = _endless(rank_run.sampler)
     losses = []
     with reporting(cfg, start) as sink:
@@ -375,11 +438,14 @@ def train_rank(cfg: TrainConfig,
             row = train_step(rank_run, step, bins, started)
             losses.append(row["loss"])
             write_metrics(out, **row)
+            bar.set_postfix({"loss": f"{row['loss']:.4f}", "tokens/s": f"{row['tokens_per_s']:,.0f}"})  # all replicas
             sink.log(row)
-            if evaluation_due(cfg, step): evaluate_during_training(rank_run, step, sink)
+            progress()
+            if evaluation_due(cfg, step): evaluate_during_training(rank_run, step, sink); progress()
             if checkpoint_due(cfg, step):
-                save_checkpoint(out, step + 1, rank_run.model, rank_run.opt, rank_run.sampler, cfg, pid,
-                                rank_run.save_group, rank_run.tokenizer)
+                with progressing():  # outside the stall limit, as outside the collective timeout (`SAVE_WAIT`)
+                    save_checkpoint(out, step + 1, rank_run.model, rank_run.opt, rank_run.sampler, cfg, pid,
+                                    rank_run.save_group, rank_run.tokenizer)
     return losses
 
 # %% ../nbs/03_runtime/08_train.ipynb #d147a1b7
@@ -398,12 +464,8 @@ def preflight_run(cfg: TrainConfig) -> tuple[list[dict], object, list[dict] | No
                          "use --ring-kernel plain (exact with a window on any device)")
     if cfg.ring > 1: check_layout(config, cfg.sp, cfg.ring, world_size=cfg.world)  # Ulysses degree vs heads; the ring the rest
     else: check_sp(config, cfg.sp, world_size=cfg.world)
-    from transformers import AutoModelForCausalLM
-    try:  # on the meta device: no memory, but the model's own refusal of an attention it cannot use
-        with torch.device("meta"): AutoModelForCausalLM.from_config(config, attn_implementation=attention_key(cfg))
-    except ValueError as e: raise ValueError(f"attn (--attn) {cfg.attn!r}: {e}") from None
-    except KeyError: raise ValueError(f"attn (--attn) {cfg.attn!r}: {config.model_type} models do not look attention up in "
-                                      f"transformers' AttentionInterface, so they cannot run a registered one: use sdpa or eager") from None
+    check_attention(cfg, config)
+    if (line := random_start(cfg)) and int(os.environ.get("RANK", 0)) == 0: print(line)  # once, also under torchrun
     cost_modelled(cfg, config)  # balance 'cost' on an architecture the cost model refuses: said here
     check_out(cfg, config)
     return read_run_data(cfg, config)
@@ -417,12 +479,9 @@ def run(cfg: TrainConfig) -> list[float]:
     fresh_cpu()  # a CPU measured more than a minute ago is measured again: the box's load may have changed
     run_device(cfg.world); run_efficiency()  # measured once here (cached; its ranks computing at once), so that every forked rank uses the same peak and factors
     results = launch(train_rank, cfg, prepared, num_processes=cfg.world, sp_size=cfg.sp, ring=cfg.ring, model_config=model_config(cfg),
-                     timeout_s=cfg.timeout_s)
-    print(memory_comparison(read_metrics(Path(cfg.out)), planned, _device().type))
-    try: checked = check_run(cfg.out)  # recorded: every later prediction in this process carries it as a held-out error
-    except ValueError: checked = None  # no prediction (LoRA, an unmodelled architecture) or no step past the first
-    if checked: print(f"step time: predicted {checked.predicted_s:.4g} s/step, measured {checked.measured_s:.4g} s/step "
-                      f"(median past step 0), predicted / measured {checked.predicted_s / checked.measured_s:.2f}")
+                     timeout_s=cfg.timeout_s, stall_s=cfg.stall_s or None)
+    print(memory_comparison(segment_rows(cfg.out), planned, _device().type))  # this run's rows, not a resume's older
+    if comparison := prediction_comparison(cfg.out): print(comparison)  # recorded: later predictions carry it, held out
     return results[0]
 
 _INTERRUPTS = ("KeyboardInterrupt",)  # what SIGINT becomes in this process (launch's ranks ignore it; the parent ends them)
