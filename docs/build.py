@@ -78,11 +78,12 @@ def runs(cell, flags: set[str]) -> bool:
 
 
 NOTEBOOK_EXTRAS = ("peft", "deepspeed")  # optional packages (pyproject's extras) that notebooks import
+PYPROJECT = ROOT / "pyproject.toml"  # the project's own dependencies (fixed here: a test may point ROOT at a scratch tree)
 
 
 def keyed_packages() -> list[str]:
     "The packages whose installed versions key the cache: pyproject's dependencies and `NOTEBOOK_EXTRAS`."
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    deps = tomllib.loads(PYPROJECT.read_text())["project"]["dependencies"]
     return sorted({re.match(r"[A-Za-z0-9_.-]+", d).group(0).lower() for d in deps} | set(NOTEBOOK_EXTRAS))
 
 

@@ -246,3 +246,26 @@ def test_measured_lines_are_solid_beside_a_prediction(tmp_path):
     balance = {t.name: t.line.dash for t in dash.balance.data}
     assert [balance[f"SP=2 rank {k}"] for k in (0, 1)] == ["solid"] * 2 and balance["SP=2 rank 1 predicted"] == "dot"
     assert [t.line.dash for t in dash.loss.data] == ["solid", "dash"]  # no prediction: each run keeps its own dash
+
+
+def test_a_resume_on_another_layout_shows_its_own_ranks(tmp_path):
+    """An SP=2 segment, then a one-process resume into the same --out, watched (issue 47): memory and the ranks show
+    the resumed segment's rank 0 from its start step (config.json's start_step), not the rank 1 that no longer exists;
+    the loss keeps the whole run, and the progress line says which curves hold which steps."""
+    from workbench.config import TrainConfig
+    from workbench.train import run
+    common = dict(data="orca_like", max_tokens=256, out=str(tmp_path / "run"), name="resumed")
+    run(TrainConfig(sp=2, steps=2, **common))
+    dash = Dashboard(TrainConfig(steps=4, resume=True, **common))
+    assert {t.name for t in dash.balance.data} >= {"resumed rank 0", "resumed rank 1"}  # the SP=2 segment's two ranks
+    dash.watch(0.02)
+    run(TrainConfig(steps=4, resume=True, **common))
+    dash.stop()
+    shown = lambda fig: {t.name: list(t.x) for t in fig.data if t.showlegend}
+    assert shown(dash.memory) == {"resumed rank 0": [2, 3]}
+    assert shown(dash.balance) == {} and dash.ranks_text.value == "" and dash._ranks.layout.display == "none"
+    assert shown(dash.loss) == {"resumed": [0, 1, 2, 3]}
+    assert shown(dash.step_time) == {"resumed": [0, 1, 2, 3], "resumed predicted": [2, 3]}  # this layout's prediction
+    assert dash.texts[0].value.startswith("done, 4/4 steps in ")
+    assert dash.texts[0].value.endswith("; resumed at step 2: memory and ranks show this segment, the other curves the "
+                                        "whole run"), dash.texts[0].value

@@ -8,7 +8,7 @@ from datasets import Dataset
 
 from workbench.config import TrainConfig
 from workbench.core import load_tokenizer
-from workbench.data import check_token_ids, load_features, run_features
+from workbench.data import check_token_ids, load_features, run_examples, run_features
 from workbench.packing import FlatteningCollator, plan_bins
 
 ROWS = [{"input_ids": [5, 6, 7, 8, 9], "completion_mask": [0, 0, 1, 1, 1]},
@@ -49,6 +49,18 @@ def test_token_id_rows_keep_their_masks_in_every_format(tmp_path, suffix, varian
     assert _trained(features) == NAMED  # was 9: every token but each row's first, prompts included
     assert int(plan_bins(features, 16).trained.sum()) == NAMED
     assert run_features(TrainConfig(data=path))[0] == features  # the CLI's and evaluation's reader
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "json", "parquet"])
+def test_each_rows_own_id_comes_back_beside_its_features_in_every_format(tmp_path, suffix):
+    """The first of id/uid/uuid/example_id the rows carry comes back from the read that tokenized them, beside the
+    features (which stay those of the rows without it: collators and the planner never see it); a row without one: None."""
+    rows = [{"example_id": f"ex-{i}", **r} for i, r in enumerate(ROWS)]
+    rows[1]["example_id"] = None  # a row without an id of its own
+    features, _, ids = run_examples(TrainConfig(model="llama", data=_write(tmp_path / f"rows.{suffix}", rows)))
+    assert features == load_features(_write(tmp_path / f"plain.{suffix}", ROWS))
+    assert ids == {"example_id": ["ex-0", None, "ex-2"]}
+    assert run_examples(TrainConfig(model="llama", data="orca_like"))[2] == {}  # a shipped sample carries none
 
 
 def test_a_dataset_of_string_masks_is_refused_by_the_plan_not_read_as_all_ones():

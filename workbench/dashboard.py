@@ -18,9 +18,12 @@ from pathlib import Path
 import ipywidgets as widgets
 import plotly.graph_objects as go
 
+from .readouts import START_STEP, rows_from
+
 # %% auto #0
-__all__ = ['METRIC_KEYS', 'CPU_CAVEAT', 'PLOTLY_MIME', 'COMM_TITLE', 'BALANCE_TITLE', 'MetricsReader', 'RunProgress',
-           'run_progress', 'RankBalance', 'rank_balance', 'figure_output', 'import_drawing_modules', 'Dashboard']
+__all__ = ['METRIC_KEYS', 'CPU_CAVEAT', 'PLOTLY_MIME', 'COMM_TITLE', 'RESUMED_NOTE', 'BALANCE_TITLE', 'MetricsReader',
+           'RunProgress', 'run_progress', 'RankBalance', 'rank_balance', 'figure_output', 'import_drawing_modules',
+           'Dashboard']
 
 # %% ../nbs/03_runtime/09_dashboard.ipynb #9c5d2370
 METRIC_KEYS = ("step", "rank", "loss", "tokens", "trained", "tokens_per_s", "peak_mem_bytes", "a2a_share", "ring_share",
@@ -91,16 +94,14 @@ class RunProgress:
 def run_progress(name: str,              # the run's label
                  rows: list[dict],       # its metrics rows, in file order
                  total: int | None,      # the steps it will make, if known
+                 start: int = 0,         # the step its last segment began at (config.json's `start_step`; 0: first)
                  ) -> RunProgress:
-    "A run's own progress from its rank-0 rows (a resumed run's `time` restarts at 0: only its last session paces the ETA)."
+    "A run's own progress from its rank-0 rows (a resume's `time` restarts at `start`: only its segment paces the ETA)."
     mine = [r for r in rows if r["rank"] == 0]
     done = max((r["step"] for r in mine), default=-1) + 1
-    times = [r["time"] for r in mine if "time" in r]
-    session = next((i for i in range(1, len(times)) if times[-i] < times[-i - 1]), len(times))
+    times = [r["time"] for r in rows_from(mine, start) if "time" in r]
     elapsed = times[-1] if times else None
-    eta = None
-    if total is not None and elapsed is not None and session:
-        eta = elapsed / session * max(total - done, 0)
+    eta = elapsed / len(times) * max(total - done, 0) if total is not None and times else None
     return RunProgress(name, done, total, elapsed, eta)
 
 # %% ../nbs/03_runtime/09_dashboard.ipynb #711f5f80
@@ -181,6 +182,7 @@ _SYMBOLS = ("circle", "x", "diamond", "square", "triangle-up", "cross")
 _RUN_DASH = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
 COMM_TITLE = "time in communication (solid: all-to-all, dashed: ring)"
+RESUMED_NOTE = "resumed at step {start}: memory and ranks show this segment, the other curves the whole run"
 BALANCE_TITLE = "per rank: forward + backward<br>(dotted: predicted FLOPs, long dash: their attention, dash-dot: tokens)"
 _COMM = (("a2a_share", "all-to-all", "solid"), ("ring_share", "ring", "dash"))  # key, trace name, line dash
 
@@ -277,12 +279,15 @@ class Dashboard:
         "The figures that hold data (step time and MFU only when the runs record them)."
         return [f for f in self._all_figures() if any(len(t.x or ()) for t in f.data)]
 
-    def _series(self, i: int, label: str) -> dict:
+    def _series(self, i: int, label: str,
+                start: int,  # the step the run's last segment began at: its ranks, plan and prediction from there on
+               ) -> dict:
         "Every trace of run `i`: key -> (figure, name, x, y, line dash)."
         reader, out = self.readers[i], {}
         rows, config = reader.rows, reader.config
-        rank0 = [r for r in rows if r["rank"] == 0]
-        last = max((r["step"] for r in rows), default=0)
+        rank0 = [r for r in rows if r["rank"] == 0]  # the whole run: one model, one loss, whichever layout ran a step
+        segment = rows_from(rows, start)  # a resume's own steps, as its end-of-run readouts take them
+        span = [start, max(r["step"] for r in segment)] if segment else None  # where its plan and prediction apply
         dash = _RUN_DASH[i % len(_RUN_DASH)]  # where no prediction is drawn; by a prediction, measured is solid
         for fig, key, name, line in ((self.loss, "loss", label, dash), (self.speed, "tokens_per_s", label, dash),
                                      *((self.comm, k, f"{label} {kind}", d) for k, kind, d in _COMM),
@@ -291,11 +296,12 @@ class Dashboard:
             if have: out[key] = (fig, name, [r["step"] for r in have], [r[key] for r in have], line)
         predicted = config.get("predicted") or {}
         for fig, key in ((self.step_time, "step_s"), (self.mfu, "mfu")):  # the cost model's figure, beside the measured one
-            if rows and predicted.get(key) is not None:
-                out[f"predicted {key}"] = (fig, f"{label} predicted", [0, last], [predicted[key]] * 2, "dash")
-        if rows and config.get("expected_peak_bytes"):  # the planner's per-rank peak, drawn beside the measured ones
-            out["planned"] = (self.memory, f"{label} planned", [0, last], [config["expected_peak_bytes"] / 2**30] * 2, "longdash")
-        balance = rank_balance(rows)
+            if span and predicted.get(key) is not None:
+                out[f"predicted {key}"] = (fig, f"{label} predicted", span, [predicted[key]] * 2, "dash")
+        if span and config.get("expected_peak_bytes"):  # the planner's per-rank peak, drawn beside the measured ones
+            out["planned"] = (self.memory, f"{label} planned", span, [config["expected_peak_bytes"] / 2**30] * 2,
+                              "longdash")
+        balance = rank_balance(segment)
         self._balances[i] = balance  # the words beside the figure say the same
         for rank in (balance.measured if balance is not None else {}):  # each rank's share of every step, measured and predicted
             out[f"rank {rank} share"] = (self.balance, f"{label} rank {rank}", balance.steps, balance.measured[rank],
@@ -307,15 +313,15 @@ class Dashboard:
                 out[f"rank {rank} attention share"] = (self.balance, f"{label} rank {rank} attention", balance.steps,
                                                        balance.attention[rank], "longdash")
             out[f"rank {rank} tokens share"] = (self.balance, f"{label} rank {rank} tokens", balance.steps, balance.tokens[rank], "dashdot")
-        for rank in sorted({r["rank"] for r in rows}):
-            mine = [r for r in rows if r["rank"] == rank and "peak_mem_bytes" in r]
+        for rank in sorted({r["rank"] for r in segment}):
+            mine = [r for r in segment if r["rank"] == rank and "peak_mem_bytes" in r]
             out[f"rank {rank}"] = (self.memory, f"{label} rank {rank}", [r["step"] for r in mine],
                                    [r["peak_mem_bytes"] / 2**30 for r in mine], _RANK_DASH[rank % 4])
         return out
 
-    def _draw(self, i: int, label: str):
-        "Redraw run `i` whole: traces it no longer has (a reused directory's old ranks) are emptied."
-        color, series = _COLORS[i % len(_COLORS)], self._series(i, label)
+    def _draw(self, i: int, label: str, start: int):
+        "Redraw run `i` whole: traces it no longer has (a reused directory's old ranks, an earlier segment's) go."
+        color, series = _COLORS[i % len(_COLORS)], self._series(i, label, start)
         for key, t in self._traces.items():
             if key[0] == i and key[1] not in series: t.x, t.y, t.showlegend = [], [], False
         for key, (fig, name, x, y, dash) in series.items():
@@ -352,12 +358,13 @@ class Dashboard:
     def refresh(self) -> int:
         "Read new metrics lines and redraw; returns how many lines arrived."
         arrived, labels, changed = 0, self.labels(), False
+        starts = [rd.config.get(START_STEP, 0) for rd in self.readers]  # 0: a run not resumed, or from before the key
         for i, reader in enumerate(self.readers):
             new = reader.read()
             arrived += len(new)
-            state = (labels[i], reader.restarts, len(reader.rows))
+            state = (labels[i], reader.restarts, len(reader.rows), starts[i])
             if state != self._drawn[i]:
-                self._draw(i, labels[i])
+                self._draw(i, labels[i], starts[i])
                 self._drawn[i] = state
                 changed = True
         annotated = self._annotate()
@@ -366,11 +373,12 @@ class Dashboard:
         uneven = [f"<b>{html.escape(l)}</b>: {html.escape(str(b), quote=False)}" for l, b in zip(labels, self._balances) if b is not None]
         self.ranks_text.value = "<br>".join(uneven)
         self._ranks.layout.display = None if uneven else "none"
-        self.runs = [run_progress(l, rd.rows, t) for l, rd, t in zip(labels, self.readers, self.totals)]
-        for bar, text, p, rd in zip(self.bars, self.texts, self.runs, self.readers):
+        self.runs = [run_progress(l, rd.rows, t, s) for l, rd, t, s in zip(labels, self.readers, self.totals, starts)]
+        for bar, text, p, rd, start in zip(self.bars, self.texts, self.runs, self.readers, starts):
             bar.max = max(p.total or p.done, 1); bar.value = min(p.done, bar.max); bar.description = p.name
             bar.bar_style = "success" if p.finished else ""
-            text.value = str(p).split(": ", 1)[1] + (f" ({rd.skipped} torn lines left out)" if rd.skipped else "")
+            text.value = (str(p).split(": ", 1)[1] + (f" ({rd.skipped} torn lines left out)" if rd.skipped else "")
+                          + (f"; {RESUMED_NOTE.format(start=start)}" if start else ""))
         finished = sum(p.finished for p in self.runs)
         self._line, self.error = f"{finished} of {len(self.runs)} runs done", None  # this refresh worked: no error
         self.status.value = self._line

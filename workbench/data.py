@@ -14,11 +14,12 @@ from .core import (IGNORE_INDEX, SAMPLES, bos_eos, data_dir, load_sample, load_t
 from .packing import LOSS_MASKS
 
 # %% auto #0
-__all__ = ['TOKENIZER_FILES', 'chat_features', 'tokenize_rows', 'load_features', 'run_tokenizer', 'read_features', 'run_features',
-           'check_token_ids']
+__all__ = ['ROW_KINDS', 'ID_FIELDS', 'TOKENIZER_FILES', 'GENERIC_TOKENIZERS', 'row_kind', 'chat_features', 'tokenize_rows',
+           'load_features', 'saved_tokenizer', 'run_tokenizer', 'read_examples', 'read_features', 'run_examples',
+           'run_features', 'check_token_ids']
 
 # %% ../nbs/03_runtime/03_data.ipynb #3095ce07
-_KINDS = {"input_ids": ("input_ids",), "prompt + completion": ("prompt", "completion"), "messages": ("messages",),
+ROW_KINDS = {"input_ids": ("input_ids",), "prompt + completion": ("prompt", "completion"), "messages": ("messages",),
           "text": ("text",)}
 
 _READERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}  # suffix -> datasets' builder
@@ -31,8 +32,11 @@ _MASKS = ("labels", *LOSS_MASKS)  # per-token columns of token-id rows that say 
 
 _FLAGS = {0: 0, 1: 1, "0": 0, "1": 1}  # a loss mask's values as JSON, Parquet or CSV write them (False / True are 0 / 1)
 
-def _kind(row: dict) -> str | None:
-    return next((k for k, cols in _KINDS.items() if all(row.get(c) is not None for c in cols)), None)
+ID_FIELDS = ("id", "uid", "uuid", "example_id")  # a row's own id: the first of these its file's rows carry
+
+def row_kind(row: dict) -> str | None:
+    "The kind of a raw row (a `ROW_KINDS` key: the first whose columns it all has), or None."
+    return next((k for k, cols in ROW_KINDS.items() if all(row.get(c) is not None for c in cols)), None)
 
 def _data_path(data: str) -> Path:
     "The file behind `data`: a shipped JSON-lines sample by name, else a local file."
@@ -102,14 +106,14 @@ def _check_masks(data: str, i: int, r: dict, masks: list[str]):
 def _check_rows(data: str, records: list[dict], first: int = 1) -> str:
     "The kind of columns every row has, or an error naming the first row (numbered from `first`) that differs or holds the wrong types."
     if not records: raise ValueError(f"data (--data) {data} has no rows: give a file with at least one example")
-    kind = _kind(records[0])
+    kind = row_kind(records[0])
     masks = [c for c in _MASKS if any(r.get(c) is not None for r in records)]
     if kind not in ("input_ids", None) and masks:
         raise ValueError(f"{data}: rows of {kind} carry {' and '.join(masks)}, but text is tokenized here, so a "
                          f"per-token column cannot align with it: drop the column ({kind} rows say what trains) or "
                          f"give token-id rows (input_ids beside {masks[0]})")
     for i, r in enumerate(records, first):
-        if _kind(r) != kind or kind is None:
+        if row_kind(r) != kind or kind is None:
             head = f"row {first} has {kind}, " if kind else ""
             raise ValueError(f"{data} row {i}: {head}row {i} has columns {sorted(k for k, v in r.items() if v is not None)}; "
                              f"every row needs input_ids, prompt + completion, messages, or text (the same on every row)")
@@ -121,8 +125,8 @@ def _check_rows(data: str, records: list[dict], first: int = 1) -> str:
             raise ValueError(f"{data} row {i}: input_ids must be a non-empty list of integer token ids")
         if kind == "input_ids": _check_masks(data, i, r, masks)
         if kind == "messages": _check_messages(data, i, r["messages"])
-        elif kind != "input_ids" and not all(isinstance(r[c], str) for c in _KINDS[kind]):
-            raise ValueError(f"{data} row {i}: {' and '.join(_KINDS[kind])} must be strings")
+        elif kind != "input_ids" and not all(isinstance(r[c], str) for c in ROW_KINDS[kind]):
+            raise ValueError(f"{data} row {i}: {' and '.join(ROW_KINDS[kind])} must be strings")
     return kind
 
 def _read_rows(data: str, path: Path) -> tuple[list[dict], str]:
@@ -175,45 +179,69 @@ def tokenize_rows(rows: list[dict],     # raw rows of one kind: prompt + complet
     "Raw rows checked and tokenized as `load_features` reads a file (the same code): completions and assistant turns train, text whole."
     return _tokenize(rows, _check_rows(data, rows, first), tokenizer)
 
+def _row_ids(records: list[dict]) -> dict[str, list]:
+    "Each row's own id by its field's name, the first of `ID_FIELDS` the rows carry ({}: none; None: a row without)."
+    name = next((n for n in ID_FIELDS if any(r.get(n) is not None for r in records)), None)
+    return {} if name is None else {name: [r.get(name) for r in records]}
+
 def load_features(data: str, tokenizer=None) -> list[dict]:
     """Token features of a shipped sample or a local JSON-lines, JSON, Parquet or CSV file read with `datasets`: rows of
     prompt + completion (completions train), messages (chat template; assistant turns train), text, or input_ids."""
-    tokenizer = tokenizer or load_tokenizer()
-    if data in SAMPLES: return load_sample(data, tokenizer)
-    records, kind = _read_rows(data, _data_path(data))
-    return _tokenize(records, kind, tokenizer)
+    return read_features(data, tokenizer or load_tokenizer())
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")  # what tokenizer.save_pretrained writes (either suffices)
 
+GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")  # save their whole pipeline in tokenizer.json
+
+def saved_tokenizer(where: str):  # a directory tokenizer.save_pretrained wrote (or a hub name)
+    """The tokenizer saved at `where`, as the class that saved it: one the generic backend saved (`GENERIC_TOKENIZERS`)
+    is its tokenizer.json as written, never the class `AutoTokenizer` picks from config.json's `model_type` instead."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers.models.auto.tokenization_auto import get_tokenizer_config
+    saved_as = get_tokenizer_config(where).get("tokenizer_class")
+    return (PreTrainedTokenizerFast if saved_as in GENERIC_TOKENIZERS else AutoTokenizer).from_pretrained(where)
+
 def run_tokenizer(cfg: TrainConfig):
     "The run's tokenizer: `cfg.tokenizer`, else the model directory's own, else the shipped one for a shipped family; None: a directory without one."
-    from transformers import AutoTokenizer
     if cfg.tokenizer: where, named = cfg.tokenizer, "tokenizer (--tokenizer)"
     elif cfg.model in model_families(): return load_tokenizer()
     elif any((Path(cfg.model) / f).exists() for f in TOKENIZER_FILES): where, named = cfg.model, "model (--model)"
     else: return None
-    try: return AutoTokenizer.from_pretrained(where)
+    try: return saved_tokenizer(where)
     except (OSError, ValueError) as e:
         raise ValueError(f"{named} {where!r}: its tokenizer cannot be loaded ({type(e).__name__}: {e}): pass the "
                          f"directory tokenizer.save_pretrained wrote") from None
 
+def read_examples(data: str,  # a shipped sample or a local file, as `load_features` reads it
+                  tokenizer,  # what tokenizes text; None reads token-id rows only
+                 ) -> tuple[list[dict] | None, dict[str, list]]:
+    """`load_features` with exactly `tokenizer` (without one, the token-id rows of a file; None where it holds text),
+    and beside them each row's own id by its field's name from the same read (`ID_FIELDS`; {}: none, or a sample)."""
+    if data in SAMPLES: return (None if tokenizer is None else load_sample(data, tokenizer)), {}
+    records, kind = _read_rows(data, _data_path(data))
+    features = _tokenize(records, kind, tokenizer) if tokenizer is not None or kind == "input_ids" else None
+    return features, _row_ids(records)
+
 def read_features(data: str,  # a shipped sample or a local file, as `load_features` reads it
                   tokenizer,  # what tokenizes text; None reads token-id rows only
                  ) -> list[dict] | None:
-    "`load_features` with exactly `tokenizer`: without one, the token-id rows of a file (None where it holds text)."
-    if tokenizer is not None: return load_features(data, tokenizer)
-    if data in SAMPLES: return None
-    records, kind = _read_rows(data, _data_path(data))
-    return _tokenize(records, kind, None) if kind == "input_ids" else None
+    "`read_examples`'s features: `load_features` with exactly `tokenizer`, or the token-id rows of a file without one."
+    return read_examples(data, tokenizer)[0]
 
-def run_features(cfg: TrainConfig) -> tuple[list[dict], object]:
-    "The run's token features and the tokenizer that made them (saved beside the model in every checkpoint; None for token ids)."
+def run_examples(cfg: TrainConfig) -> tuple[list[dict], object, dict[str, list]]:
+    """The run's token features, the tokenizer that made them (saved beside the model in every checkpoint; None for
+    token ids) and each row's own id (`read_examples`)."""
     tokenizer = run_tokenizer(cfg)
-    features = read_features(cfg.data, tokenizer)
-    if features is not None: return features, tokenizer
+    features, ids = read_examples(cfg.data, tokenizer)
+    if features is not None: return features, tokenizer, ids
     raise ValueError(f"model (--model) {cfg.model!r} has no tokenizer, and data (--data) {cfg.data!r} is text: the shipped "
                      f"tokenizer serves only the shipped families. Pass --tokenizer PATH (the tokenizer the model was "
                      f"trained with), or put it in the directory (tokenizer.save_pretrained({cfg.model!r}))")
+
+def run_features(cfg: TrainConfig) -> tuple[list[dict], object]:
+    "`run_examples` without the ids: the run's token features and the tokenizer that made them."
+    features, tokenizer, _ = run_examples(cfg)
+    return features, tokenizer
 
 def check_token_ids(features: list[dict], vocab_size: int, data: str):
     """Refuse a token id (or a label other than -100) outside the model's vocabulary, naming the row (the embedding or

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 from .checkpoint import ADAPTER_DIR, CHECKPOINTS, MODEL_DIR, latest_checkpoint
 from .config import TrainConfig, _config, _parser, flag, model_config
-from .core import IGNORE_INDEX, SAMPLES, model_families
-from .data import _data_path, _read_rows, run_features
+from .core import IGNORE_INDEX, model_families
+from .data import run_examples, run_features
 from .launch import launch, progress
 from .packing import FlatteningCollator
 from .scoring import EvalResult, check_eval_features, evaluate_model
@@ -26,8 +26,8 @@ from .tracking import replace_file
 from .train import _device, build_model, check_attention, check_world, has_weights, no_weights, rank_model
 
 # %% auto #0
-__all__ = ['EVAL_FIELDS', 'ID_FIELDS', 'eval_config', 'evaluate_rank', 'is_run_dir', 'run_model', 'eval_model', 'preflight_eval',
-           'evaluate', 'each_alone', 'record_ids', 'eval_rows', 'main']
+__all__ = ['EVAL_FIELDS', 'eval_config', 'evaluate_rank', 'is_run_dir', 'run_model', 'eval_model', 'preflight_eval', 'evaluate',
+           'launch_eval', 'each_alone', 'eval_rows', 'main']
 
 # %% ../nbs/03_runtime/10_evaluate.ipynb #864e5bb5
 EVAL_FIELDS = ("model", "data", "tokenizer", "sp", "ring", "ring_kernel", "dp", "max_tokens", "attn", "dtype", "seed", "out",
@@ -119,6 +119,13 @@ def evaluate(cfg: TrainConfig,                  # the layout, model, data and to
     "Evaluate on `cfg.world` forked processes under `cfg`'s layout: per-example loss and token accuracy, as one process evaluating each example alone."
     cfg, config = preflight_eval(cfg)
     if features is None: features, _ = run_features(cfg)
+    return launch_eval(cfg, config, features)
+
+def launch_eval(cfg: TrainConfig,     # the evaluation's config, as `preflight_eval` returned it
+                config,               # the model's transformers config, as `preflight_eval` returned it
+                features: list[dict], # the tokenized examples to evaluate
+               ) -> EvalResult:
+    "`evaluate` after its preflight: `features` checked, then evaluated on `cfg.world` forked processes; prints one line."
     check_eval_features(features, cfg.max_tokens, config.vocab_size, cfg.data)
     results = launch(evaluate_rank, cfg, features, num_processes=cfg.world, sp_size=cfg.sp, ring=cfg.ring,
                      model_config=config, timeout_s=cfg.timeout_s, stall_s=cfg.stall_s or None)
@@ -146,18 +153,8 @@ def each_alone(cfg: TrainConfig,        # the model (`cfg.model`, `cfg.seed`, `c
 
 
 # %% ../nbs/03_runtime/10_evaluate.ipynb #c7a7e29f
-ID_FIELDS = ("id", "uid", "uuid", "example_id")  # a data row's own id, kept in eval.jsonl beside the example's number
-
-def record_ids(data: str) -> dict[str, list]:
-    """The own id of every row of `data` (`--data`) by its field's name, the first of `ID_FIELDS` the rows carry ({}:
-    none, or a shipped sample); read beside `run_features`, which tokenizes the same rows, one feature per row."""
-    if data in SAMPLES: return {}
-    rows, _ = _read_rows(data, _data_path(data))
-    name = next((n for n in ID_FIELDS if any(r.get(n) is not None for r in rows)), None)
-    return {} if name is None else {name: [r.get(name) for r in rows]}
-
 def eval_rows(result: EvalResult,
-              ids: dict[str, list],  # each example's own id by its field's name (`record_ids`; {}: none)
+              ids: dict[str, list],  # each example's own id by its field's name (`run_examples`; {}: none)
              ) -> list[dict]:
     "The rows of eval.jsonl: each example's number, its own id, its trained targets, loss and accuracy."
     rows = result.rows()
@@ -182,20 +179,20 @@ def main(argv=None) -> EvalResult:
     cfg = _config(p, a, world)
     first = int(os.environ.get("RANK", 0)) == 0
     try:
+        cfg, config = preflight_eval(cfg, say=print if first else lambda _: None)
+        features, _, ids = run_examples(cfg)  # each row's own id comes from the read that tokenized it
         if world > 1:  # join the launcher's process group
-            cfg, config = preflight_eval(cfg, say=print if first else lambda _: None)
-            features, _ = run_features(cfg)
             check_eval_features(features, cfg.max_tokens, config.vocab_size, cfg.data)
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(seconds=cfg.timeout_s))
             try: result = evaluate_rank(cfg, features)
             finally: dist.destroy_process_group()
-        else: result = evaluate(cfg)
+        else: result = launch_eval(cfg, config, features)
     except ValueError as e: p.error(str(e))  # what evaluate and the launcher refuse: usage errors, exit code 2
     if first:
-        if world > 1: print(result.summary())  # evaluate() printed it on one machine
+        if world > 1: print(result.summary())  # launch_eval printed it on one machine
         out = Path(cfg.out)
         out.mkdir(parents=True, exist_ok=True)
-        lines = [json.dumps(row) for row in eval_rows(result, record_ids(cfg.data))]
+        lines = [json.dumps(row) for row in eval_rows(result, ids)]
         replace_file(out / "eval.jsonl", "\n".join(lines) + "\n")
         print(f"wrote {out / 'eval.jsonl'}")
     return result

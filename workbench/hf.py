@@ -17,7 +17,7 @@ from .cost import attention_work, plan_balanced
 from .doctor import Finding, DoctorReport, check_packing, unwrap
 from .memory import Levers
 from .packing import LOSS_MASKS, FlatteningCollator, OVERLONG, PackedStream, TokenBudgetSampler, UNTRAINED, plan_bins
-from .data import _kind, _KINDS, tokenize_rows
+from .data import row_kind, ROW_KINDS, tokenize_rows
 from transformers import Trainer
 from trl import SFTTrainer
 
@@ -170,10 +170,10 @@ def raw_kind(ds) -> str | None:
     "The kind of raw rows `ds` holds that `tokenize_rows` reads (`prompt + completion` of strings, `messages`, `text`), else None."
     if ds is None or "input_ids" in _dataset_columns(ds): return None
     row = _first_row(ds)
-    kind = _kind(row)
+    kind = row_kind(row)
     if kind in (None, "input_ids"): return None
     if kind == "messages": return kind
-    texts = [row[c] for c in _KINDS[kind]]
+    texts = [row[c] for c in ROW_KINDS[kind]]
     return kind if all(isinstance(t, str) for t in texts) else None  # e.g. TRL's conversational prompt/completion
 
 def _tokenize_batch(batch: dict, indices: list, tokenizer, name: str) -> dict:

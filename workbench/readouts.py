@@ -19,7 +19,8 @@ from .tracking import read_metrics
 
 # %% auto #0
 __all__ = ['START_STEP', 'peak_memory_bytes', 'watch_memory', 'expected_memory', 'memory_readout', 'plan_readout',
-           'balance_readout', 'memory_comparison', 'segment_start', 'segment_rows', 'prediction_comparison']
+           'balance_readout', 'memory_comparison', 'segment_start', 'rows_from', 'segment_rows',
+           'prediction_comparison']
 
 # %% ../nbs/03_runtime/06_readouts.ipynb #d219f250
 _STATUS = Path("/proc/self/status")  # Linux: VmRSS (resident now) and VmHWM (its peak), in KiB
@@ -121,10 +122,15 @@ def segment_start(out) -> int:
     "The step the last training in `out` began at: 0, or the checkpoint step a resume continued from."
     return json.loads((Path(out) / "config.json").read_text()).get(START_STEP, 0)  # absent: a run from before it was
 
+def rows_from(rows: list[dict],  # metrics rows of a run directory, in any order
+              start: int,         # the step its last segment began at (`segment_start`)
+             ) -> list[dict]:
+    "The rows of the segment that began at `start` (the dashboard's rows as read so far, or a finished run's)."
+    return [r for r in rows if r["step"] >= start]  # every row from it on: `truncate_metrics` dropped the older ones
+
 def segment_rows(out) -> list[dict]:
     "The metrics rows of the segment that ran last in `out` (a resume's `metrics.jsonl` holds the steps before it too)."
-    start = segment_start(out)  # the rows from it on are this segment's: `truncate_metrics` dropped the older ones
-    return [r for r in read_metrics(out) if r["step"] >= start]
+    return rows_from(read_metrics(out), segment_start(out))
 
 def prediction_comparison(out,                # a run directory `workbench.train.run` wrote: config.json, metrics.jsonl
                           record: bool = True,  # `check_run`'s: later predictions in this process carry the run

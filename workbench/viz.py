@@ -19,7 +19,7 @@ import torch
 from .config import BALANCES
 from .core import SAMPLES, load_sample, load_tokenizer, tiny_config, tiny_model
 from .cost import Dims, attention_work, plan_balanced, served_steps
-from .data import _kind, read_features, tokenize_rows
+from .data import read_features, row_kind, saved_tokenizer, tokenize_rows
 from .masks import (IMPLEMENTATIONS, SDPA_LIKE, MaskReport, eager_attentions, attention_leakage, example_grid,
                              mask_report)
 from .packing import (LOSS_MASKS, FlatteningCollator, NaiveConcatCollator, PackingReport, PaddingCollator, TokenBudgetSampler,
@@ -447,13 +447,13 @@ def explorer_data(data,              # a file (read as --data is), a Dataset, a 
             lengths_of(data)  # raises on a column of text, nulls or batched rows
             data = data.select_columns([c for c in data.column_names if c in ("input_ids", "labels", *LOSS_MASKS)])
             data = data.to_list()
-        elif _kind(data[0]) is not None: data = data.to_list()  # rows of text: tokenized below, as training does
+        elif row_kind(data[0]) is not None: data = data.to_list()  # rows of text: tokenized below, as training does
         else:
             raise ValueError(f"the dataset has no 'input_ids' column (columns: {data.column_names}): give token ids, "
                              f"or rows of messages, prompt + completion or text, tokenized as training tokenizes them")
     if isinstance(data, (list, tuple)):
         if len(data) == 0: raise ValueError("data is an empty list: pass at least one tokenized example")
-        kind = _kind(data[0]) if isinstance(data[0], Mapping) and data[0].get("input_ids") is None else None
+        kind = row_kind(data[0]) if isinstance(data[0], Mapping) and data[0].get("input_ids") is None else None
         if kind is not None:
             if tokenizer is None:
                 raise ValueError(f"data holds rows of {kind} and no tokenizer was given: pass tokenizer= (the model's) "
@@ -519,12 +519,11 @@ def attention_kinds(config) -> dict[str, int | None]:
 
 def explorer_tokenizer(tokenizer, model=None):
     "A tokenizer object, one loaded from a folder, the model folder's own when `tokenizer` is None, or None."
-    from transformers import AutoTokenizer
     if tokenizer is None and isinstance(model, (str, Path)) and any(
             (Path(model) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         tokenizer = model
     if isinstance(tokenizer, (str, Path)):
-        try: return AutoTokenizer.from_pretrained(str(tokenizer))
+        try: return saved_tokenizer(str(tokenizer))  # as the class that saved it, as training loads it
         except (OSError, ValueError) as e:
             raise ValueError(f"no tokenizer could be loaded from {tokenizer}: pass the folder written by "
                              f"tokenizer.save_pretrained(folder), or the tokenizer object ({e})") from None
