@@ -1,6 +1,7 @@
 """The GPU suite: every GPU benchmark of the workbench in one command, one JSON file and one markdown table (issue 18).
 
   python bench/gpu_suite.py --out bench/results/            # one CUDA GPU; every part capped, under 8 min in all
+  python bench/gpu_suite.py --out bench/results/ --suite long-context   # long context (issue 48): under 8 min too
   python bench/gpu_suite.py --out /tmp/suite --dry-run      # the same code paths on CPU, tiny shapes (the test)
 
 Install on a bare GPU machine (torch as installed there, CUDA build):
@@ -32,6 +33,16 @@ part is recorded as "timed out" or "failed" with its stderr tail and the suite g
                  run (check_run), the error per row; then calibrate on those rows and calibrate_run on the train run,
                  the refitted errors recorded beside the first ones
 
+The long-context suite (`--suite long-context`: parts 3, 7, 8, 9; issue 48):
+
+  7 levers_at_length  bench/gpu_long_context.py --at: all levers at 16K, 32K and 64K tokens and at the planner's longest
+                 fit, under a 16 GiB cap: seconds, time per 1K tokens, peak beside the planner's peak and their ratio
+  8 alst         bench/alst_long_context.py: DeepSpeed ALST's levers (TiledMLP, its tiled loss, checkpoints offloaded to
+                 the CPU) against the workbench's on the same 4-layer Qwen3-4B-shaped model at 32K and 64K tokens (time,
+                 peak, max |diff| of loss and gradients), then each side's longest row under 16 GiB (5 trials each)
+  9 profile_64k  one all-levers step at 64K tokens under torch.profiler: the top 15 ops by CUDA time
+  (3 sp_kernels, as above, gives the fused ring pair against varlen on the 16K row, and their ratio)
+
 Every part records what it could not run and why ("not run" in its result).
 
 Not in the suite, because each needs two GPUs in one job (the suite runs on one):
@@ -60,7 +71,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH))  # the sibling scripts gpu_packing.py and gpu_long_context.py
+sys.path.insert(0, str(BENCH))  # the sibling scripts gpu_packing.py, gpu_long_context.py and alst_long_context.py
 
 
 @dataclass(frozen=True)
@@ -72,11 +83,17 @@ class Part:
     skipped: str = "" # why the part cannot run yet ("" when it runs)
 
 
-# GPU caps, most valuable first: 150 + 40 + 40 + 100 + 60 + 25 = 415 s, plus at most 60 s for --install-flash-attn:
-# 475 s, under 8 min in the worst case. Dry caps catch a hang: a dry part took 5-11 s on the 2-core build box at a load
-# average of 2-5 (mostly imports) and 7-23 s beside 15 busy loops (load 15-19); 150 s each is ~6x the slowest of those.
+# GPU caps, most valuable first. The default suite: 150 + 40 + 40 + 100 + 60 + 25 = 415 s; the long-context one (issue
+# 48): 40 + 100 + 200 + 60 = 400 s; each plus at most 60 s for --install-flash-attn, under 8 min in the worst case. Dry
+# caps catch a hang: a dry part took 5-11 s on the 2-core build box at a load average of 2-5 (mostly imports) and 7-23 s
+# beside 15 busy loops (load 15-19); 150 s each is ~6x the slowest of those.
 PARTS = (Part(1, "packing", 150, 150), Part(2, "kernels", 40, 150), Part(3, "sp_kernels", 40, 150),
-         Part(4, "long_context", 100, 150), Part(5, "memory", 60, 150), Part(6, "step_time", 25, 150))
+         Part(4, "long_context", 100, 150), Part(5, "memory", 60, 150), Part(6, "step_time", 25, 150),
+         Part(7, "levers_at_length", 100, 150), Part(8, "alst", 200, 150), Part(9, "profile_64k", 60, 150))
+SUITES = {"default": (1, 2, 3, 4, 5, 6),  # what `--parts` runs when not given, by `--suite`
+          "long-context": (3, 7, 8, 9)}   # issue 48's one GPU command: ring pair, levers at length, ALST, profile
+LONG_LENGTHS = (16384, 32768, 65536)       # part 7's lengths (16K: the per-token baseline), under LONG_CAP_GIB
+LONG_CAP_GIB = 16
 TRAIN_DRY_TIMEOUT_S = 120  # part 5's train run in a dry run: under its part's cap, with room for a loaded box
 
 
@@ -284,6 +301,7 @@ def part_sp_kernels(dry: bool, repeats: int = 10, warmup: int = 3) -> dict:
                               device, repeats, warmup, heads=shard)]
     memory = ring_memory(tensors, doc, dtype)
     table = kernel_table(rows)
+    table.append(f"fused ring block pair / workbench_varlen on the same row: {rows[1]['fwd_bwd_ms'] / rows[2]['fwd_bwd_ms']:.1f}x")
     table.append(f"fused ring call over the whole row, forward + backward: its operators' peak "
                  f"{memory['visible_peak_bytes'] / 2**20:.1f} MiB" + (
                      f", the allocator's {memory['allocated_peak_bytes'] / 2**20:.1f} MiB, inside the kernels "
@@ -304,6 +322,44 @@ def part_long_context(dry: bool) -> dict:
                                                             else ["--cap-gib", "16", "--max-trials", "8"]))
     not_run = [f"cap {r['cap_gib']} GiB, {r['levers']}: no length fitted" for r in rows if not r["measured_tokens"]]
     return dict(rows=rows, table=gpu_long_context.table(rows), not_run=not_run)
+
+
+def part_levers_at_length(dry: bool) -> dict:
+    "All levers at LONG_LENGTHS and at the planner's longest fit under LONG_CAP_GIB: time, peak, the planner's peak."
+    import gpu_long_context
+    argv = (["--dry-run", "--at", "128", "256"] if dry else
+            ["--at", *map(str, LONG_LENGTHS), "--cap-gib", str(LONG_CAP_GIB)])
+    rows = gpu_long_context.run(gpu_long_context.parse_args(argv))
+    not_run = [f"{r['point']}: out of memory under the {r['cap_gib']:g} GiB cap" for r in rows if r["peak_gib"] is None]
+    return dict(rows=rows, table=gpu_long_context.length_table(rows), not_run=not_run)
+
+
+def part_alst(dry: bool) -> dict:
+    "DeepSpeed ALST's levers against the workbench's at 32K and 64K tokens, and each side's longest row under the cap."
+    import alst_long_context
+    argv = ["--dry-run"] if dry else ["--qwen3-4b", "--lengths", "32768", "65536", "--cap-gib", str(LONG_CAP_GIB),
+                                      "--max-trials", "5"]
+    result = alst_long_context.run(alst_long_context.parse_args(argv))
+    not_run = ["ALST's checkpoint offload (DeepSpeed's checkpoint_in_cpu fails on a CPU device): its checkpointing "
+               "runs without it"] if dry else []
+    return dict(result, table=alst_long_context.table(result), not_run=not_run)
+
+
+def part_profile_64k(dry: bool) -> dict:
+    "One all-levers step at 64K tokens under torch.profiler: its top 15 ops by CUDA time (CPU time in a dry run)."
+    import torch
+    import gpu_long_context
+    from workbench.memory import preset_config
+    lc = gpu_long_context.parse_args(["--dry-run"] if dry else [])
+    device = torch.device("cpu") if dry else torch.device("cuda", torch.cuda.current_device())
+    cfg = preset_config("qwen3-4b", num_hidden_layers=lc.layers, **(gpu_long_context.TINY if dry else {}))
+    rows = gpu_long_context.profile(cfg, 128 if dry else 65536, device, torch.bfloat16, top=15, sets=("all levers",))
+    table = [f"{r['levers']}, {r['tokens']:,} tokens: " + (r["top_ops"] if r["seconds"] is None else
+             f"{r['seconds']:.2f} s, {'RSS growth' if dry else 'peak'} {r['peak_gib']:.2f} GiB\n\n"
+             f"```\n{r['top_ops']}\n```")
+             for r in rows]
+    return dict(rows=rows, table="\n\n".join(table),
+                not_run=["CUDA time: a CPU has none (its top ops are by CPU time)"] if dry else [])
 
 
 EXPECTED = re.compile(r"expected per-rank peak \(planner, bf16\): ([\d.]+) GiB")
@@ -428,7 +484,7 @@ def run_part(number: int, dry: bool, out: Path, fail: bool) -> None:
     "Child side: run one part and write `out/partN.json`."
     if fail: raise RuntimeError(f"part {number} failed on purpose (--fail-part {number})")
     fn = {1: part_packing, 2: part_kernels, 3: part_sp_kernels, 4: part_long_context, 5: lambda d: part_memory(d, out),
-          6: lambda d: part_step_time(d, out)}[number]
+          6: lambda d: part_step_time(d, out), 7: part_levers_at_length, 8: part_alst, 9: part_profile_64k}[number]
     (out / f"part{number}.json").write_text(json.dumps(dict(result=fn(dry)), indent=1, default=str))
 
 
@@ -529,13 +585,16 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, required=True, help="directory for suite.json, suite.md and the parts' files")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, gloo: the same code paths as on a GPU")
     p.add_argument("--install-flash-attn", action="store_true", help="first try a prebuilt flash-attn wheel (60 s cap)")
-    p.add_argument("--parts", type=int, nargs="+", default=[p.number for p in PARTS], help="run only these parts")
+    p.add_argument("--suite", choices=tuple(SUITES), default="default", help="which parts run (unless --parts): "
+                   + "; ".join(f"{k}: {' '.join(map(str, v))}" for k, v in SUITES.items()))
+    p.add_argument("--parts", type=int, nargs="+", help="run only these parts")
     p.add_argument("--cap-s", type=float, help="one wall-clock cap, seconds, for every part (testing)")
     p.add_argument("--fail-part", type=int, nargs="*", default=[], help="make these parts raise (testing the isolation)")
     p.add_argument("--child", type=int, help=argparse.SUPPRESS)  # internal: run one part in this process
     p.add_argument("--fail", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     known = {q.number for q in PARTS}
+    if args.parts is None: args.parts = list(SUITES[args.suite])
     if not set(args.parts) <= known or not set(args.fail_part) <= known:
         p.error(f"parts are numbered {sorted(known)}; got --parts {args.parts} --fail-part {args.fail_part}")
     if args.out.exists() and not args.out.is_dir(): p.error(f"--out {args.out} is a file: pass a directory (made if missing)")

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, shape_wrapper
 
 from .config import BALANCES
-from .core import cu_seq_lens, layer_windows, lengths_from_positions
+from .core import cu_seq_lens, layer_windows, lengths_from_positions, tiny_config
 from .memory import LEVER_LADDER, Levers, Shape, estimate, max_context, preset_config
 from .packing import Plan, TokenBudgetSampler, lengths_of, plan_bins
 from .tiling import causal_lm_loss_sum, decoder_layers
@@ -30,15 +30,17 @@ from .sp.ring import KERNELS, comm_bytes, documents, ring_plans
 from .sp.shard import contiguous_plan
 
 # %% auto #0
-__all__ = ['ATTENTION_WORK', 'ADAMW_BYTES', 'CPU_FLOP_FORMULAS', 'ATTENTION_PARTS', 'DEVICES', 'RANK_THREADS', 'FACTORS',
-           'MEASURED', 'HELD_OUT_SOURCES', 'device_of', 'FIT_GROUPS', 'HF_BLOG_QWEN3_4B', 'HF_BLOG_FIT', 'HF_BLOG_RUN',
-           'SPLITS', 'LAYOUT_LEVERS', 'RANK_BY', 'attention_work', 'Dims', 'windowed', 'rows_of', 'document_pairs',
+__all__ = ['ATTENTION_WORK', 'ATTENTION_KERNELS', 'ADAMW_BYTES', 'CPU_FLOP_FORMULAS', 'ATTENTION_PARTS', 'DEVICES',
+           'RANK_THREADS', 'FACTORS', 'MEASURED', 'HELD_OUT_SOURCES', 'device_of', 'FIT_GROUPS', 'KERNEL_FIT',
+           'HF_BLOG_QWEN3_4B', 'HF_BLOG_FIT', 'HF_BLOG_RUN', 'H200_RESULTS', 'H200_FIT_ON', 'SPLITS', 'LAYOUT_LEVERS',
+           'RANK_BY', 'attention_work', 'attention_kernel', 'Dims', 'windowed', 'rows_of', 'document_pairs',
            'ring_blocks', 'interacting_blocks', 'fused_pairs', 'StepCost', 'step_cost', 'FlopCount', 'measured_flops',
            'bin_work', 'attention_flops', 'bin_costs', 'BalancedPlan', 'served_steps', 'plan_balanced', 'Device',
-           'cpu_device', 'device', 'gpu_name', 'run_device', 'Efficiency', 'HeldOut', 'held_out', 'held_out_errors',
-           'Prediction', 'predict_step', 'calibrate', 'run_source', 'calibrate_run', 'check_run', 'hf_blog_prediction',
-           'blog_source', 'hf_blog_table', 'run_options', 'cpu_efficiency', 'fresh_cpu', 'run_efficiency', 'unmodelled',
-           'run_prediction', 'measured_mfu', 'layout_name', 'Layouts', 'plan_layout']
+           'cpu_device', 'device', 'gpu_name', 'run_device', 'gpu_device', 'Efficiency', 'HeldOut', 'MeasuredStep',
+           'held_out', 'held_out_errors', 'Prediction', 'predict_step', 'calibrate', 'run_source', 'calibrate_run',
+           'check_run', 'hf_blog_prediction', 'blog_source', 'hf_blog_table', 'run_options', 'cpu_efficiency',
+           'fresh_cpu', 'run_efficiency', 'unmodelled', 'run_prediction', 'measured_mfu', 'recorded_steps',
+           'HeldOutFit', 'fit_held_out', 'layout_name', 'Layouts', 'plan_layout']
 
 # %% ../nbs/04_planning/03_cost.ipynb #64bb0f7a
 ATTENTION_WORK = {  # how much of each document's query x key square an attention implementation computes
@@ -51,6 +53,17 @@ def attention_work(attn_implementation: str, device_type: str = "cuda") -> str:
     "The `ATTENTION_WORK` key of what `attn_implementation` computes on `device_type`."
     if attn_implementation in ("sdpa", "eager"): return "row"  # a dense mask over the whole row
     return "documents" if device_type == "cpu" else "causal"
+
+ATTENTION_KERNELS = {  # how fast a kernel computes its pairs: each class has its own `Efficiency` factor
+    "dense": "sdpa / eager with a dense mask: every block of the row's square, masked or not ('row' work)",
+    "flash": "flash / varlen kernels, and sdpa without a mask (is_causal): only the blocks the documents need",
+    "flex": "flex_attention: a block mask skips the empty blocks, in its own compiled kernel",
+}
+
+def attention_kernel(attn_implementation: str) -> str:
+    "The `ATTENTION_KERNELS` class `attn_implementation` computes its pairs with (its `Efficiency` factor)."
+    if attn_implementation in ("sdpa", "eager"): return "dense"
+    return "flex" if attn_implementation == "flex_attention" else "flash"
 
 # %% ../nbs/04_planning/03_cost.ipynb #48039c3f
 _MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
@@ -236,6 +249,7 @@ class StepCost:
     flops: dict          # part -> FLOPs: forward / backward / recompute of layers, attention and head
     bytes: dict          # part -> bytes moved: all-to-all (Ulysses group), ring (ring group), gradient reduction, optimizer, host offload
     tokens: int          # tokens this rank computes (its share of every row, padding included)
+    kernel: str = "flash"  # the `ATTENTION_KERNELS` class its attention parts run on (their `Efficiency` factor)
     @property
     def total(self) -> int: return sum(self.flops.values())
     @property
@@ -247,6 +261,11 @@ class StepCost:
         b = ", ".join(f"{k} {v:.3g}" for k, v in self.bytes.items() if v)
         return f"StepCost({self.total:.4g} FLOPs: {f}; bytes: {b or 'none'}; {self.tokens} tokens)"
 
+def _attended(batch, rows: list) -> list:
+    "The documents attention computes in each row: a padded batch's padding (its attention mask's zeros) is no document to a kernel that reads the mask as lengths (varlen unpads it, as flash-attn does); 'row' work counts the row's width instead."
+    if not isinstance(batch, dict) or "cu_seq_lens_q" in batch or "attention_mask" not in batch: return rows
+    return [np.asarray([n]) for n in np.asarray(batch["attention_mask"]).sum(1)]
+
 def step_cost(config,                    # a transformers config or a preset name (`workbench.memory.PRESETS`)
               batch,                     # rows of this replica's step: a batch dict, document lengths, or a list of rows
               *,
@@ -254,6 +273,7 @@ def step_cost(config,                    # a transformers config or a preset nam
               ring: int = 1,             # ring attention degree (workbench.sp.ring)
               dp: int = 1,               # data-parallel degree (gradient reduction and sharding)
               attention: str = "causal", # an `ATTENTION_WORK` key: what the attention implementation computes (ring > 1: its block pairs instead)
+              kernel: str | None = None, # an `ATTENTION_KERNELS` class (None: "dense" for 'row' work, else "flash")
               ring_plan: str = "balanced",  # with ring > 1: how a row is sharded (`workbench.sp.balance.PLANS`)
               ring_kernel: str = "plain",   # with ring > 1: the block-pair kernel (`workbench.sp.ring.KERNELS`)
               levers: Levers = Levers(checkpointing=False),  # checkpointing and the memory levers that change work
@@ -272,10 +292,16 @@ def step_cost(config,                    # a transformers config or a preset nam
     if zero_stage not in (0, 1, 2, 3): raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
     if ring_kernel not in KERNELS: raise ValueError(f"ring_kernel={ring_kernel!r}; choose one of {KERNELS}")
     if dtype_bytes not in (2, 4, 8): raise ValueError(f"dtype_bytes must be 2 (bf16), 4 (fp32) or 8 (fp64), got {dtype_bytes!r}")
+    kernel = kernel or ("dense" if attention == "row" and ring == 1 else "flash")
+    if kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"kernel={kernel!r}; choose one of {list(ATTENTION_KERNELS)} "
+                         f"(`attention_kernel(attn_implementation)`)")
     lv, world = levers, sp * ring * dp
     if ring == 1:
         tokens = sum(int(r.sum()) for r in rows)
-        flops = _flops(d, tokens, sum(_pairs(r, w, attention, int(r.sum())) for r in rows for w in d.windows), lv, sp)
+        attended = _attended(batch, rows)
+        pairs = sum(_pairs(a, w, attention, int(r.sum())) for r, a in zip(rows, attended) for w in d.windows)
+        flops = _flops(d, tokens, pairs, lv, sp)
         sent = [comm_bytes(config, int(r.sum()), sp, 1, lv.checkpointing, dtype_bytes) for r in rows]
     else:
         lengths, work = zip(*(_ring_row(tuple(r.tolist()), sp, ring, ring_plan, d.windows, ring_kernel) for r in rows))  # padded rows
@@ -296,19 +322,17 @@ def step_cost(config,                    # a transformers config or a preset nam
               "optimizer (host)": opt if optimizer_offload else 0,
               "host transfers": (2 * dtype_bytes * d.params // shard if optimizer_offload else 0)
                                 + (2 * d.layers * tokens // (sp * ring) * d.hidden * dtype_bytes if lv.offload_checkpoints else 0)}
-    return StepCost(flops, bytes_, tokens // (sp * ring))
+    return StepCost(flops, bytes_, tokens // (sp * ring), kernel)
 
 # %% ../nbs/04_planning/03_cost.ipynb #1aae9700
 _aten = torch.ops.aten
 
 def _sdpa_cpu(q, k, v, *args, out_shape=None, **kwargs) -> int: return 4 * q[0] * q[1] * q[2] * k[2] * q[3]
 def _sdpa_cpu_backward(grad, q, k, v, *args, out_shape=None, **kwargs) -> int: return 2 * _sdpa_cpu(q, k, v)
-def _addmm_inplace(self, a, b, *args, out_shape=None, **kwargs) -> int: return 2 * a[0] * a[1] * b[1]
 
 CPU_FLOP_FORMULAS = {  # kernels that run on CPU and that torch's flop counter does not know (it counts them as 0)
     _aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu,   # sdpa on CPU, with or without a mask
     _aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward,
-    _aten.addmm_: _addmm_inplace,                                    # the tiled loss accumulates its weight gradient in place
 }
 
 class FlopCount(TorchDispatchMode):
@@ -554,7 +578,10 @@ def run_device(processes: int = 1,  # the run's processes (ranks), computing at 
               ) -> Device | None:
     "The device a training rank runs on: the CUDA GPU by its name when it is in `DEVICES` (None when it is not: `unmodelled` says so), else this CPU at `RANK_THREADS` threads (what every rank really has), measured while `processes` ranks compute at once."
     gpu = gpu_name()
-    if gpu is None: return cpu_device(RANK_THREADS, processes)
+    return cpu_device(RANK_THREADS, processes) if gpu is None else gpu_device(gpu)
+
+def gpu_device(gpu: str) -> Device | None:
+    "The `DEVICES` entry of a GPU by the name CUDA gives it (\"NVIDIA H200\" -> H200 SXM); None when there is none."
     hit = [d for k, d in DEVICES.items() if k.split()[0] in gpu]
     return hit[0] if hit else None
 
@@ -563,14 +590,18 @@ def run_device(processes: int = 1,  # the run's processes (ranks), computing at 
 class Efficiency:
     "The named factors between peak figures and a real step (fractions of the peak; `overhead_s` is seconds per step)."
     matmul: float = 0.6      # of peak FLOP/s reached by the projections and the head
-    attention: float = 0.5   # of peak FLOP/s reached by attention kernels
+    attention: float = 0.5   # of peak FLOP/s reached by flash / varlen attention kernels (`ATTENTION_KERNELS` "flash")
     comm: float = 0.7        # of link bandwidth reached by all-to-all and gradient collectives
     memory: float = 0.7      # of memory / host / PCIe bandwidth reached by the optimizer step and offloads
     overlap: float = 0.0     # share of communication hidden behind compute
     overhead_s: float = 0.0  # seconds per step nothing above explains (launches, Python, data)
     fitted_on: tuple = ()    # `HeldOut.source` names of the measured points these factors were fitted on: never held out
+    dense_attention: float = 0.5  # of peak FLOP/s reached by dense-mask attention (sdpa / eager: the whole row)
+    flex_attention: float = 0.5   # of peak FLOP/s reached by flex_attention
+    measured: tuple = field(default=(), repr=False)  # `MeasuredStep`s known: those not in `fitted_on` are held out
 
-FACTORS = ("matmul", "attention", "comm", "memory", "overhead")  # the terms of a predicted step, in seconds
+FACTORS = ("matmul", "attention", "comm", "memory", "overhead", "dense_attention", "flex_attention")  # terms, s
+_KERNEL_TERMS = {"flash": "attention", "dense": "dense_attention", "flex": "flex_attention"}  # StepCost.kernel -> term
 
 @dataclass(frozen=True)
 class HeldOut:
@@ -584,8 +615,20 @@ class HeldOut:
         "Predicted throughput over measured, minus 1: +0.42 says the prediction was 42% too fast."
         return self.measured_s / self.predicted_s - 1
 
+@dataclass(frozen=True)
+class MeasuredStep:
+    "A measured step with its predicted terms: predicted afresh with whatever factors are in hand (`HeldOut` when held out)."
+    source: str          # what was measured ("part 1 orca flat_varlen"): its `HeldOut.source` / `fitted_on` name
+    device: str          # the `Device.name` it ran on
+    terms: tuple         # (term, seconds at 100% of the peak) pairs: `Prediction.terms` as a tuple
+    seconds: float       # measured seconds per step
+    def held_out(self, efficiency) -> HeldOut:
+        "This step as a `HeldOut` point: its terms predicted with `efficiency` against its measured seconds."
+        return HeldOut(self.source, self.device, _seconds(dict(self.terms), efficiency), self.seconds)
+
 MEASURED: list = []  # `HeldOut` points recorded by `check_run` (CPU runs, GPU runs), as each was predicted when it ran
-HELD_OUT_SOURCES = [lambda dev, eff: MEASURED]  # (device, efficiency) -> `HeldOut` points; the HF blog's is added below
+HELD_OUT_SOURCES = [lambda dev, eff: MEASURED,  # (device, efficiency) -> `HeldOut` points; the HF blog's is added below
+                    lambda dev, eff: tuple(m.held_out(eff) for m in eff.measured)]  # the steps a fit held out
 
 def _kind(device_name: str) -> str: return "cpu" if device_name.startswith("cpu") else "gpu"
 
@@ -599,7 +642,11 @@ def held_out_errors(points: tuple, device: str) -> str:
     "The held-out points and their errors in words (or that none was measured on `device`'s kind)."
     if not points: return (f"no held-out point measured on {_kind(device)} yet (`check_run` records a run), so this is a "
                            f"roofline's guess with no error band")
-    return f"the {len(points)} held-out point(s) did: " + ", ".join(f"{h.source} {h.error:+.0%}" for h in points)
+    worst = max(points, key=lambda h: abs(h.error))
+    summary = (f"median |error| {np.median([abs(h.error) for h in points]):.0%}, worst {worst.error:+.0%} "
+               f"({worst.source}); each: " if len(points) > 2 else "")
+    each = ", ".join(f"{h.source} {h.error:+.0%}" for h in points)
+    return f"the {len(points)} held-out point(s) did: {summary}{each}"
 
 @dataclass
 class Prediction:
@@ -632,16 +679,20 @@ def _terms(cost: StepCost, dev: Device, ulysses: int, ring: int, dp: int) -> dic
     attn = sum(v for k, v in cost.flops.items() if "attention" in k)
     link = lambda procs: dev.nvlink if procs <= dev.per_node else dev.internode  # a group of adjacent ranks inside a node, or not
     host_ranks = min(ulysses * ring * dp, dev.per_node)  # the ranks of a node share its host memory for a CPU optimizer step
-    return {"matmul": (cost.total - attn) / dev.flops, "attention": attn / dev.flops,
+    kernels = {term: attn / dev.flops if term == _KERNEL_TERMS[cost.kernel] else 0.0 for term in _KERNEL_TERMS.values()}
+    return {"matmul": (cost.total - attn) / dev.flops, "attention": kernels.pop("attention"),
             "comm": cost.bytes["all-to-all"] / link(ulysses) + cost.bytes["ring"] / link(ulysses * ring)
                     + cost.bytes["gradient reduction"] / link(ulysses * ring * dp),
             "memory": cost.bytes["optimizer (device)"] / dev.hbm + cost.bytes["optimizer (host)"] * host_ranks / dev.host
                       + cost.bytes["host transfers"] / dev.pcie,
-            "overhead": 1.0}
+            "overhead": 1.0, **kernels}
 
 def _seconds(terms: dict, e: Efficiency) -> float:
+    "A step's seconds: each term over its factor (a term a caller's dict lacks counts 0)."
     return (terms["matmul"] / e.matmul + terms["attention"] / e.attention + (1 - e.overlap) * terms["comm"] / e.comm
-            + terms["memory"] / e.memory + e.overhead_s)
+            + terms["memory"] / e.memory + e.overhead_s
+            + terms.get("dense_attention", 0.0) / e.dense_attention
+            + terms.get("flex_attention", 0.0) / e.flex_attention)
 
 def _predict_step(config, batch, device="H100 SXM", efficiency: Efficiency = Efficiency(), **options) -> Prediction:
     "`predict_step` without the held-out points."
@@ -665,13 +716,17 @@ def predict_step(config,                  # a transformers config or a preset na
 device_of = device  # `predict_step` takes an argument named `device`
 
 # %% ../nbs/04_planning/03_cost.ipynb #1158c917
-FIT_GROUPS = {"compute": ("matmul", "attention"), "matmul": ("matmul",), "attention": ("attention",),
+FIT_GROUPS = {"compute": ("matmul", "attention", "dense_attention", "flex_attention"), "matmul": ("matmul",),
+              "attention": ("attention",), "dense_attention": ("dense_attention",),
+              "flex_attention": ("flex_attention",),
               "comm": ("comm",), "memory": ("memory",), "overhead": ("overhead",)}  # what `calibrate` can fit
+KERNEL_FIT = ("matmul", "attention", "dense_attention", "flex_attention", "overhead")  # per kernel class, + fixed s
 
 def calibrate(points,                     # (`Prediction` or its `terms`, measured seconds per step) pairs
               fit=("compute", "memory"),  # `FIT_GROUPS` to fit; a group shares one factor
               efficiency: Efficiency = Efficiency(),  # the factors not fitted
               fitted_on: tuple = (),      # names of the measured points (`HeldOut.source`): never held out of this fit
+              relative: bool = False,     # weigh each step by 1 / its seconds (least squares on relative errors)
              ) -> Efficiency:
     "Fit the named factors to measured step times by least squares (a step's seconds are linear in the inverse factors)."
     unknown = [g for g in fit if g not in FIT_GROUPS]
@@ -682,11 +737,13 @@ def calibrate(points,                     # (`Prediction` or its `terms`, measur
     if len(points) < len(fit):
         raise ValueError(f"{len(points)} measured step(s) cannot fit {len(fit)} factors {list(fit)}: measure more, or fit fewer")
     inverse = {"matmul": 1 / efficiency.matmul, "attention": 1 / efficiency.attention, "memory": 1 / efficiency.memory,
-               "comm": (1 - efficiency.overlap) / efficiency.comm, "overhead": efficiency.overhead_s}
+               "comm": (1 - efficiency.overlap) / efficiency.comm, "overhead": efficiency.overhead_s,
+               "dense_attention": 1 / efficiency.dense_attention, "flex_attention": 1 / efficiency.flex_attention}
     scale = {"comm": 1 - efficiency.overlap}
-    A = np.array([[sum(t[k] * scale.get(k, 1) for k in FIT_GROUPS[g]) for g in fit] for t in terms])
+    A = np.array([[sum(t.get(k, 0.0) * scale.get(k, 1) for k in FIT_GROUPS[g]) for g in fit] for t in terms])
     b = np.array([s - sum(t[k] * inverse[k] for k in t if k not in fitted) for t, (_, s) in zip(terms, points)])
-    x = np.linalg.lstsq(A, b, rcond=None)[0]
+    w = 1 / np.array([s for _, s in points]) if relative else np.ones(len(points))  # 1.4 s outweighs no 0.1 s step
+    x = np.linalg.lstsq(A * w[:, None], b * w, rcond=None)[0]
     new = {}
     for g, v in zip(fit, x):
         if g == "overhead": new["overhead_s"] = float(v); continue
@@ -771,12 +828,16 @@ def hf_blog_table(fit=("compute", "memory")) -> "tuple[pd.DataFrame, Efficiency]
     return pd.DataFrame(rows), eff
 
 # %% ../nbs/04_planning/03_cost.ipynb #9039c4b2
-def run_options(cfg) -> dict:
+def run_options(cfg,
+                device_type: str | None = None,  # "cuda" or "cpu": where the run ran (None: here)
+               ) -> dict:
     "`step_cost` options of a `workbench.train.TrainConfig` run."
-    cuda = torch.cuda.is_available()
+    cuda = torch.cuda.is_available() if device_type is None else device_type == "cuda"
     dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if cuda else "float32")
-    return dict(sp=cfg.sp, ring=getattr(cfg, "ring", 1), ring_kernel=getattr(cfg, "block_kernel", "plain"), dp=cfg.dp,
+    ring = getattr(cfg, "ring", 1)
+    return dict(sp=cfg.sp, ring=ring, ring_kernel=getattr(cfg, "block_kernel", "plain"), dp=cfg.dp,
                 attention=attention_work(cfg.attn, "cuda" if cuda else "cpu"),  # Ulysses: the inner one's work
+                kernel=attention_kernel(cfg.attn) if ring == 1 else "flash",  # a ring computes its own block pairs
                 levers=Levers(checkpointing=cfg.checkpointing, offload_checkpoints=cfg.offload_checkpoints,
                               tiled_loss=bool(cfg.loss_chunk), loss_chunk=cfg.loss_chunk or 1024,
                               tiled_mlp=bool(cfg.mlp_chunk), mlp_chunk=cfg.mlp_chunk or None, lean_kernels=cfg.lean_kernels),
@@ -848,6 +909,142 @@ def measured_mfu(config, rows, cfg, seconds: float, predicted: Prediction | None
     "`{\"mfu\": ...}` of a step of `rows` (document lengths) that took `seconds`: model FLOPs / seconds / the predicted peak; `{}` without a prediction."
     if predicted is None: return {}
     return {"mfu": step_cost(config, rows, **run_options(cfg)).model_flops / seconds / predicted.peak_flops}
+
+# %% ../nbs/04_planning/03_cost.ipynb #e17bb0f7
+H200_RESULTS = "h200-2026-12-04"  # the H200 lend: bench/results/<this>-suite.json, -parts-5-6.json, ...
+H200_FIT_ON = "part 1 flan "      # the sources the H200 factors are fitted on (part 1's FLAN rows); the rest held out
+
+def _bench_script(results: Path, name: str):
+    "One of the repository's bench/ scripts (the code that built the recorded steps), imported from beside `results`."
+    import importlib, sys
+    bench = results.resolve().parent
+    if not (bench / f"{name}.py").exists():
+        raise ValueError(f"{bench / name}.py not found: the recorded GPU steps are rebuilt by the repository's bench "
+                         f"scripts; pass the bench/results folder of a clone of the workbench repository")
+    if str(bench) not in sys.path: sys.path.insert(0, str(bench))
+    return importlib.import_module(name)
+
+def _suite_part(path: Path, number: int) -> dict:
+    "Part `number`'s result in a GPU suite JSON file, or an error naming the file and the part."
+    try: parts = {p["part"]: p for p in json.loads(path.read_text())["parts"]}
+    except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a GPU suite record ({type(e).__name__}: {e}); "
+                         f"pass the bench/results folder") from None
+    if not (parts.get(number) or {}).get("result"):
+        raise ValueError(f"{path}: part {number} has no result (status {parts.get(number, {}).get('status')!r})")
+    return parts[number]["result"]
+
+def _packing_steps(results: Path, stamp: str, dev: Device) -> list:
+    "Part 1's rows (bench/gpu_packing.py): every mode's timed steps rebuilt as the suite built them (its seed and sizes), their terms averaged; measured: the timed tokens / tokens/s / steps."
+    packing = _bench_script(results, "gpu_packing")
+    args = packing.parse_args(_bench_script(results, "gpu_suite").packing_argv(False))
+    config = tiny_config("llama", **packing.LLAMA_7B, num_hidden_layers=args.layers)
+    steps = []
+    for i, r in enumerate(_suite_part(results / f"{stamp}-suite.json", 1)["rows"]):
+        if "tok_s" not in r: raise ValueError(f"{stamp}-suite.json part 1 row {i} ({r.get('dataset')} {r.get('mode')}) "
+                                              f"was not measured ({r.get('error')}): no step time to fit or hold out")
+        mode = packing.MODES[r["mode"]]
+        made = packing.make_steps(r["dataset"], args.warmup + args.steps, args.batch_size,
+                                  packing.LLAMA_7B["vocab_size"], args.seed)
+        timed = (packing.budget_steps(made) if mode.layout == "budget" else made)[args.warmup:]
+        # the cache trap: with a cache transformers does not look for documents in position_ids, and sdpa runs is_causal
+        # over the whole row (no mask): the causal half of one row-long document, on the flash class
+        trap = mode.attn == "sdpa" and "use_cache" not in mode.forward_kwargs
+        opts = dict(attention="causal", kernel="flash") if trap else dict(attention=attention_work(mode.attn, "cuda"),
+                                                                          kernel=attention_kernel(mode.attn))
+        costs = [step_cost(config, [[int(r.sum())] for r in rows_of(b)] if trap else b, dtype_bytes=2, **opts)
+                 for b in (packing.collate(mode, feats, "cpu") for feats in timed)]
+        terms = {k: float(np.mean([_terms(c, dev, 1, 1, 1)[k] for c in costs])) for k in FACTORS}
+        tokens = sum(len(f["input_ids"]) for feats in timed for f in feats)
+        steps.append(MeasuredStep(f"part 1 {r['dataset']} {r['mode']}", dev.name, tuple(terms.items()),
+                                  tokens / r["tok_s"] / len(timed)))
+    return steps
+
+def _train_steps(results: Path, stamp: str, dev: Device, skip: int = 1) -> list:
+    "Part 5's train run (`python -m workbench.train`, its command recorded): its plan rebuilt from the same data and flags, each measured step past `skip` (warm-up) with its own rows. A rebuilt step whose model FLOPs differ from the ones its metrics recorded is refused."
+    import shlex
+    from workbench.config import _config, _parser, model_config
+    from workbench.data import run_features
+    from workbench.train import plan_run
+    memory = _suite_part(results / f"{stamp}-parts-5-6.json", 5)
+    parser = _parser()
+    cfg = _config(parser, parser.parse_args(shlex.split(memory["train_cmd"])[2:]), 1)  # "-m workbench.train <flags>"
+    config = model_config(cfg)
+    plan, sampler, *_ = plan_run(cfg, config, run_features(cfg)[0])
+    served, opts = sampler.epoch_steps().reshape(-1, cfg.grad_accum, cfg.dp), run_options(cfg, "cuda")
+    metrics = results / f"{stamp}-train-metrics.jsonl"
+    steps = []
+    for line in metrics.read_text().splitlines():
+        m = json.loads(line)
+        if m["step"] < skip: continue
+        bins = served[m["step"] % len(served)][:, m.get("rank", 0)]  # this rank's micro-steps
+        cost = step_cost(config, [plan.length[plan.bins[b]] for b in bins], **opts)
+        recorded = m["mfu"] * m["step_s"] * dev.flops  # `measured_mfu`'s numerator: the step's model FLOPs
+        if abs(cost.model_flops / recorded - 1) > 1e-6:
+            raise ValueError(f"{metrics} step {m['step']}: the rebuilt step has {cost.model_flops:.6g} model FLOPs, "
+                             f"the run "
+                             f"recorded {recorded:.6g}: the data or the flags differ from the run's")
+        terms = tuple(_terms(cost, dev, 1, 1, 1).items())
+        steps.append(MeasuredStep(f"part 5 train run step {m['step']}", dev.name, terms, m["step_s"]))
+    return steps
+
+def recorded_steps(results=None,              # a bench/results folder (None: the one beside this package, in a clone)
+                   stamp: str = H200_RESULTS,  # which lend's files (`<stamp>-suite.json` ...)
+                  ) -> list:
+    "The GPU steps a lend recorded, as `MeasuredStep`s: part 1's packing rows and part 5's train run, each rebuilt (its rows, its attention's work and kernel class) from the bench code and the seeds that made it."
+    import workbench
+    here = Path(workbench.__file__).resolve().parents[1] / "bench" / "results"  # a clone's
+    results = Path(results) if results is not None else here
+    if not (results / f"{stamp}-suite.json").exists():
+        raise ValueError(f"{results / stamp}-suite.json not found: pass the bench/results folder of a clone of the "
+                         f"workbench repository (results=...) and a lend's stamp (stamp=...)")
+    env = json.loads((results / f"{stamp}-suite.json").read_text())["env"]
+    dev = gpu_device(env["gpu"])
+    if dev is None:
+        raise ValueError(f"{stamp}: {env['gpu']!r} has no `DEVICES` entry: add its peak figures to "
+                         f"workbench.cost.DEVICES")
+    return _packing_steps(results, stamp, dev) + _train_steps(results, stamp, dev)
+
+@dataclass
+class HeldOutFit:
+    "Factors fitted on some measured steps, and every step predicted with them: the fitted ones and the held-out ones."
+    efficiency: Efficiency   # the fitted factors (they carry the held-out steps: a prediction with them prints those)
+    table: "pd.DataFrame"    # per step: source, fitted, predicted_s, measured_s, ratio (measured / predicted), error
+    @property
+    def held_out(self) -> "pd.DataFrame": return self.table[~self.table.fitted]
+    @property
+    def median_error(self) -> float: return float(self.held_out.error.abs().median())
+    @property
+    def worst(self) -> "pd.Series": return self.held_out.loc[self.held_out.error.abs().idxmax()]
+    def __repr__(self):
+        e, w = self.efficiency, self.worst
+        rows = [f"{r.source:34} {r.predicted_s:8.4f} {r.measured_s:8.4f} {r.ratio:6.2f} {r.error:+6.0%}"
+                for r in self.held_out.itertuples()]
+        head = (f"fitted on {int(self.table.fitted.sum())} steps: matmul {e.matmul:.3g}, flash {e.attention:.3g}, "
+                f"dense {e.dense_attention:.3g}, flex {e.flex_attention:.3g} of peak, "
+                f"overhead {e.overhead_s * 1e3:.3g} ms")
+        return "\n".join([head,
+                          f"{'held-out step':34} {'pred s':>8} {'meas s':>8} {'ratio':>6} {'error':>6}", *rows,
+                          f"held out: median |error| {self.median_error:.1%}, worst {w.error:+.1%} ({w.source})"])
+
+def fit_held_out(steps,                 # `MeasuredStep`s (`recorded_steps`)
+                 fit_on: str = H200_FIT_ON,  # the steps whose source starts with this are fitted; the rest held out
+                 fit=KERNEL_FIT,        # the `FIT_GROUPS` to fit
+                ) -> HeldOutFit:
+    "Fit the factors on the steps `fit_on` names (relative least squares: `calibrate`) and predict every step with them; the fitted factors carry all the steps, so `held_out` gives every later prediction the held-out ones' errors."
+    fitted = [s for s in steps if s.source.startswith(fit_on)]
+    if not fitted or len(fitted) == len(steps):
+        raise ValueError(f"fit_on={fit_on!r} names {len(fitted)} of {len(steps)} steps: it must name some to fit and "
+                         f"leave some to hold out")
+    e = calibrate([(dict(s.terms), s.seconds) for s in fitted], fit, relative=True,
+                  fitted_on=tuple(s.source for s in fitted))
+    e = replace(e, measured=tuple(steps))
+    import pandas as pd
+    points = [s.held_out(e) for s in steps]
+    table = pd.DataFrame(dict(source=[h.source for h in points], fitted=[s in fitted for s in steps],
+                              predicted_s=[h.predicted_s for h in points], measured_s=[h.measured_s for h in points],
+                              ratio=[h.measured_s / h.predicted_s for h in points], error=[h.error for h in points]))
+    return HeldOutFit(e, table)
 
 # %% ../nbs/04_planning/03_cost.ipynb #fdb6d3fd
 SPLITS = ("ulysses", "ring", "hybrid")  # how `plan_layout` splits a row: Ulysses alone, ring alone, every (ulysses, ring) pair

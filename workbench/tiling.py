@@ -5,6 +5,7 @@
 # %% ../nbs/04_planning/02_tiling.ipynb #bdba5596
 from __future__ import annotations
 import math
+import weakref
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -17,7 +18,7 @@ from .core import IGNORE_INDEX, shift_labels
 # %% auto #0
 __all__ = ['LEAN_NORMS', 'TiledCrossEntropy', 'tiled_cross_entropy', 'causal_lm_loss_sum', 'TiledMLP', 'Patch',
            'override_forward', 'decoder_layers', 'tile_mlp', 'LeanRMSNorm', 'LeanSiluMul', 'lean_kernels',
-           'offload_saved_tensors', 'checkpoint_layers']
+           'on_accelerator', 'HostPool', 'CheckpointOffload', 'checkpoint_layers']
 
 # %% ../nbs/04_planning/02_tiling.ipynb #ae9a1cb1
 def _targets(labels: torch.Tensor, ignore_index: int):
@@ -25,6 +26,11 @@ def _targets(labels: torch.Tensor, ignore_index: int):
     labels = labels.reshape(-1)
     keep = labels != ignore_index
     return keep, torch.where(keep, labels, 0)
+
+def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rows: int):
+    "`acc += a @ b`, `rows` rows at a time: each product in the dtype of `a` and `b`, the sum in `acc`'s dtype."
+    for s in range(0, acc.shape[0], rows):
+        acc[s:s + rows].add_(a[s:s + rows] @ b)
 
 def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     "Logits of a chunk of hidden states, computed in the model dtype and upcast to at least fp32 (never downcast)."
@@ -58,14 +64,17 @@ class TiledCrossEntropy(torch.autograd.Function):
         keep, safe = _targets(labels, ctx.ignore_index)
         grad_hidden = torch.empty_like(flat) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(weight, dtype=lse.dtype) if ctx.needs_input_grad[1] else None
+        rows = max(1, min(ctx.chunk_size, len(flat)) * len(weight) // (2 * flat.shape[1]))  # half a chunk's values
         for s in range(0, flat.shape[0], ctx.chunk_size):
             sl = slice(s, s + ctx.chunk_size)
             g = _chunk_logits(flat[sl], weight).sub_(lse[sl, None]).exp_()  # softmax, in place
             g[torch.arange(len(g), device=g.device), safe[sl]] -= 1         # minus the one-hot target
             g.mul_((grad_total * keep[sl])[:, None])                        # ignored tokens get no gradient
-            if grad_hidden is not None: grad_hidden[sl] = g.to(flat.dtype) @ weight
-            if grad_weight is not None: grad_weight.addmm_(g.t(), flat[sl].to(g.dtype))
-            del g  # free this chunk before the next one is computed
+            gm = g.to(flat.dtype)                                           # the model dtype: tensor-core matmuls
+            if grad_hidden is not None: grad_hidden[sl] = gm @ weight
+            del g  # the fp32 chunk is freed: the weight gradient's slabs of product fit in its place
+            if grad_weight is not None: _add_product(grad_weight, gm.t(), flat[sl], rows)  # in slabs of vocabulary rows
+            del gm  # free this chunk before the next one is computed
         return (grad_hidden.view(shape) if grad_hidden is not None else None,
                 grad_weight.to(weight.dtype) if grad_weight is not None else None, None, None, None)
 
@@ -272,27 +281,93 @@ def lean_kernels(model) -> Patch:
     return override_forward("lean_kernels", norms + mlps, lean)
 
 # %% ../nbs/04_planning/02_tiling.ipynb #ca04217b
-def _host_copy(t: torch.Tensor) -> torch.Tensor:
-    "An exact-size host-memory copy of `t` (pageable: pinned blocks are rounded up to a power of two)."
-    return t.to("cpu", copy=True)
+def on_accelerator(device: torch.device | str) -> bool:
+    "True for an accelerator's device (CUDA, XPU, ...): pinned host buffers, a copy stream; False for the CPU."
+    return torch.device(device).type != "cpu"
 
-def offload_saved_tensors(host_copy=_host_copy) -> torch.autograd.graph.saved_tensors_hooks:
-    "Saved-tensor hooks that keep saved tensors in host memory (`host_copy`) and move them back for the backward."
-    def pack(t): return t.device, host_copy(t)
-    def unpack(saved):
-        device, host = saved
-        return host.to(device, non_blocking=True)
-    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+class HostPool:
+    "Host buffers by (device, shape, dtype), allocated once and handed out again step after step."
+    def __init__(self): self.allocations, self._free = 0, {}
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        "A host buffer to copy `t` into: a free one of its kind, else a new one (pinned if `t` is on an accelerator)."
+        free = self._free.setdefault((t.device, t.shape, t.dtype), [])
+        if free: return free.pop()
+        self.allocations += 1
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=on_accelerator(t.device))
+
+    def give(self, device: torch.device, buf: torch.Tensor):
+        "Take back `buf`, which held a copy of a tensor on `device`."
+        self._free.setdefault((device, buf.shape, buf.dtype), []).append(buf)
+
+@dataclass(eq=False)
+class _Offloaded:
+    "A saved tensor kept in host memory, and its copy back to `device` once the backward has started it."
+    device: torch.device
+    host: torch.Tensor
+    pool: HostPool | None                  # where `host` goes back when autograd drops this record (None: not pooled)
+    earlier: _Offloaded | None = None      # the tensor saved just before this one: fetched while this one is in use
+    fetched: torch.Tensor | None = None    # the copy back, in flight or done
+    ready: object = None                   # the copy stream's event after the copy back (None on the CPU)
+    def __del__(self):
+        if self.pool is not None: self.pool.give(self.device, self.host)
+
+class CheckpointOffload:
+    "Saved-tensor hooks keeping tensors in pooled host buffers, copied on a side stream and prefetched in backward."
+    def __init__(self, host_copy=None):  # how a tensor is copied off the device (None: into a pooled buffer)
+        self.pool, self.host_copy, self._streams, self._last = HostPool(), host_copy, {}, lambda: None
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        "The hooks: tensors saved for backward inside this context go through `pack` and `unpack`."
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def _streams_of(self, device: torch.device):
+        "The device's module (`torch.cuda`, `torch.cpu`, ...), its compute stream and this offload's copy stream."
+        mod = torch.get_device_module(device)
+        if device not in self._streams:  # the CPU's streams are placeholders: its copies are synchronous
+            self._streams[device] = mod.Stream(device=device) if on_accelerator(device) else mod.current_stream()
+        return mod, mod.current_stream(device), self._streams[device]
+
+    def pack(self, t: torch.Tensor) -> _Offloaded:
+        mod, compute, copier = self._streams_of(t.device)
+        copier.wait_stream(compute)  # the copy reads `t` only after the kernels that wrote it
+        with mod.stream(copier):
+            host = self.host_copy(t) if self.host_copy else self.pool.take(t).copy_(t, non_blocking=True)
+        if on_accelerator(t.device): t.record_stream(copier)  # its memory is not reused before the copy has read it
+        record = _Offloaded(t.device, host, None if self.host_copy else self.pool, earlier=self._last())
+        self._last = weakref.ref(record)
+        return record
+
+    def _fetch(self, record: _Offloaded):
+        "Start copying `record` back to its device on the copy stream, unless that has been started."
+        if record.fetched is not None: return
+        mod, _, copier = self._streams_of(record.device)
+        with mod.stream(copier):
+            record.fetched = record.host.to(record.device, non_blocking=True)  # on the CPU: the buffer itself
+            record.ready = copier.record_event()
+
+    def unpack(self, record: _Offloaded) -> torch.Tensor:
+        self._fetch(record)
+        if record.earlier is not None: self._fetch(record.earlier)  # the backward's next checkpoint: its copy overlaps
+        record.earlier = None
+        _, compute, _ = self._streams_of(record.device)
+        compute.wait_event(record.ready)  # the backward reads the tensor only after its copy
+        t, record.fetched = record.fetched, None
+        if on_accelerator(t.device): t.record_stream(compute)  # allocated on the copy stream, used by the compute one
+        return t
 
 def checkpoint_layers(model,                      # a transformers model with decoder layers
-                      offload: bool = False,      # keep the checkpoints in host memory
-                      host_copy=_host_copy,       # how a checkpoint is copied off the device (the memory tool fakes it)
+                      offload: bool | CheckpointOffload = False,  # checkpoints to the host (pass one to read its pool)
+                      host_copy=None,             # how a checkpoint is copied off the device (the memory tool fakes it)
                      ) -> Patch:
     "Activation checkpointing on every decoder layer (non-reentrant), the checkpoints optionally offloaded to the host."
     layers = decoder_layers(model)
+    if isinstance(offload, CheckpointOffload) and host_copy is not None:
+        raise ValueError("pass host_copy to your CheckpointOffload(host_copy=...), not to checkpoint_layers")
     if offload:
+        off = offload if isinstance(offload, CheckpointOffload) else CheckpointOffload(host_copy)
         def fn(function, *args, **kwargs):
-            with offload_saved_tensors(host_copy):
+            with off.hooks():
                 return checkpoint(function, *args, use_reentrant=False, **kwargs)
     else: fn = partial(checkpoint, use_reentrant=False)
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x renamed the switch

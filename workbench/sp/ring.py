@@ -5,6 +5,8 @@
 # %% ../../nbs/02_sequence_parallel/06_sp_ring.ipynb #6be13581
 from __future__ import annotations
 import time
+from itertools import accumulate
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -16,9 +18,10 @@ from .shard import SHARD_KEYS
 from .ulysses import register_key, to_head_shards, to_token_shards
 
 # %% auto #0
-__all__ = ['QUERY_TILE', 'KERNELS', 'KEY', 'block_mask', 'block_attention', 'merge', 'stretches', 'fused_calls', 'ring_plans',
-           'varlen_calls', 'band_mask', 'fused_forward', 'fused_backward', 'ring_attend', 'documents', 'ring_attention',
-           'register_ring', 'ring_forward', 'block_pairs', 'ring_p2p_elements', 'comm_elements', 'comm_bytes']
+__all__ = ['QUERY_TILE', 'KERNELS', 'KEY', 'block_mask', 'block_attention', 'merge', 'merge_', 'stretches', 'fused_calls',
+           'ring_plans', 'VarlenCall', 'varlen_plans', 'varlen_calls', 'band_mask', 'fused_forward', 'fused_backward',
+           'ring_attend', 'documents', 'ring_attention', 'register_ring', 'ring_forward', 'block_pairs',
+           'ring_p2p_elements', 'comm_elements', 'comm_bytes']
 
 # %% ../../nbs/02_sequence_parallel/06_sp_ring.ipynb #fc561692
 def block_mask(q_index: torch.Tensor,   # [m] global indices of the query tokens
@@ -61,11 +64,22 @@ def block_attention(q, k, v, allowed, scale):
 def _finite(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)  # rows that see nothing keep weight 0, never NaN
 
-def merge(out, lse, out_b, lse_b):
-    "The stable log-sum-exp rule: two partial softmax results over disjoint keys as one."
+def _weights(lse, lse_b):
+    "The merged log-sum-exp and each side's weight `[..., 1]` under it."
     new = torch.logaddexp(lse, lse_b)
     safe = _finite(new)
-    return out * torch.exp(lse - safe)[..., None] + out_b * torch.exp(lse_b - safe)[..., None], new
+    return new, torch.exp(lse - safe)[..., None], torch.exp(lse_b - safe)[..., None]
+
+def merge(out, lse, out_b, lse_b):
+    "The stable log-sum-exp rule: two partial softmax results over disjoint keys as one."
+    new, w, w_b = _weights(lse, lse_b)
+    return out * w + out_b * w_b, new
+
+def merge_(out, lse, out_b, lse_b):
+    "`merge` in place into `out` (its own dtype, any view) and `lse`: no output-sized temporary but one product."
+    new, w, w_b = _weights(lse, lse_b)
+    out.mul_(w).addcmul_(out_b, w_b)
+    lse.copy_(new)
 
 # %% ../../nbs/02_sequence_parallel/06_sp_ring.ipynb #e4f02931
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # private: the only CPU kernel that returns the log-sum-exp
@@ -156,33 +170,80 @@ def ring_plans(ring_index: torch.Tensor,  # [ring, m] global token indices of ev
         plans.append(fused_calls(ring_index[rank], keys, doc, causal, window))
     return plans
 
-def varlen_calls(calls: list, device) -> list[tuple]:
-    """The fused calls of one block pair as at most two varlen calls (CUDA's flash kernel takes many sequences at once):
-    the whole-key calls, then the causal ones. A query stretch's whole-key calls are one sequence (its key stretches
-    joined), so no query row is in two sequences of a call. `(query rows, key rows, cu_q, cu_k, max_q, max_k, causal)` each."""
-    grouped = []
+class VarlenCall(NamedTuple):
+    "One varlen flash call of a block pair (`varlen_plans`)."
+    q_rows: slice | torch.Tensor  # the block's query rows: a slice if one stretch (read as a view), else int32 indices
+    k_rows: slice | torch.Tensor  # its key rows, likewise (a key row two query stretches see is listed twice)
+    cu_q: torch.Tensor            # [sequences + 1] int32 query offsets
+    cu_k: torch.Tensor            # [sequences + 1] int32 key offsets
+    max_q: int                    # the longest query sequence, from the host plan (never read off the device)
+    max_k: int                    # the longest key sequence
+    causal: bool
+
+def _sequences(calls: list) -> list[tuple]:
+    """A pair's fused calls as at most two varlen groups `([(query rows, [key slices])], causal)`: the whole-key calls,
+    then the causal ones. A query stretch's whole-key calls are one sequence (its key stretches joined), so no query row
+    is in two sequences of a call."""
+    groups = []
     for causal in (False, True):
-        sequences = []  # (query rows, [key slices]): consecutive calls of the same rows share a sequence
+        sequences = []  # consecutive calls of the same rows share a sequence
         for rows, keys, is_causal, band in calls:
             if is_causal != causal: continue
             if band is not None: raise ValueError("CUDA's varlen calls carry no band mask: a sliding window runs kernel='plain' on CUDA")
             if sequences and sequences[-1][0] == rows: sequences[-1][1].append(keys)
             else: sequences.append((rows, [keys]))
-        if not sequences: continue
-        q_rows, k_rows, q_lens, k_lens = [], [], [0], [0]
-        for rows, key_slices in sequences:
-            keys = torch.cat([torch.arange(k.start, k.stop) for k in key_slices])
-            q_rows.append(torch.arange(rows.start, rows.stop))
-            k_rows.append(keys)
-            q_lens.append(rows.stop - rows.start)
-            k_lens.append(len(keys))
-        cu_q = torch.tensor(q_lens).cumsum(0).to(device, torch.int32)
-        cu_k = torch.tensor(k_lens).cumsum(0).to(device, torch.int32)
-        grouped.append((torch.cat(q_rows).to(device), torch.cat(k_rows).to(device), cu_q, cu_k, max(q_lens), max(k_lens), causal))
-    return grouped
+        if sequences: groups.append((sequences, causal))
+    return groups
 
-def _tokens_first(x: torch.Tensor, b: int, rows: torch.Tensor) -> torch.Tensor:
-    return x[b].index_select(1, rows).transpose(0, 1).contiguous()  # rows of batch b as [tokens, heads, D]: varlen's layout
+def _rows(pieces: list[slice]) -> slice | torch.Tensor:
+    "Block rows given as slices in order: one slice where they make one stretch, else their int32 indices."
+    if all(a.stop == b.start for a, b in zip(pieces, pieces[1:])): return slice(pieces[0].start, pieces[-1].stop)
+    return torch.cat([torch.arange(p.start, p.stop, dtype=torch.int32) for p in pieces])
+
+def _offsets(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *accumulate(lengths)], dtype=torch.int32)  # `cu_seqlens` as flash takes them, on the host
+
+def _varlen_call(sequences: list, causal: bool) -> VarlenCall:
+    "One varlen group planned on the host."
+    q_lens = [rows.stop - rows.start for rows, _ in sequences]
+    k_lens = [sum(k.stop - k.start for k in keys) for _, keys in sequences]
+    return VarlenCall(_rows([rows for rows, _ in sequences]), _rows([k for _, keys in sequences for k in keys]),
+                      _offsets(q_lens), _offsets(k_lens), max(q_lens), max(k_lens), causal)
+
+def _to_device(plans: list[list[VarlenCall]], device) -> list[list[VarlenCall]]:
+    "Every index tensor of the plans on `device` in one copy (from pinned memory on CUDA: no host sync), each a view."
+    host = [x for calls in plans for call in calls for x in call if torch.is_tensor(x)]
+    if not host: return plans
+    flat = torch.cat(host)
+    on_gpu = torch.device(device).type == "cuda"
+    views = iter((flat.pin_memory() if on_gpu else flat).to(device, non_blocking=on_gpu).split([len(x) for x in host]))
+    return [[VarlenCall(*(next(views) if torch.is_tensor(x) else x for x in c)) for c in calls] for calls in plans]
+
+def varlen_plans(plans: list[list],  # each ring step's fused calls (`ring_plans`)
+                 device,             # where the kernels run
+                ) -> list[list[VarlenCall]]:
+    """Each step's fused calls as at most two varlen calls (CUDA's flash kernel takes many sequences at once): the
+    whole-key sequences, then the causal ones. Planned on the host once for a ring's forward and backward; rows that
+    make one stretch stay slices (the kernels read views); the other rows and every offset reach `device` in one
+    copy."""
+    return _to_device([[_varlen_call(*group) for group in _sequences(calls)] for calls in plans], device)
+
+def varlen_calls(calls: list,  # one block pair's fused calls (`fused_calls`)
+                 device,       # where the kernels run
+                ) -> list[VarlenCall]:
+    "One block pair's varlen calls: `varlen_plans` of one step."
+    return varlen_plans([calls], device)[0]
+
+def _take(x: torch.Tensor, rows: slice | torch.Tensor, dim: int = 0) -> torch.Tensor:
+    "Rows of x along dim: a view where they are one stretch, else one gather."
+    return x[(slice(None),) * dim + (rows,)] if isinstance(rows, slice) else x.index_select(dim, rows)
+
+def _tokens(x: torch.Tensor, b: int, rows: slice | torch.Tensor) -> torch.Tensor:
+    return _take(x[b].transpose(0, 1), rows)  # rows of batch b as [tokens, heads, D]: varlen's layout, last dim dense
+
+def _tokens_major(x: torch.Tensor) -> torch.Tensor:
+    "x `[B, H, m, D]` laid out `[B, m, H, D]` in memory (a copy unless it is): a call's rows are one contiguous block."
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
 
 def band_mask(band: tuple | None,  # a windowed call's `(offset, window, causal)` (`fused_calls`), or None
               n_rows: int,          # the call's query rows
@@ -203,21 +264,32 @@ def _cpu_forward(q, k, v, calls, scale, out, lse):
         out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], part, part_lse)
         del part, part_lse, mask  # before the next call: one call's results live at a time
 
+def _varlen(calls: list, device) -> list[VarlenCall]:
+    "A pair's varlen calls: planned already (the ring plans every step once), or planned here from its fused calls."
+    return calls if calls and isinstance(calls[0], VarlenCall) else varlen_calls(calls, device)
+
+def _merge_rows(out, lse, rows, part, part_lse):
+    "A call's partial `[H, n, D]`, `[H, n]` merged in place into rows of one batch row's running `[H, m, D]`, `[H, m]`."
+    if isinstance(rows, slice): merge_(out[:, rows], lse[:, rows], part, part_lse)
+    else:  # scattered rows: gathered, merged, put back
+        o, l = _take(out, rows, 1), _take(lse, rows, 1)
+        merge_(o, l, part, part_lse)
+        out[:, rows], lse[:, rows] = o, l
+
 def _cuda_forward(q, k, v, calls, scale, out, lse):
-    for q_rows, k_rows, cu_q, cu_k, max_q, max_k, causal in varlen_calls(calls, q.device):
+    for q_rows, k_rows, cu_q, cu_k, max_q, max_k, causal in _varlen(calls, q.device):
         for b in range(q.shape[0]):
-            qs = _tokens_first(q, b, q_rows)
-            part, part_lse = _flash_cuda(qs, _tokens_first(k, b, k_rows), _tokens_first(v, b, k_rows), cu_q, cu_k,
+            qs = _tokens(q, b, q_rows)
+            part, part_lse = _flash_cuda(qs, _tokens(k, b, k_rows), _tokens(v, b, k_rows), cu_q, cu_k,
                                          max_q, max_k, 0.0, causal, False, scale=scale)[:2]
-            if tuple(part_lse.shape) != (qs.shape[1], qs.shape[0]):
+            if tuple(part_lse.shape) != (qs.shape[1], qs.shape[0]):  # host-side shapes: no sync
                 raise RuntimeError(f"this torch's CUDA flash kernel returned a log-sum-exp of shape {tuple(part_lse.shape)}, "
                                    f"not [heads, tokens] = {[qs.shape[1], qs.shape[0]]}: use kernel='plain'")
-            merged, merged_lse = merge(out[b][:, q_rows], lse[b][:, q_rows], part.transpose(0, 1).to(out.dtype), part_lse)
-            out[b, :, q_rows] = merged
-            lse[b, :, q_rows] = merged_lse
+            _merge_rows(out[b], lse[b], q_rows, part.transpose(0, 1), part_lse)
 
 def fused_forward(q, k, v, calls: list, scale: float, out: torch.Tensor, lse: torch.Tensor):
-    "Add one block pair to the running `out`, `lse` of its queries with fused flash calls (per stretch on CPU, varlen on CUDA), merged by log-sum-exp."
+    """Add one block pair to the running `out`, `lse` of its queries with fused flash calls (per stretch on CPU,
+    varlen on CUDA), merged by log-sum-exp. `calls`: the pair's `fused_calls`, or on CUDA their `varlen_plans` step."""
     if q.is_cuda: _cuda_forward(q, k, v, calls, scale, out, lse)
     else: _cpu_forward(q, k, v, calls, scale, out, lse)
 
@@ -234,19 +306,23 @@ def _cpu_backward(q, k, v, dout, out, lse, calls, scale, dq, dk, dv):
 def _cuda_backward(q, k, v, dout, out, lse, calls, scale, dq, dk, dv):
     rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: the kernel never reads it
     unused = torch.empty(0, device=q.device)
-    for q_rows, k_rows, cu_q, cu_k, max_q, max_k, causal in varlen_calls(calls, q.device):
+    for q_rows, k_rows, cu_q, cu_k, max_q, max_k, causal in _varlen(calls, q.device):
         for b in range(q.shape[0]):
-            g_q, g_k, g_v = _flash_cuda_backward(_tokens_first(dout, b, q_rows), _tokens_first(q, b, q_rows),
-                                                 _tokens_first(k, b, k_rows), _tokens_first(v, b, k_rows),
-                                                 _tokens_first(out, b, q_rows), lse[b][:, q_rows].contiguous(),
+            g_q, g_k, g_v = _flash_cuda_backward(_tokens(dout, b, q_rows), _tokens(q, b, q_rows), _tokens(k, b, k_rows),
+                                                 _tokens(v, b, k_rows), _tokens(out, b, q_rows),
+                                                 _take(lse[b], q_rows, 1).contiguous(),  # [H, n]: flash reads it dense
                                                  cu_q, cu_k, max_q, max_k, 0.0, causal, rng_state, unused, scale=scale)
-            dq[b].index_add_(1, q_rows, g_q.transpose(0, 1).to(dq.dtype))
-            dk[b].index_add_(1, k_rows, g_k.transpose(0, 1).to(dk.dtype))  # a key row seen by two query stretches adds twice
-            dv[b].index_add_(1, k_rows, g_v.transpose(0, 1).to(dv.dtype))
+            for grad, rows, g in ((dq, q_rows, g_q), (dk, k_rows, g_k), (dv, k_rows, g_v)): _add_rows(grad[b], rows, g)
+
+def _add_rows(grad: torch.Tensor, rows: slice | torch.Tensor, g: torch.Tensor):
+    "A call's gradient `[n, H, D]` added to rows of one batch row's `[H, m, D]` (a key row listed twice adds twice)."
+    grad = grad.transpose(0, 1)
+    if isinstance(rows, slice): grad[rows].add_(g)
+    else: grad.index_add_(0, rows, g.to(grad.dtype))
 
 def fused_backward(q, k, v, dout, out, lse, calls: list, scale: float, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor):
     """Add one block pair's gradients with the fused kernel's own backward, given the *merged* output and log-sum-exp
-    (each block's share of dQ, dK and dV is then exact, as in every flash ring)."""
+    (each block's share of dQ, dK and dV is then exact, as in every flash ring). `calls` as `fused_forward`'s."""
     if q.is_cuda: _cuda_backward(q, k, v, dout, out, lse, calls, scale, dq, dk, dv)
     else: _cpu_backward(q, k, v, dout, out, lse, calls, scale, dq, dk, dv)
 
@@ -276,11 +352,15 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, ring_index, doc, group, scale, window, causal, stats, tile, fused):
         n, r = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
         groups, acc = q.shape[1] // k.shape[1], torch.promote_types(q.dtype, torch.float32)  # statistics in at least fp32
-        work = q.dtype if fused and q.is_cuda else acc  # the kernels' dtype: CUDA's flash computes only in fp16 / bf16
+        varlen = fused and q.is_cuda  # CUDA's varlen flash: fp16 / bf16 only, rows read as views (tokens-major)
+        work = q.dtype if varlen else acc  # the kernels' dtype
         qa, up = q.to(work), lambda x: _expand(x, groups).to(work)
-        out, lse = torch.zeros(q.shape, dtype=acc, device=q.device), torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+        if varlen: out = torch.zeros(q.transpose(1, 2).shape, dtype=work, device=q.device).transpose(1, 2)
+        else: out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
         kv = torch.stack([k, v])  # [2, B, H_kv, m, D] in the inputs' dtype (bf16 travels as bf16): one message per step
         plans = ring_plans(ring_index, doc, r, causal, window) if fused else [None] * n  # planned once for both passes
+        if varlen: plans = varlen_plans(plans, q.device)  # and on CUDA uploaded once: no copy, no host sync, per pair
         for step in range(n):
             if step < n - 1: works, nxt = _pass_on(kv, group, stats)  # the next block travels while this one computes
             pair = ring_index[r], ring_index[(r - step) % n], doc, window, causal, tile
@@ -306,10 +386,12 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse, ring_index, doc = ctx.saved_tensors
         group, scale = ctx.group, ctx.scale
         n, r = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
-        groups, acc = q.shape[1] // k.shape[1], out.dtype
-        work = q.dtype if ctx.fused and q.is_cuda else acc
+        groups, acc = q.shape[1] // k.shape[1], torch.promote_types(q.dtype, torch.float32)  # gradients: fp32 or finer
+        varlen = ctx.fused and q.is_cuda
+        work = q.dtype if varlen else acc
         qa, dout, up = q.to(work), dout.to(work), lambda x: _expand(x, groups).to(work)
         out_w = out.to(work)  # the merged output, as the fused backward reads it
+        if varlen: dout, out_w = _tokens_major(dout), _tokens_major(out_w)  # once, not per pair
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         delta = None if ctx.fused else (dout * out_w).sum(-1, keepdim=True)  # [B, H, m, 1]: the plain kernel's softmax term
         kv, incoming = torch.stack([k, v]), None  # incoming: (works, buffer) of the block gradients on their way here
@@ -320,11 +402,12 @@ class _RingAttention(torch.autograd.Function):
             calls = ctx.plans[step]
             if ctx.fused and calls:
                 ke, ve = up(kv[0]), up(kv[1])
-                dke = torch.zeros(ke.shape, dtype=acc, device=ke.device)  # over the expanded heads, summed per group below
-                dve = torch.zeros(ve.shape, dtype=acc, device=ve.device)
+                direct = varlen and groups == 1  # CUDA, no grouped heads: the kernel's gradients straight into `mine`
+                dke, dve = mine if direct else (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (ke, ve))
                 fused_backward(qa, ke, ve, dout, out_w, lse, calls, scale, dq, dke, dve)
-                mine[0] += _grouped(dke, groups)
-                mine[1] += _grouped(dve, groups)
+                if not direct:  # over the expanded heads: summed per group
+                    mine[0] += _grouped(dke, groups)
+                    mine[1] += _grouped(dve, groups)
                 del ke, ve, dke, dve
             elif not ctx.fused and _meets(*pair):
                 ke, ve = up(kv[0]), up(kv[1])
@@ -376,7 +459,8 @@ def ring_attend(q: torch.Tensor,            # [B, H, m, D] this process's querie
     if tuple(ring_index.shape) != (n, q.shape[2]):
         raise ValueError(f"ring_index is {tuple(ring_index.shape)} but the ring has {n} blocks of {q.shape[2]} tokens: "
                          f"build the shards with ring_shard for this grid")
-    return _RingAttention.apply(q, k, v, ring_index.to(q.device), doc.to(q.device), group,
+    home = torch.device("cpu") if kernel == "fused" else q.device  # fused: planned on the host (no copy, no sync)
+    return _RingAttention.apply(q, k, v, ring_index.to(home), doc.to(home), group,
                                 q.shape[-1] ** -0.5 if scale is None else scale, window, causal, stats or RingStats(), tile,
                                 kernel == "fused")
 
