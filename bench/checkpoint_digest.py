@@ -31,7 +31,8 @@ def main():
         for _ in range(a.rounds):
             t = time.perf_counter(); file_digest(path); times.append(time.perf_counter() - t)
         size = path.stat().st_size
-        print(f"state.pt {size / 2**30:.2f} GiB: torch.save + fsync {save_s:.2f} s; CRC-32 in 1 MiB blocks {min(times):.2f} s "
+        print(f"state.pt {size / 2**30:.2f} GiB: torch.save + fsync {save_s:.2f} s; "
+              f"CRC-32 in 1 MiB blocks {min(times):.2f} s "
               f"(fastest of {a.rounds}; {size / 2**30 / min(times):.1f} GiB/s), {min(times) / save_s:.0%} of the save")
 
 

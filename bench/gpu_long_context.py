@@ -74,7 +74,8 @@ def random_batch(n: int, vocab: int, device) -> dict:
 
 
 def lever_loss(levers: Levers):
-    "The mean token loss a lever set trains with, as `loss(model, batch)`: the tiled loss's sum / count or transformers'."
+    """The mean token loss a lever set trains with, as `loss(model, batch)`: the tiled loss's sum / count or
+    transformers'."""
     def loss(model, batch):
         if not levers.tiled_loss: return model(**batch, use_cache=False).loss
         total, count = causal_lm_loss_sum(model, batch, chunk_size=levers.loss_chunk)
@@ -224,7 +225,8 @@ def length_table(rows: list[dict]) -> str:
                          f"{r['planned_gib']:.3g} | - |")
             continue
         lines.append(f"| {r['levers']} | {r['point']} | {r['tokens']:,} | {r['seconds']:.2f} | "
-                     f"{r['seconds'] / r['tokens'] * 1e6:.1f} | {r['peak_gib']:.3g}{'' if r['fits'] else ' (over the cap)'}"
+                     f"{r['seconds'] / r['tokens'] * 1e6:.1f} | "
+                     f"{r['peak_gib']:.3g}{'' if r['fits'] else ' (over the cap)'}"
                      " | "
                      f"{r['planned_gib']:.3g} | {r['peak_gib'] / r['planned_gib']:.2f} |")
     return "\n".join(lines)

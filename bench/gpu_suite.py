@@ -301,7 +301,8 @@ def part_sp_kernels(dry: bool, repeats: int = 10, warmup: int = 3) -> dict:
                               device, repeats, warmup, heads=shard)]
     memory = ring_memory(tensors, doc, dtype)
     table = kernel_table(rows)
-    table.append(f"fused ring block pair / workbench_varlen on the same row: {rows[1]['fwd_bwd_ms'] / rows[2]['fwd_bwd_ms']:.1f}x")
+    table.append(f"fused ring block pair / workbench_varlen on the same row: "
+                 f"{rows[1]['fwd_bwd_ms'] / rows[2]['fwd_bwd_ms']:.1f}x")
     table.append(f"fused ring call over the whole row, forward + backward: its operators' peak "
                  f"{memory['visible_peak_bytes'] / 2**20:.1f} MiB" + (
                      f", the allocator's {memory['allocated_peak_bytes'] / 2**20:.1f} MiB, inside the kernels "

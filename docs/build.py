@@ -78,7 +78,8 @@ def runs(cell, flags: set[str]) -> bool:
 
 
 NOTEBOOK_EXTRAS = ("peft", "deepspeed")  # optional packages (pyproject's extras) that notebooks import
-PYPROJECT = ROOT / "pyproject.toml"  # the project's own dependencies (fixed here: a test may point ROOT at a scratch tree)
+# the project's own dependencies (fixed here: a test may point ROOT at a scratch tree)
+PYPROJECT = ROOT / "pyproject.toml"
 
 
 def keyed_packages() -> list[str]:

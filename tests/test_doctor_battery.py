@@ -14,7 +14,8 @@ from workbench.packing import FlatteningCollator
 
 NO_CACHE = {"use_cache": False}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-OLD_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float16: 1e-2}  # the fixed dtype constants it once used
+# the fixed dtype constants it once used
+OLD_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +91,8 @@ def test_boundaries_checked_against_their_reader(packed, dtype):
     bad = _extra_boundary(packed)
     varlen = check_packing(tiny_model("llama", attn_implementation=KEY, dtype=dtype), bad, NO_CACHE)
     assert not varlen.clean and varlen["boundaries agree"].status == "fail" and "reads the boundaries from cu_seq_lens_q" in varlen["boundaries agree"].detail
-    assert varlen.layout_difference > varlen.tolerance and "rebuild cu_seq_lens" in varlen["boundaries agree"].fix and _verified(varlen)
+    assert (varlen.layout_difference > varlen.tolerance and "rebuild cu_seq_lens" in varlen["boundaries agree"].fix
+            and _verified(varlen))
     sdpa = check_packing(tiny_model("llama", dtype=dtype), bad, NO_CACHE)  # sdpa reads position_ids: right, but warned
     assert sdpa.clean and sdpa["boundaries agree"].status == "warn" and "rebuild cu_seq_lens" in sdpa["boundaries agree"].fix
     assert not any(KEY in f.fix for f in sdpa.findings)  # the old false alarm suggested varlen, which really leaks here
@@ -282,7 +284,8 @@ def test_not_a_transformers_model_is_a_clear_error(packed):
 def _leak_1_into_2(module, query, key, value, attention_mask, **kwargs):
     "sdpa, except that in a packed row example 2 also sees example 1: 0.03 of its mean value (the weak middle leak)."
     from workbench.attention import positions_to_cu_seq_lens
-    out, weights = tr.integrations.sdpa_attention.sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    out, weights = tr.integrations.sdpa_attention.sdpa_attention_forward(module, query, key, value, attention_mask,
+                                                                          **kwargs)
     pos = kwargs.get("position_ids")
     cu = positions_to_cu_seq_lens(pos)[0].tolist() if pos is not None and pos.shape[0] == 1 else []
     if len(cu) < 4: return out, weights  # padded rows, or one example alone: nothing to leak
@@ -319,7 +322,8 @@ def test_probe_watches_every_example(packed):
     "A leak into any example from any other shows, in both directions (ShiftMix looking ahead leaks backwards)."
     model = tiny_model("llama")
     for ahead in (False, True):
-        model.model.layers[0].mlp = ShiftMix(model.model.layers[0].mlp.mlp if ahead else model.model.layers[0].mlp, 1e-3, ahead)
+        model.model.layers[0].mlp = ShiftMix(model.model.layers[0].mlp.mlp if ahead else model.model.layers[0].mlp,
+                                             1e-3, ahead)
         leak, own = contamination_probe(model, packed, NO_CACHE)
         assert leak > 0 and own > 0.1
 

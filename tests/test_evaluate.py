@@ -194,16 +194,18 @@ def test_help_lists_only_the_flags_evaluation_reads(capsys):
 
 def test_a_qwen2_checkpoint_tokenizes_as_its_run_did(run_dir, trained, tmp_path):
     """A qwen2 run's checkpoint holds the shipped tokenizer (saved by the generic tokenizers backend): it loads back as
-    that tokenizer, not as the Qwen2Tokenizer config.json's model_type would pick, so evaluating the checkpoint counts the
-    trained tokens training counted on the same rows, and scores each as training's evaluation of that step did."""
+    that tokenizer, not as the Qwen2Tokenizer config.json's model_type would pick, so evaluating the checkpoint counts
+    the trained tokens training counted on the same rows, and scores each as training's evaluation of that step did."""
     from workbench.core import load_tokenizer
     from workbench.data import load_features, run_tokenizer
     from workbench.evaluate import main
     from workbench.tracking import EVALUATIONS, read_metrics
     held_out = str(run_dir.parent / "held_out.jsonl")  # what the run evaluated after steps 6 and 12
-    assert load_features(held_out, run_tokenizer(TrainConfig(model=trained))) == load_features(held_out, load_tokenizer())
+    assert (load_features(held_out, run_tokenizer(TrainConfig(model=trained)))
+            == load_features(held_out, load_tokenizer()))
     main(["--model", trained, "--data", held_out, "--max-tokens", "512", "--out", str(tmp_path)])
     got = [json.loads(l) for l in (tmp_path / "eval.jsonl").read_text().splitlines()]
-    during = read_metrics(run_dir, EVALUATIONS)[-1]  # after step 12's update: the model of the checkpoint evaluated here
+    # after step 12's update: the model of the checkpoint evaluated here
+    during = read_metrics(run_dir, EVALUATIONS)[-1]
     assert sum(r["tokens"] for r in got) == during["tokens"]
     assert max(abs(r["loss"] - l) / l for r, l in zip(got, during["example_loss"], strict=True)) <= 1e-6

@@ -209,7 +209,8 @@ def bad_inputs(tmp_path):
     import datasets
     (tmp_path / "empty").mkdir()
     return {
-        "dataset without input_ids": (dict(data=datasets.Dataset.from_dict({"words": ["hi"]})), ValueError, "no 'input_ids' column"),
+        "dataset without input_ids": (dict(data=datasets.Dataset.from_dict({"words": ["hi"]})), ValueError,
+                                      "no 'input_ids' column"),
         "empty dataset": (dict(data=datasets.Dataset.from_dict({"input_ids": []})), ValueError, "dataset is empty"),
         "dataset of text ids": (dict(data=datasets.Dataset.from_dict({"input_ids": ["not ids"]})), TypeError, "not token lists"),
         "streaming dataset": (dict(data=datasets.Dataset.from_dict({"input_ids": [[1]]}).to_iterable_dataset()), TypeError, "materialise"),

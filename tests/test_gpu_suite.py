@@ -41,7 +41,8 @@ def test_every_part_has_a_status_and_the_markdown_exists(full):
 
 
 def test_gpu_caps_fit_in_8_minutes():
-    "Each suite's GPU caps, plus the flash-attn install's 60 s, stay under 8 minutes; step_time runs after what it reads."
+    """Each suite's GPU caps, plus the flash-attn install's 60 s, stay under 8 minutes; step_time runs after what it
+    reads."""
     sys.path.insert(0, str(SUITE.parent))
     import gpu_suite
     for name, numbers in gpu_suite.SUITES.items():

@@ -133,7 +133,8 @@ def test_a_rank_that_never_calls_progress_is_ended_at_the_stall_limit_with_its_s
     def silent():
         if dist.get_rank() == 1: time.sleep(1e6)
         dist.barrier()
-    with pytest.raises(RankError) as e: launch(silent, num_processes=2, cpu=True, quiet=True, stall_s=1, deadline_s=DEADLINE)
+    with pytest.raises(RankError) as e:
+        launch(silent, num_processes=2, cpu=True, quiet=True, stall_s=1, deadline_s=DEADLINE)
     err = e.value
     assert (err.rank, err.exc_type, err.exitcode) == (1, None, None), str(err)
     assert "rank 1 of 2 made no progress within stall_s=1 (no progress() call since the launch started" in str(err)
@@ -142,7 +143,8 @@ def test_a_rank_that_never_calls_progress_is_ended_at_the_stall_limit_with_its_s
 
 
 def test_progress_keeps_a_run_longer_than_the_stall_limit_alive():
-    "Rank 1 steps past stall_s in all, calling progress() each step; rank 0 has returned at once: a finished rank waits, it does not stall."
+    """Rank 1 steps past stall_s in all, calling progress() each step; rank 0 has returned at once: a finished rank
+    waits, it does not stall."""
     def steps():
         for _ in range(5 if dist.get_rank() == 1 else 0):
             progress(); time.sleep(0.4)
@@ -160,7 +162,8 @@ def test_a_stall_limit_that_is_not_positive_seconds_is_refused(stall_s):
 def _start_workers(pids: str):
     "Start what a rank may leave behind: a child (a subprocess), and a grandchild whose parent has exited (an orphan)."
     child = subprocess.Popen(["sleep", "600"])
-    orphan = subprocess.run("sleep 600 > /dev/null 2>&1 & echo $!", shell=True, capture_output=True, text=True).stdout.strip()
+    orphan = subprocess.run("sleep 600 > /dev/null 2>&1 & echo $!", shell=True, capture_output=True,
+                            text=True).stdout.strip()
     with open(f"{pids}{dist.get_rank()}", "w") as f: f.write(f"{child.pid} {orphan}")
 
 
@@ -188,7 +191,8 @@ def test_no_worker_a_rank_started_outlives_the_launch(ending, tmp_path):
 def test_a_process_group_already_open_here_is_refused_with_its_fix():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        with pytest.raises(RuntimeError, match="a torch.distributed process group is already open in this process") as e:
+        with pytest.raises(RuntimeError,
+                           match="a torch.distributed process group is already open in this process") as e:
             launch(lambda: 0, num_processes=2, cpu=True, quiet=True, deadline_s=DEADLINE)
     finally: dist.destroy_process_group()
     assert "destroy_process_group() first, or call launch from a process without one" in str(e.value)

@@ -56,8 +56,8 @@ def test_notebook_outputs_are_stripped_on_commit(tmp_path):
         shutil.copy(ROOT / name if name != nb.name else nb, repo / name)
 
     def git(*args) -> str:
-        return subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.invalid", *args],
-                              capture_output=True, text=True, check=True).stdout
+        return subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.invalid",
+                               *args], capture_output=True, text=True, check=True).stdout
     git("init", "-q")
     subprocess.run(["make", "-s", "-C", str(repo), "-f", str(ROOT / "Makefile"), "git-filter", f"VENV={sys.prefix}"],
                    check=True, timeout=60)

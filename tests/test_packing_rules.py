@@ -216,7 +216,8 @@ def test_resume_under_workers_serves_each_bin_once(workers, replicas):
 
 
 def test_plain_dataloader_with_workers_runs_ahead_resumable_does_not():
-    "Why ResumableLoader exists: a plain DataLoader's workers take steps before the consumer does (its count is refused)."
+    """Why ResumableLoader exists: a plain DataLoader's workers take steps before the consumer does (its count is
+    refused)."""
     lengths = np.full(40, 10)
     feats = [{"input_ids": [e] * 10} for e in range(40)]
     plan = plan_bins(lengths, 20)

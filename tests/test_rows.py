@@ -54,7 +54,8 @@ def test_token_id_rows_keep_their_masks_in_every_format(tmp_path, suffix, varian
 @pytest.mark.parametrize("suffix", ["jsonl", "json", "parquet"])
 def test_each_rows_own_id_comes_back_beside_its_features_in_every_format(tmp_path, suffix):
     """The first of id/uid/uuid/example_id the rows carry comes back from the read that tokenized them, beside the
-    features (which stay those of the rows without it: collators and the planner never see it); a row without one: None."""
+    features (which stay those of the rows without it: collators and the planner never see it); a row without one:
+    None."""
     rows = [{"example_id": f"ex-{i}", **r} for i, r in enumerate(ROWS)]
     rows[1]["example_id"] = None  # a row without an id of its own
     features, _, ids = run_examples(TrainConfig(model="llama", data=_write(tmp_path / f"rows.{suffix}", rows)))

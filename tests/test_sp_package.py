@@ -43,11 +43,13 @@ def test_one_grid_for_every_layout():
 
 
 def test_a_wheel_carries_every_module(tmp_path):
-    "pip install . (not -e) gets what a wheel holds: every module of the source tree, sub-packages included, and the shipped data."
+    """pip install . (not -e) gets what a wheel holds: every module of the source tree, sub-packages included, and the
+    shipped data."""
     import shutil, zipfile
     from pathlib import Path
     root, src = Path(__file__).resolve().parents[1], tmp_path / "src"  # a copy: setuptools would reuse a stale build/ here
-    for name in ("workbench", "data_samples"): shutil.copytree(root / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("workbench", "data_samples"):
+        shutil.copytree(root / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"): shutil.copy(root / name, src / name)
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(src)],
                        capture_output=True, text=True, timeout=300)
@@ -55,5 +57,6 @@ def test_a_wheel_carries_every_module(tmp_path):
     names = set(zipfile.ZipFile(next(tmp_path.glob("workbench-*.whl"))).namelist())
     source = {p.relative_to(root).as_posix() for p in (root / "workbench").rglob("*.py")}
     assert source <= names, sorted(source - names)
-    data = {f"workbench/{p.relative_to(root).as_posix()}" for p in (root / "data_samples").rglob("*") if p.suffix in (".json", ".jsonl")}
+    data = {f"workbench/{p.relative_to(root).as_posix()}" for p in (root / "data_samples").rglob("*")
+            if p.suffix in (".json", ".jsonl")}
     assert data and data <= names, sorted(data - names)  # where core.data_dir looks in an installed wheel

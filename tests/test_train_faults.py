@@ -340,7 +340,8 @@ def test_a_save_slower_than_the_collective_timeout_does_not_kill_the_run(tmp_pat
 
 
 def test_a_save_slower_than_the_stall_limit_does_not_end_the_run(tmp_path):
-    "The save sleeps 5 s under a 2 s stall limit (--stall-s): a checkpoint being written is progress, however slow the disk."
+    """The save sleeps 5 s under a 2 s stall limit (--stall-s): a checkpoint being written is progress, however slow
+    the disk."""
     script, out = tmp_path / "faults.py", tmp_path / "run"
     script.write_text(KILLER)
     r = subprocess.run([sys.executable, str(script), "slow save", "5", "--steps", "1", "--max-tokens", "256", "--data",

@@ -94,14 +94,17 @@ def test_a_chat_file_trains_only_its_assistant_turns(tmp_path):
 
 
 def test_a_token_id_file_trains_what_its_masks_name(tmp_path):
-    "Issue 47: --data of token-id rows with completion_mask trained every token (the masks were dropped); now the masks'."
+    """Issue 47: --data of token-id rows with completion_mask trained every token (the masks were dropped); now the
+    masks'."""
     from workbench.tracking import read_metrics
-    rows = [{"input_ids": list(range(10 + i, 40 + 2 * i)), "completion_mask": [0] * 20 + [1] * (10 + i)} for i in range(4)]
+    rows = [{"input_ids": list(range(10 + i, 40 + 2 * i)), "completion_mask": [0] * 20 + [1] * (10 + i)}
+            for i in range(4)]
     data = tmp_path / "ids.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     losses, _, error = _main("--steps", "1", "--max-tokens", "256", "--data", str(data), "--out", str(tmp_path / "run"))
     assert losses is not None, error
-    assert [r["trained"] for r in read_metrics(tmp_path / "run")] == [sum(map(sum, (r["completion_mask"] for r in rows)))]
+    assert ([r["trained"] for r in read_metrics(tmp_path / "run")]
+            == [sum(map(sum, (r["completion_mask"] for r in rows)))])
 
 
 def test_reading_a_data_file_draws_no_third_party_bar(tmp_path, capfd):

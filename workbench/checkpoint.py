@@ -32,7 +32,9 @@ __all__ = ['CHECKPOINTS', 'MODEL_DIR', 'ADAPTER_DIR', 'LAYOUT', 'SAVE_WAIT', 'DI
 CHECKPOINTS = "checkpoints"  # out/checkpoints/step-000012/{state.pt, model/, manifest.json}
 MODEL_DIR = "model"          # inside a checkpoint: the directory `AutoModelForCausalLM.from_pretrained` loads
 ADAPTER_DIR = "adapter"      # inside a checkpoint of a LoRA run: the adapter `PeftModel.from_pretrained` loads onto model/
-_MAY_CHANGE = ("steps", "save_every", "keep", "timeout_s", "stall_s", "resume", "out", "name", "report_to", "eval_data", "eval_every")  # what a resumed run may change
+# what a resumed run may change
+_MAY_CHANGE = ("steps", "save_every", "keep", "timeout_s", "stall_s", "resume", "out", "name", "report_to", "eval_data",
+               "eval_every")
 LAYOUT = ("dp", "sp", "ring", "ring_kernel", "grad_accum")  # how a step is split: a resumed run may change it, keeping dp x grad_accum
 SAVE_WAIT = timedelta(days=365)  # how long the other ranks wait for rank 0's save: outside the collective timeout
 DIGEST_BLOCK = 1 << 20  # bytes read at a time when a file's digest is computed (1 MiB)

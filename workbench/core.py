@@ -87,14 +87,15 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torc
 SAMPLES = ("flan_like", "orca_like")  # instruction-tuning samples: long-tailed and homogeneous lengths
 
 def data_dir() -> Path:
-    "The shipped `data_samples/` folder, found from the package itself: inside it (a wheel), else beside it (a checkout)."
+    """The shipped `data_samples/` folder, found from the package itself: inside it (a wheel), else beside it (a
+    checkout)."""
     import workbench
     package = Path(workbench.__file__).resolve().parent
     for folder in (package / "data_samples", package.parent / "data_samples"):
         if (folder / "tokenizer").is_dir(): return folder
-    raise FileNotFoundError(f"workbench's data_samples/ is neither inside {package} (where a wheel puts it) nor beside it "
-                            f"(in the checkout of an editable install): reinstall workbench (`pip install .`, or "
-                            f"`pip install -e .` from its checkout)")
+    raise FileNotFoundError(f"workbench's data_samples/ is neither inside {package} (where a wheel puts it) nor "
+                            f"beside it (in the checkout of an editable install): reinstall workbench "
+                            f"(`pip install .`, or `pip install -e .` from its checkout)")
 
 def load_records(name: str) -> list[dict]:
     "The raw JSON-lines records of a shipped sample (`flan_like`, `orca_like` or `long_docs`)."

@@ -262,7 +262,9 @@ class StepCost:
         return f"StepCost({self.total:.4g} FLOPs: {f}; bytes: {b or 'none'}; {self.tokens} tokens)"
 
 def _attended(batch, rows: list) -> list:
-    "The documents attention computes in each row: a padded batch's padding (its attention mask's zeros) is no document to a kernel that reads the mask as lengths (varlen unpads it, as flash-attn does); 'row' work counts the row's width instead."
+    """The documents attention computes in each row: a padded batch's padding (its attention mask's zeros) is no
+    document to a kernel that reads the mask as lengths (varlen unpads it, as flash-attn does); 'row' work counts the
+    row's width instead."""
     if not isinstance(batch, dict) or "cu_seq_lens_q" in batch or "attention_mask" not in batch: return rows
     return [np.asarray([n]) for n in np.asarray(batch["attention_mask"]).sum(1)]
 
@@ -617,7 +619,8 @@ class HeldOut:
 
 @dataclass(frozen=True)
 class MeasuredStep:
-    "A measured step with its predicted terms: predicted afresh with whatever factors are in hand (`HeldOut` when held out)."
+    """A measured step with its predicted terms: predicted afresh with whatever factors are in hand (`HeldOut` when
+    held out)."""
     source: str          # what was measured ("part 1 orca flat_varlen"): its `HeldOut.source` / `fitted_on` name
     device: str          # the `Device.name` it ran on
     terms: tuple         # (term, seconds at 100% of the peak) pairs: `Prediction.terms` as a tuple
@@ -935,7 +938,8 @@ def _suite_part(path: Path, number: int) -> dict:
     return parts[number]["result"]
 
 def _packing_steps(results: Path, stamp: str, dev: Device) -> list:
-    "Part 1's rows (bench/gpu_packing.py): every mode's timed steps rebuilt as the suite built them (its seed and sizes), their terms averaged; measured: the timed tokens / tokens/s / steps."
+    """Part 1's rows (bench/gpu_packing.py): every mode's timed steps rebuilt as the suite built them (its seed and
+    sizes), their terms averaged; measured: the timed tokens / tokens/s / steps."""
     packing = _bench_script(results, "gpu_packing")
     args = packing.parse_args(_bench_script(results, "gpu_suite").packing_argv(False))
     config = tiny_config("llama", **packing.LLAMA_7B, num_hidden_layers=args.layers)
@@ -961,7 +965,9 @@ def _packing_steps(results: Path, stamp: str, dev: Device) -> list:
     return steps
 
 def _train_steps(results: Path, stamp: str, dev: Device, skip: int = 1) -> list:
-    "Part 5's train run (`python -m workbench.train`, its command recorded): its plan rebuilt from the same data and flags, each measured step past `skip` (warm-up) with its own rows. A rebuilt step whose model FLOPs differ from the ones its metrics recorded is refused."
+    """Part 5's train run (`python -m workbench.train`, its command recorded): its plan rebuilt from the same data
+    and flags, each measured step past `skip` (warm-up) with its own rows. A rebuilt step whose model FLOPs differ
+    from the ones its metrics recorded is refused."""
     import shlex
     from workbench.config import _config, _parser, model_config
     from workbench.data import run_features
@@ -991,7 +997,8 @@ def _train_steps(results: Path, stamp: str, dev: Device, skip: int = 1) -> list:
 def recorded_steps(results=None,              # a bench/results folder (None: the one beside this package, in a clone)
                    stamp: str = H200_RESULTS,  # which lend's files (`<stamp>-suite.json` ...)
                   ) -> list:
-    "The GPU steps a lend recorded, as `MeasuredStep`s: part 1's packing rows and part 5's train run, each rebuilt (its rows, its attention's work and kernel class) from the bench code and the seeds that made it."
+    """The GPU steps a lend recorded, as `MeasuredStep`s: part 1's packing rows and part 5's train run, each rebuilt
+    (its rows, its attention's work and kernel class) from the bench code and the seeds that made it."""
     import workbench
     here = Path(workbench.__file__).resolve().parents[1] / "bench" / "results"  # a clone's
     results = Path(results) if results is not None else here
@@ -1031,7 +1038,9 @@ def fit_held_out(steps,                 # `MeasuredStep`s (`recorded_steps`)
                  fit_on: str = H200_FIT_ON,  # the steps whose source starts with this are fitted; the rest held out
                  fit=KERNEL_FIT,        # the `FIT_GROUPS` to fit
                 ) -> HeldOutFit:
-    "Fit the factors on the steps `fit_on` names (relative least squares: `calibrate`) and predict every step with them; the fitted factors carry all the steps, so `held_out` gives every later prediction the held-out ones' errors."
+    """Fit the factors on the steps `fit_on` names (relative least squares: `calibrate`) and predict every step with
+    them; the fitted factors carry all the steps, so `held_out` gives every later prediction the held-out ones'
+    errors."""
     fitted = [s for s in steps if s.source.startswith(fit_on)]
     if not fitted or len(fitted) == len(steps):
         raise ValueError(f"fit_on={fit_on!r} names {len(fitted)} of {len(steps)} steps: it must name some to fit and "

@@ -30,7 +30,8 @@ _GENERATION = re.compile(r"{%-?\s*generation\s*-?%}")
 
 _MASKS = ("labels", *LOSS_MASKS)  # per-token columns of token-id rows that say what trains: kept and checked
 
-_FLAGS = {0: 0, 1: 1, "0": 0, "1": 1}  # a loss mask's values as JSON, Parquet or CSV write them (False / True are 0 / 1)
+# a loss mask's values as JSON, Parquet or CSV write them (False / True are 0 / 1)
+_FLAGS = {0: 0, 1: 1, "0": 0, "1": 1}
 
 ID_FIELDS = ("id", "uid", "uuid", "example_id")  # a row's own id: the first of these its file's rows carry
 

@@ -75,7 +75,8 @@ class DoctorReport:
                 f"{self.n_tokens} tokens: {self.verdict} ({self.seconds:.1f} s)")
     def _numbers(self):
         fmt = lambda v: "not measured" if v is None else f"{v:.3g}"
-        source = "" if self.tolerance is None else ", given" if self.noise is None else f", measured: layout noise {self.noise:.3g}"
+        source = ("" if self.tolerance is None else ", given" if self.noise is None
+                  else f", measured: layout noise {self.noise:.3g}")
         line = (f"cross-example effect {fmt(self.cross_example_effect)} (clean: exactly 0); packed vs padded logits "
                 f"{fmt(self.layout_difference)} (tolerance {fmt(self.tolerance)}{source})")
         return line + (f"; every fix shown was measured to work: {self.verified_with}" if self.verified_with else "")
@@ -157,7 +158,8 @@ def as_tensors(batch: dict,     # a batch whose values may be numpy arrays (e.g.
     return {k: torch.from_numpy(v).to(device) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
 
 def check_token_ids(model, batch: dict):
-    "Raise `ValueError` naming the first input id that is not a row of `model`'s input embedding (negative or too large)."
+    """Raise `ValueError` naming the first input id that is not a row of `model`'s input embedding (negative or too
+    large)."""
     inner = unwrap(model)[1]
     emb, ids = inner.get_input_embeddings(), batch["input_ids"]
     bad = (ids < 0) | (ids >= emb.num_embeddings)
@@ -256,7 +258,8 @@ def _shape_stable_experts(inner):
         if switch: inner.set_experts_implementation(before)
 
 def probe_sets(n: int) -> list[list[int]]:
-    "The examples each pass of the probe changes: the fewest passes in which every example changes while any other one stays."
+    """The examples each pass of the probe changes: the fewest passes in which every example changes while any other
+    one stays."""
     m = next(m for m in count(2) if comb(m, m // 2) >= n)  # Sperner: no fewer passes can do it
     codes = list(islice(combinations(range(m), m // 2), n))  # example i changes in the passes of codes[i]
     return [[i for i, code in enumerate(codes) if p in code] for p in range(m)]
@@ -275,7 +278,8 @@ def two_examples(batch: dict, n: int):
                      f"single example, pack it with others")
 
 def contamination_probe(model, batch: dict, forward_kwargs: dict | None = None, seed: int = 0) -> tuple[float, float]:
-    "Change the examples of each of the `probe_sets` in turn: (largest change of an unchanged example's logits, smallest largest change of a changed one's)."
+    """Change the examples of each of the `probe_sets` in turn: (largest change of an unchanged example's logits,
+    smallest largest change of a changed one's)."""
     runner, inner, _ = unwrap(model)
     batch = _prepared(inner, batch)
     forward_kwargs = {} if forward_kwargs is None else forward_kwargs
@@ -298,7 +302,8 @@ def contamination_probe(model, batch: dict, forward_kwargs: dict | None = None, 
             leak, own = 0.0, torch.zeros(n, device=base.device)
             for changed in probe_sets(n):
                 hit = torch.isin(examples, torch.tensor(changed, device=examples.device))
-                delta = (run(_perturbed(batch, examples, changed, vocab, seed)) - base).abs().amax(-1).float()  # identical shapes: identical kernels
+                # identical shapes: identical kernels
+                delta = (run(_perturbed(batch, examples, changed, vocab, seed)) - base).abs().amax(-1).float()
                 leak = max(leak, delta.masked_fill(hit | (examples < 0), 0).max().item())
                 own = own.scatter_reduce(0, examples[hit], delta[hit], "amax")
     finally:
@@ -322,7 +327,8 @@ def _token_rows(x: torch.Tensor, B: int, T: int) -> torch.Tensor | None:
     return None
 
 def leak_sources(model, batch: dict, forward_kwargs: dict | None = None, seed: int = 0) -> list[str]:
-    "The modules where information first crosses examples: in a pass of the probe, their output at unchanged examples' tokens changes, though none of their inputs there does."
+    """The modules where information first crosses examples: in a pass of the probe, their output at unchanged
+    examples' tokens changes, though none of their inputs there does."""
     runner, inner, _ = unwrap(model)
     runner = getattr(runner, "_orig_mod", runner)  # torch.compile: hooks run on the eager module
     batch = _prepared(inner, batch)
@@ -408,7 +414,8 @@ def _alone(inner, row: dict) -> dict:
     return {**row, "position_ids": torch.arange(start, start + n, device=device)[None]}
 
 def rounding_tolerance(model, batch: dict) -> tuple[float, float]:
-    "(tolerance, noise): how far each example run alone lands from the padded layout, two layouts that cannot leak, and `NOISE_FACTOR` times that (or times one rounding step of the largest logit or the loss, if larger)."
+    """(tolerance, noise): how far each example run alone lands from the padded layout, two layouts that cannot leak,
+    and `NOISE_FACTOR` times that (or times one rounding step of the largest logit or the loss, if larger)."""
     runner, inner, _ = unwrap(model)
     batch = _prepared(inner, batch)
     lengths = batch_lengths(batch).tolist()
@@ -549,7 +556,8 @@ def _traps(inner, batch: dict, kwargs: dict, attn: str, lengths: np.ndarray) -> 
 def check_packing(model,                        # a transformers causal LM, or any wrapper around one (torch.compile, PEFT, DDP...)
                   batch: dict,                  # a packed batch, exactly as the training loop passes it
                   forward_kwargs: dict | None = None,  # extra keyword arguments of the loop's forward call, e.g. {"use_cache": False}
-                  tolerance: float | None = None,  # largest packed vs padded difference counted as equal (default: `rounding_tolerance`)
+                  # largest packed vs padded difference counted as equal (default: `rounding_tolerance`)
+                  tolerance: float | None = None,
                   grads: bool = True,           # also compare gradients (set False when backward is unavailable)
                  ) -> DoctorReport:
     "Check that padding-free training of `model` on `batch` is clean: static traps, an exact contamination probe, packed == padded; every fix shown is measured first."
@@ -558,7 +566,8 @@ def check_packing(model,                        # a transformers causal LM, or a
     batch = as_tensors(batch, inner.get_input_embeddings().weight.device)
     kwargs = {} if forward_kwargs is None else dict(forward_kwargs)
     attn = inner.config._attn_implementation
-    report = DoctorReport(inner.config.model_type, attn, 0, int(batch["input_ids"].numel()), tolerance=tolerance, wrappers=wrappers)
+    report = DoctorReport(inner.config.model_type, attn, 0, int(batch["input_ids"].numel()), tolerance=tolerance,
+                          wrappers=wrappers)
     add = report.findings.append
     def stop(check: str, detail: str) -> DoctorReport:  # a failure that leaves nothing to measure
         add(Finding(check, "fail", detail))
@@ -589,7 +598,8 @@ def check_packing(model,                        # a transformers causal LM, or a
                 f"every id is a row of the input embedding (0..{inner.get_input_embeddings().num_embeddings - 1})"))
     if tolerance is None:
         try: report.tolerance, report.noise = rounding_tolerance(runner, batch)
-        except Exception as e: return stop("layout noise", f"the examples fail to run alone or padded: {_error_reason(e, attn)}")
+        except Exception as e:
+            return stop("layout noise", f"the examples fail to run alone or padded: {_error_reason(e, attn)}")
     tol = report.tolerance
     takes_pos = accepts_position_ids(inner)
     add(Finding("forward accepts position_ids", "pass" if takes_pos else "fail",

@@ -114,9 +114,11 @@ def preflight_eval(cfg: TrainConfig,
     return cfg, config
 
 def evaluate(cfg: TrainConfig,                  # the layout, model, data and token budget (the fields in `EVAL_FIELDS`)
-             features: list[dict] | None = None, # tokenized examples to evaluate (None: read `cfg.data` as training does)
+             # tokenized examples to evaluate (None: read `cfg.data` as training does)
+             features: list[dict] | None = None,
             ) -> EvalResult:
-    "Evaluate on `cfg.world` forked processes under `cfg`'s layout: per-example loss and token accuracy, as one process evaluating each example alone."
+    """Evaluate on `cfg.world` forked processes under `cfg`'s layout: per-example loss and token accuracy, as one
+    process evaluating each example alone."""
     cfg, config = preflight_eval(cfg)
     if features is None: features, _ = run_features(cfg)
     return launch_eval(cfg, config, features)
@@ -125,7 +127,8 @@ def launch_eval(cfg: TrainConfig,     # the evaluation's config, as `preflight_e
                 config,               # the model's transformers config, as `preflight_eval` returned it
                 features: list[dict], # the tokenized examples to evaluate
                ) -> EvalResult:
-    "`evaluate` after its preflight: `features` checked, then evaluated on `cfg.world` forked processes; prints one line."
+    """`evaluate` after its preflight: `features` checked, then evaluated on `cfg.world` forked processes; prints one
+    line."""
     check_eval_features(features, cfg.max_tokens, config.vocab_size, cfg.data)
     results = launch(evaluate_rank, cfg, features, num_processes=cfg.world, sp_size=cfg.sp, ring=cfg.ring,
                      model_config=config, timeout_s=cfg.timeout_s, stall_s=cfg.stall_s or None)

@@ -142,7 +142,8 @@ def prediction_comparison(out,                # a run directory `workbench.train
     except ValueError: return None  # no prediction (LoRA, an unmodelled architecture) or no step past the first
     predicted, rows = _run_record(out, skip)
     tokens = [r["tokens_per_s"] for r in rows]
-    predicted_tokens = [t * predicted["mfu"] / r["mfu"] for t, r in zip(tokens, rows)]  # its tokens in predicted seconds
+    # its tokens in predicted seconds
+    predicted_tokens = [t * predicted["mfu"] / r["mfu"] for t, r in zip(tokens, rows)]
     numbers = [("s/step", checked.predicted_s, checked.measured_s, ".4g"),
                ("tokens/s", statistics.median(predicted_tokens), statistics.median(tokens), ",.0f"),
                ("MFU", predicted["mfu"], statistics.median(r["mfu"] for r in rows), ".1%")]

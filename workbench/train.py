@@ -21,7 +21,8 @@ from tqdm import tqdm  # the text bar: forked ranks cannot draw notebook widgets
 from .attention import KEY as VARLEN_KEY, register as register_varlen
 from .checkpoint import SAVE_WAIT, check_out, latest_checkpoint, load_checkpoint, plan_id, save_checkpoint
 from .config import DTYPES, TrainConfig, _config, _parser, model_config
-from .cost import BalancedPlan, Dims, attention_flops, bin_work, fresh_cpu, measured_mfu, plan_balanced, run_device, run_efficiency, run_options, run_prediction, served_steps, unmodelled, windowed
+from .cost import (BalancedPlan, Dims, attention_flops, bin_work, fresh_cpu, measured_mfu, plan_balanced,
+                            run_device, run_efficiency, run_options, run_prediction, served_steps, unmodelled, windowed)
 from .core import model_families, no_hf_bars
 from .data import check_token_ids, run_features
 from .fsdp import reduce_gradients, shard_model
