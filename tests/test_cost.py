@@ -360,7 +360,7 @@ def test_dense_kernel_counts_the_whole_row():
 
 @pytest.fixture(scope="module")
 def h200_steps():
-    from workbench.cost import recorded_steps
+    from workbench.bench import recorded_steps
     return recorded_steps()  # rebuilt from bench/results and the bench scripts: no model runs
 
 

@@ -32,15 +32,15 @@ from .sp.shard import contiguous_plan
 # %% auto #0
 __all__ = ['ATTENTION_WORK', 'ATTENTION_KERNELS', 'ADAMW_BYTES', 'CPU_FLOP_FORMULAS', 'ATTENTION_PARTS', 'DEVICES',
            'RANK_THREADS', 'FACTORS', 'MEASURED', 'HELD_OUT_SOURCES', 'device_of', 'FIT_GROUPS', 'KERNEL_FIT',
-           'HF_BLOG_QWEN3_4B', 'HF_BLOG_FIT', 'HF_BLOG_RUN', 'H200_RESULTS', 'H200_FIT_ON', 'SPLITS', 'LAYOUT_LEVERS',
-           'RANK_BY', 'attention_work', 'attention_kernel', 'Dims', 'windowed', 'rows_of', 'document_pairs',
-           'ring_blocks', 'interacting_blocks', 'fused_pairs', 'StepCost', 'step_cost', 'FlopCount', 'measured_flops',
-           'bin_work', 'attention_flops', 'bin_costs', 'BalancedPlan', 'served_steps', 'plan_balanced', 'Device',
-           'cpu_device', 'device', 'gpu_name', 'run_device', 'gpu_device', 'Efficiency', 'HeldOut', 'MeasuredStep',
-           'held_out', 'held_out_errors', 'Prediction', 'predict_step', 'calibrate', 'run_source', 'calibrate_run',
+           'HF_BLOG_QWEN3_4B', 'HF_BLOG_FIT', 'HF_BLOG_RUN', 'H200_FIT_ON', 'SPLITS', 'LAYOUT_LEVERS', 'RANK_BY',
+           'attention_work', 'attention_kernel', 'Dims', 'windowed', 'rows_of', 'document_pairs', 'ring_blocks',
+           'interacting_blocks', 'fused_pairs', 'StepCost', 'step_cost', 'FlopCount', 'measured_flops', 'bin_work',
+           'attention_flops', 'bin_costs', 'BalancedPlan', 'served_steps', 'plan_balanced', 'Device', 'cpu_device',
+           'device', 'gpu_name', 'run_device', 'gpu_device', 'Efficiency', 'HeldOut', 'MeasuredStep', 'held_out',
+           'held_out_errors', 'Prediction', 'step_terms', 'predict_step', 'calibrate', 'run_source', 'calibrate_run',
            'check_run', 'hf_blog_prediction', 'blog_source', 'hf_blog_table', 'run_options', 'cpu_efficiency',
-           'fresh_cpu', 'run_efficiency', 'unmodelled', 'run_prediction', 'measured_mfu', 'recorded_steps',
-           'HeldOutFit', 'fit_held_out', 'layout_name', 'Layouts', 'plan_layout']
+           'fresh_cpu', 'run_efficiency', 'unmodelled', 'run_prediction', 'measured_mfu', 'HeldOutFit', 'fit_held_out',
+           'layout_name', 'Layouts', 'plan_layout']
 
 # %% ../nbs/04_planning/03_cost.ipynb #64bb0f7a
 ATTENTION_WORK = {  # how much of each document's query x key square an attention implementation computes
@@ -677,7 +677,7 @@ class Prediction:
         return (f"predicted on {self.device}: {self.step_s:.4g} s/step, {self.tokens_per_s:,.0f} tokens/s, MFU {self.mfu:.1%} "
                 f"({self.flops_per_step:.3g} model FLOPs per rank per step)\n{self.trust()}")
 
-def _terms(cost: StepCost, dev: Device, ulysses: int, ring: int, dp: int) -> dict:
+def step_terms(cost: StepCost, dev: Device, ulysses: int, ring: int, dp: int) -> dict:
     "Seconds of each `FACTORS` term at 100% of `dev`'s peaks; each group's bytes over its own link."
     attn = sum(v for k, v in cost.flops.items() if "attention" in k)
     link = lambda procs: dev.nvlink if procs <= dev.per_node else dev.internode  # a group of adjacent ranks inside a node, or not
@@ -700,7 +700,7 @@ def _seconds(terms: dict, e: Efficiency) -> float:
 def _predict_step(config, batch, device="H100 SXM", efficiency: Efficiency = Efficiency(), **options) -> Prediction:
     "`predict_step` without the held-out points."
     dev, cost = device_of(device), step_cost(config, batch, **options)
-    terms = _terms(cost, dev, options.get("sp", 1), options.get("ring", 1), options.get("dp", 1))
+    terms = step_terms(cost, dev, options.get("sp", 1), options.get("ring", 1), options.get("dp", 1))
     step = _seconds(terms, efficiency)
     tokens = sum(int(r.sum()) for r in rows_of(batch)) * options.get("dp", 1)
     return Prediction(step, cost.model_flops / step / dev.flops, cost.model_flops, dev.flops, dev.name, tokens / step,
@@ -914,103 +914,7 @@ def measured_mfu(config, rows, cfg, seconds: float, predicted: Prediction | None
     return {"mfu": step_cost(config, rows, **run_options(cfg)).model_flops / seconds / predicted.peak_flops}
 
 # %% ../nbs/04_planning/03_cost.ipynb #e17bb0f7
-H200_RESULTS = "h200-2026-12-04"  # the H200 lend: bench/results/<this>-suite.json, -parts-5-6.json, ...
 H200_FIT_ON = "part 1 flan "      # the sources the H200 factors are fitted on (part 1's FLAN rows); the rest held out
-
-def _bench_script(results: Path, name: str):
-    "One of the repository's bench/ scripts (the code that built the recorded steps), imported from beside `results`."
-    import importlib, sys
-    bench = results.resolve().parent
-    if not (bench / f"{name}.py").exists():
-        raise ValueError(f"{bench / name}.py not found: the recorded GPU steps are rebuilt by the repository's bench "
-                         f"scripts; pass the bench/results folder of a clone of the workbench repository")
-    if str(bench) not in sys.path: sys.path.insert(0, str(bench))
-    return importlib.import_module(name)
-
-def _suite_part(path: Path, number: int) -> dict:
-    "Part `number`'s result in a GPU suite JSON file, or an error naming the file and the part."
-    try: parts = {p["part"]: p for p in json.loads(path.read_text())["parts"]}
-    except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ValueError(f"{path}: not a GPU suite record ({type(e).__name__}: {e}); "
-                         f"pass the bench/results folder") from None
-    if not (parts.get(number) or {}).get("result"):
-        raise ValueError(f"{path}: part {number} has no result (status {parts.get(number, {}).get('status')!r})")
-    return parts[number]["result"]
-
-def _packing_steps(results: Path, stamp: str, dev: Device) -> list:
-    """Part 1's rows (bench/gpu_packing.py): every mode's timed steps rebuilt as the suite built them (its seed and
-    sizes), their terms averaged; measured: the timed tokens / tokens/s / steps."""
-    packing = _bench_script(results, "gpu_packing")
-    args = packing.parse_args(_bench_script(results, "gpu_suite").packing_argv(False))
-    config = tiny_config("llama", **packing.LLAMA_7B, num_hidden_layers=args.layers)
-    steps = []
-    for i, r in enumerate(_suite_part(results / f"{stamp}-suite.json", 1)["rows"]):
-        if "tok_s" not in r: raise ValueError(f"{stamp}-suite.json part 1 row {i} ({r.get('dataset')} {r.get('mode')}) "
-                                              f"was not measured ({r.get('error')}): no step time to fit or hold out")
-        mode = packing.MODES[r["mode"]]
-        made = packing.make_steps(r["dataset"], args.warmup + args.steps, args.batch_size,
-                                  packing.LLAMA_7B["vocab_size"], args.seed)
-        timed = (packing.budget_steps(made) if mode.layout == "budget" else made)[args.warmup:]
-        # the cache trap: with a cache transformers does not look for documents in position_ids, and sdpa runs is_causal
-        # over the whole row (no mask): the causal half of one row-long document, on the flash class
-        trap = mode.attn == "sdpa" and "use_cache" not in mode.forward_kwargs
-        opts = dict(attention="causal", kernel="flash") if trap else dict(attention=attention_work(mode.attn, "cuda"),
-                                                                          kernel=attention_kernel(mode.attn))
-        costs = [step_cost(config, [[int(r.sum())] for r in rows_of(b)] if trap else b, dtype_bytes=2, **opts)
-                 for b in (packing.collate(mode, feats, "cpu") for feats in timed)]
-        terms = {k: float(np.mean([_terms(c, dev, 1, 1, 1)[k] for c in costs])) for k in FACTORS}
-        tokens = sum(len(f["input_ids"]) for feats in timed for f in feats)
-        steps.append(MeasuredStep(f"part 1 {r['dataset']} {r['mode']}", dev.name, tuple(terms.items()),
-                                  tokens / r["tok_s"] / len(timed)))
-    return steps
-
-def _train_steps(results: Path, stamp: str, dev: Device, skip: int = 1) -> list:
-    """Part 5's train run (`python -m workbench.train`, its command recorded): its plan rebuilt from the same data
-    and flags, each measured step past `skip` (warm-up) with its own rows. A rebuilt step whose model FLOPs differ
-    from the ones its metrics recorded is refused."""
-    import shlex
-    from workbench.config import _config, _parser, model_config
-    from workbench.data import run_features
-    from workbench.train import plan_run
-    memory = _suite_part(results / f"{stamp}-parts-5-6.json", 5)
-    parser = _parser()
-    cfg = _config(parser, parser.parse_args(shlex.split(memory["train_cmd"])[2:]), 1)  # "-m workbench.train <flags>"
-    config = model_config(cfg)
-    plan, sampler, *_ = plan_run(cfg, config, run_features(cfg)[0])
-    served, opts = sampler.epoch_steps().reshape(-1, cfg.grad_accum, cfg.dp), run_options(cfg, "cuda")
-    metrics = results / f"{stamp}-train-metrics.jsonl"
-    steps = []
-    for line in metrics.read_text().splitlines():
-        m = json.loads(line)
-        if m["step"] < skip: continue
-        bins = served[m["step"] % len(served)][:, m.get("rank", 0)]  # this rank's micro-steps
-        cost = step_cost(config, [plan.length[plan.bins[b]] for b in bins], **opts)
-        recorded = m["mfu"] * m["step_s"] * dev.flops  # `measured_mfu`'s numerator: the step's model FLOPs
-        if abs(cost.model_flops / recorded - 1) > 1e-6:
-            raise ValueError(f"{metrics} step {m['step']}: the rebuilt step has {cost.model_flops:.6g} model FLOPs, "
-                             f"the run "
-                             f"recorded {recorded:.6g}: the data or the flags differ from the run's")
-        terms = tuple(_terms(cost, dev, 1, 1, 1).items())
-        steps.append(MeasuredStep(f"part 5 train run step {m['step']}", dev.name, terms, m["step_s"]))
-    return steps
-
-def recorded_steps(results=None,              # a bench/results folder (None: the one beside this package, in a clone)
-                   stamp: str = H200_RESULTS,  # which lend's files (`<stamp>-suite.json` ...)
-                  ) -> list:
-    """The GPU steps a lend recorded, as `MeasuredStep`s: part 1's packing rows and part 5's train run, each rebuilt
-    (its rows, its attention's work and kernel class) from the bench code and the seeds that made it."""
-    import workbench
-    here = Path(workbench.__file__).resolve().parents[1] / "bench" / "results"  # a clone's
-    results = Path(results) if results is not None else here
-    if not (results / f"{stamp}-suite.json").exists():
-        raise ValueError(f"{results / stamp}-suite.json not found: pass the bench/results folder of a clone of the "
-                         f"workbench repository (results=...) and a lend's stamp (stamp=...)")
-    env = json.loads((results / f"{stamp}-suite.json").read_text())["env"]
-    dev = gpu_device(env["gpu"])
-    if dev is None:
-        raise ValueError(f"{stamp}: {env['gpu']!r} has no `DEVICES` entry: add its peak figures to "
-                         f"workbench.cost.DEVICES")
-    return _packing_steps(results, stamp, dev) + _train_steps(results, stamp, dev)
 
 @dataclass
 class HeldOutFit:
