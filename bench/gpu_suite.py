@@ -33,7 +33,7 @@ part is recorded as "timed out" or "failed" with its stderr tail and the suite g
                  run (check_run), the error per row; then calibrate on those rows and calibrate_run on the train run,
                  the refitted errors recorded beside the first ones
 
-The long-context suite (`--suite long-context`: parts 3, 7, 8, 9; issue 48):
+The long-context suite (`--suite long-context`: parts 3, 7, 8, 9, 10; issue 48):
 
   7 levers_at_length  bench/gpu_long_context.py --at: all levers at 16K, 32K and 64K tokens and at the planner's longest
                  fit, under a 16 GiB cap: seconds, time per 1K tokens, peak beside the planner's peak and their ratio
@@ -41,6 +41,10 @@ The long-context suite (`--suite long-context`: parts 3, 7, 8, 9; issue 48):
                  the CPU) against the workbench's on the same 4-layer Qwen3-4B-shaped model at 32K and 64K tokens (time,
                  peak, max |diff| of loss and gradients), then each side's longest row under 16 GiB (5 trials each)
   9 profile_64k  one all-levers step at 64K tokens under torch.profiler: the top 15 ops by CUDA time
+  10 predictor   workbench.cost's step predictor with the factors fitted on the H200's FLAN rows (fit_held_out over
+                 recorded_steps): its held-out errors there, and part 7's all-levers steps predicted with the same
+                 factors on this GPU (one forward + backward: no optimizer term; the offload's host copies kept),
+                 each error and the median and worst over every held-out row
   (3 sp_kernels, as above, gives the fused ring pair against varlen on the 16K row, and their ratio)
 
 Every part records what it could not run and why ("not run" in its result).
@@ -84,14 +88,15 @@ class Part:
 
 
 # GPU caps, most valuable first. The default suite: 150 + 40 + 40 + 100 + 60 + 25 = 415 s; the long-context one (issue
-# 48): 40 + 100 + 200 + 60 = 400 s; each plus at most 60 s for --install-flash-attn, under 8 min in the worst case. Dry
+# 48): 40 + 100 + 200 + 55 + 20 = 415 s; each plus at most 60 s for --install-flash-attn, under 8 min in the worst case. Dry
 # caps catch a hang: a dry part took 5-11 s on the 2-core build box at a load average of 2-5 (mostly imports) and 7-23 s
 # beside 15 busy loops (load 15-19); 150 s each is ~6x the slowest of those.
 PARTS = (Part(1, "packing", 150, 150), Part(2, "kernels", 40, 150), Part(3, "sp_kernels", 40, 150),
          Part(4, "long_context", 100, 150), Part(5, "memory", 60, 150), Part(6, "step_time", 25, 150),
-         Part(7, "levers_at_length", 100, 150), Part(8, "alst", 200, 150), Part(9, "profile_64k", 60, 150))
+         Part(7, "levers_at_length", 100, 150), Part(8, "alst", 200, 150), Part(9, "profile_64k", 55, 150),
+         Part(10, "predictor", 20, 150))
 SUITES = {"default": (1, 2, 3, 4, 5, 6),  # what `--parts` runs when not given, by `--suite`
-          "long-context": (3, 7, 8, 9)}   # issue 48's one GPU command: ring pair, levers at length, ALST, profile
+          "long-context": (3, 7, 8, 9, 10)}  # issue 48's one GPU command: ring pair, levers, ALST, profile, predictor
 LONG_LENGTHS = (16384, 32768, 65536)       # part 7's lengths (16K: the per-token baseline), under LONG_CAP_GIB
 LONG_CAP_GIB = 16
 TRAIN_DRY_TIMEOUT_S = 120  # part 5's train run in a dry run: under its part's cap, with room for a loaded box
@@ -481,11 +486,54 @@ def part_step_time(dry: bool, out: Path) -> dict:
                 table="\n".join(table), not_run=not_run)
 
 
+def fwd_bwd_terms(prediction, dev) -> dict:
+    "A prediction's terms for one forward + backward: no optimizer step, the offloaded checkpoints' host copies kept."
+    return dict(prediction.terms, memory=prediction.cost.bytes["host transfers"] / dev.pcie)
+
+
+def part_predictor(dry: bool, out: Path) -> dict:
+    """The step predictor held out on GPU rows: the H200 fit's own held-out steps, and part 7's all-levers steps on this
+    GPU predicted with the same factors (the target: a median and worst error within 15%)."""
+    import numpy as np
+    import gpu_long_context
+    from workbench.bench import recorded_steps
+    from workbench.cost import _seconds, cpu_device, fit_held_out, gpu_name, predict_step, run_device
+    from workbench.memory import preset_config
+    fit = fit_held_out(recorded_steps())
+    rows = [dict(source=f"H200 {r.source}", predicted_s=r.predicted_s, measured_s=r.measured_s, error=r.error)
+            for r in fit.held_out.itertuples()]
+    not_run = ["a CPU dry run predicts its steps with the GPU's factors: its part 7 errors mean nothing"] if dry else []
+    dev = cpu_device(1) if dry else run_device()
+    levers = _result(out, 7)
+    if dev is None: not_run.append(f"part 7's rows: {gpu_name()} has no workbench.cost.DEVICES entry")
+    elif levers is None: not_run.append("part 7's rows: part 7 did not finish")
+    else:
+        lc = gpu_long_context.parse_args(["--dry-run"] if dry else [])
+        cfg = preset_config("qwen3-4b", num_hidden_layers=lc.layers, **(gpu_long_context.TINY if dry else {}))
+        for r in levers["rows"]:
+            if r["seconds"] is None: continue  # out of memory: part 7 says so
+            p = predict_step(cfg, [[r["tokens"]]], dev, fit.efficiency, attention="causal", kernel="flash",
+                             levers=gpu_long_context.LEVER_SETS[r["levers"]], dtype_bytes=2)  # one document: is_causal
+            predicted = _seconds(fwd_bwd_terms(p, dev), fit.efficiency)
+            rows.append(dict(source=f"part 7 {r['levers']}, {r['tokens']:,} tokens (one fwd+bwd, {dev.name})",
+                             predicted_s=predicted, measured_s=r["seconds"], error=r["seconds"] / predicted - 1))
+    errors = [abs(r["error"]) for r in rows]
+    worst = max(rows, key=lambda r: abs(r["error"]))
+    table = ["| held-out step | predicted s | measured s | error |", "|---|---|---|---|"]
+    table += [f"| {r['source']} | {r['predicted_s']:.4g} | {r['measured_s']:.4g} | {r['error']:+.0%} |" for r in rows]
+    table.append(f"error = measured / predicted - 1 (+: predicted too fast); factors fitted on "
+                 f"{len(fit.efficiency.fitted_on)} H200 FLAN steps. Held out: median |error| "
+                 f"{float(np.median(errors)):.1%}, worst {worst['error']:+.1%} ({worst['source']}).")
+    return dict(device=dev.name if dev else None, rows=rows, median_error=float(np.median(errors)),
+                worst=worst, table="\n".join(table), not_run=not_run)
+
+
 def run_part(number: int, dry: bool, out: Path, fail: bool) -> None:
     "Child side: run one part and write `out/partN.json`."
     if fail: raise RuntimeError(f"part {number} failed on purpose (--fail-part {number})")
     fn = {1: part_packing, 2: part_kernels, 3: part_sp_kernels, 4: part_long_context, 5: lambda d: part_memory(d, out),
-          6: lambda d: part_step_time(d, out), 7: part_levers_at_length, 8: part_alst, 9: part_profile_64k}[number]
+          6: lambda d: part_step_time(d, out), 7: part_levers_at_length, 8: part_alst, 9: part_profile_64k,
+          10: lambda d: part_predictor(d, out)}[number]
     (out / f"part{number}.json").write_text(json.dumps(dict(result=fn(dry)), indent=1, default=str))
 
 

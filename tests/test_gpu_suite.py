@@ -208,16 +208,17 @@ def test_the_long_context_diagnoses_run_dry(capsys):
 
 
 def test_the_long_context_suite_is_issue_48s_parts(tmp_path):
-    "`--suite long-context` runs the ring pair, the levers at length, ALST and the profile; the default is unchanged."
+    """`--suite long-context` runs the ring pair, the levers at length, ALST, the profile and the predictor; the default
+    is unchanged."""
     sys.path.insert(0, str(SUITE.parent))
     import gpu_suite
     parse = lambda *flags: gpu_suite.parse_args(["--dry-run", "--out", str(tmp_path), *flags]).parts
-    assert (parse("--suite", "long-context"), parse(), parse("--parts", "8")) == ([3, 7, 8, 9], [1, 2, 3, 4, 5, 6], [8])
+    assert (parse("--suite", "long-context"), parse(), parse("--parts", "8")) == ([3, 7, 8, 9, 10], [1, 2, 3, 4, 5, 6], [8])
 
 
 @pytest.fixture(scope="module")
 def long_context(tmp_path_factory) -> dict:
-    return suite(tmp_path_factory.mktemp("long"), "--parts", "7", "8", "9")
+    return suite(tmp_path_factory.mktemp("long"), "--parts", "7", "8", "9", "10")
 
 
 def test_the_levers_at_length_part_reports_real_values(long_context):
@@ -253,6 +254,25 @@ def test_the_profile_part_lists_the_top_ops(long_context):
     row, = part["result"]["rows"]
     assert row["levers"] == "all levers" and row["seconds"] > 0 and "Self CPU time total" in row["top_ops"]
     assert row["top_ops"].count("aten::") + row["top_ops"].count("Backward") >= 5  # the ops, not an empty table
+
+
+def test_the_predictor_part_holds_out_gpu_rows(long_context):
+    """Part 10: the H200 fit's held-out steps (fitted on part 1's FLAN rows only) and part 7's steps predicted with the
+    same factors, each error on one basis, the median and worst over all of them."""
+    part = long_context["parts"][3]
+    assert (part["part"], part["status"]) == (10, "ok"), part.get("stderr_tail")
+    result = part["result"]
+    rows = result["rows"]
+    h200 = [r for r in rows if r["source"].startswith("H200 ")]
+    levers = [r for r in rows if r["source"].startswith("part 7 all levers")]
+    assert len(h200) == 10 and not any("flan" in r["source"] for r in h200)  # the held-out steps only
+    assert [r["source"].split(", ")[1] for r in levers] == ["128 tokens (one fwd+bwd", "256 tokens (one fwd+bwd"] or \
+        len(levers) == 3  # 128, 256 and the planner's longest fit
+    for r in rows: assert r["predicted_s"] > 0 and abs(r["error"] - (r["measured_s"] / r["predicted_s"] - 1)) < 1e-12
+    errors = sorted(abs(r["error"]) for r in rows)
+    assert result["median_error"] == pytest.approx(float(__import__("numpy").median(errors)))
+    assert f"median |error| {result['median_error']:.1%}" in result["table"]
+    assert any("GPU's factors" in why for why in result["not_run"])  # a dry run says its part 7 errors mean nothing
 
 
 def test_the_ring_pair_is_set_against_varlen(full):

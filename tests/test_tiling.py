@@ -209,3 +209,61 @@ def test_offload_pins_host_buffers_for_accelerators():
     with pytest.raises(ValueError, match="CheckpointOffload"):
         from workbench.tiling import CheckpointOffload
         checkpoint_layers(tiny_model("llama"), offload=CheckpointOffload(), host_copy=lambda t: t.clone())
+
+
+class _Growth(torch.utils._python_dispatch.TorchDispatchMode):
+    "Counts the operators a step dispatches and records every tensor it makes with two dimensions of at least `n`."
+    def __init__(self, n: int):
+        super().__init__()
+        self.n, self.ops, self.squares = n, 0, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops += 1
+        for t in torch.utils._pytree.tree_leaves(out):
+            if torch.is_tensor(t) and sum(d >= self.n for d in t.shape) >= 2:
+                self.squares.append((str(func), tuple(t.shape)))
+        return out
+
+
+def growth(step, lengths) -> tuple[list[int], list]:
+    "Operators dispatched by `step(n)` at each length, and the `[n, n]`-sized tensors it made (any length)."
+    ops, squares = [], []
+    for n in lengths:
+        with _Growth(n) as seen: step(n)
+        ops.append(seen.ops)
+        squares += seen.squares
+    return ops, squares
+
+
+def linear(ops: list[int]) -> bool:
+    "Whether the operator counts at lengths n, 2n, 4n grow no faster than a line (the second step no more than twice the first)."
+    return ops[2] - ops[1] <= 2 * (ops[1] - ops[0]) * 1.05
+
+
+def test_all_levers_step_grows_linearly_and_builds_nothing_square():
+    """Issue 48's levers that scale, as a count rather than a timing: one forward + backward of a tiny Qwen3 with every
+    lever (offloaded checkpoints, tiled loss and MLP in 32-token tiles, lean kernels) at 128, 256 and 512 tokens
+    dispatches operators linear in the row (tiles, no loop over token pairs) and makes no `[n, n]` tensor (no mask
+    or index built at the row's square). Both checks fail on broken steps: eager attention (its `[n, n]` mask) and a
+    step with a Python loop over token pairs."""
+    model = tiny_model("qwen3", attn_implementation="sdpa").train()
+    checkpoint_layers(model, offload=True)
+    lean_kernels(model)
+    tile_mlp(model, 32)
+
+    def step(n: int, model=model):
+        ids = torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
+        batch = dict(input_ids=ids, position_ids=torch.arange(n)[None], labels=ids)
+        causal_lm_loss_sum(model, batch, chunk_size=32)[0].backward()
+        model.zero_grad(set_to_none=True)
+
+    lengths = (128, 256, 512)
+    ops, squares = growth(step, lengths)
+    assert linear(ops) and not squares, (ops, squares[:3])
+
+    eager = tiny_model("qwen3", attn_implementation="eager").train()
+    _, eager_squares = growth(lambda n: step(n, eager), lengths[:1])
+    assert eager_squares, "eager attention's [n, n] mask was not seen"
+    pairs = lambda n: [torch.zeros(1).add_(1) for _ in range(n * n // 512)]  # a loop over token pairs
+    assert not linear(growth(lambda n: (step(n), pairs(n)), lengths)[0])

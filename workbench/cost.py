@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, shape_wrapper
 
@@ -25,21 +26,24 @@ from .memory import LEVER_LADDER, Levers, Shape, estimate, max_context, preset_c
 from .packing import Plan, TokenBudgetSampler, lengths_of, plan_bins
 from .tiling import causal_lm_loss_sum, decoder_layers
 from .sp.balance import PLANS, balanced_plan, zigzag_plan
-from .sp.grid import check_layout, check_sp, sp_layouts
+from .sp.grid import ParallelGrid, check_layout, check_sp, sp_layouts
+from .sp.loss import sync_gradients
 from .sp.ring import KERNELS, comm_bytes, documents, ring_plans
-from .sp.shard import contiguous_plan
+from .sp.shard import contiguous_plan, shard_batch
+from .sp.ulysses import register_ulysses, sp_forward
 
 # %% auto #0
 __all__ = ['ATTENTION_WORK', 'ATTENTION_KERNELS', 'ADAMW_BYTES', 'CPU_FLOP_FORMULAS', 'ATTENTION_PARTS', 'DEVICES',
            'RANK_THREADS', 'FACTORS', 'MEASURED', 'HELD_OUT_SOURCES', 'device_of', 'FIT_GROUPS', 'KERNEL_FIT',
-           'HF_BLOG_QWEN3_4B', 'HF_BLOG_FIT', 'HF_BLOG_RUN', 'H200_FIT_ON', 'SPLITS', 'LAYOUT_LEVERS', 'RANK_BY',
-           'attention_work', 'attention_kernel', 'Dims', 'windowed', 'rows_of', 'document_pairs', 'ring_blocks',
-           'interacting_blocks', 'fused_pairs', 'StepCost', 'step_cost', 'FlopCount', 'measured_flops', 'bin_work',
-           'attention_flops', 'bin_costs', 'BalancedPlan', 'served_steps', 'plan_balanced', 'Device', 'cpu_device',
-           'device', 'gpu_name', 'run_device', 'gpu_device', 'Efficiency', 'HeldOut', 'MeasuredStep', 'held_out',
-           'held_out_errors', 'Prediction', 'step_terms', 'predict_step', 'calibrate', 'run_source', 'calibrate_run',
-           'check_run', 'hf_blog_prediction', 'blog_source', 'hf_blog_table', 'run_options', 'cpu_efficiency',
-           'fresh_cpu', 'run_efficiency', 'unmodelled', 'run_prediction', 'measured_mfu', 'HeldOutFit', 'fit_held_out',
+           'HF_BLOG_QWEN3_4B', 'HF_BLOG_FIT', 'HF_BLOG_RUN', 'REFERENCE_STEPS', 'H200_FIT_ON', 'SPLITS',
+           'LAYOUT_LEVERS', 'RANK_BY', 'attention_work', 'attention_kernel', 'Dims', 'windowed', 'rows_of',
+           'document_pairs', 'ring_blocks', 'interacting_blocks', 'fused_pairs', 'StepCost', 'step_cost', 'FlopCount',
+           'measured_flops', 'bin_work', 'attention_flops', 'bin_costs', 'BalancedPlan', 'served_steps',
+           'plan_balanced', 'Device', 'cpu_device', 'device', 'gpu_name', 'run_device', 'gpu_device', 'Efficiency',
+           'HeldOut', 'MeasuredStep', 'held_out', 'held_out_errors', 'Prediction', 'step_terms', 'predict_step',
+           'calibrate', 'run_source', 'calibrate_run', 'check_run', 'hf_blog_prediction', 'blog_source',
+           'hf_blog_table', 'run_options', 'reference_step_seconds', 'lockstep_seconds', 'cpu_efficiency', 'fresh_cpu',
+           'run_efficiency', 'unmodelled', 'run_prediction', 'measured_mfu', 'HeldOutFit', 'fit_held_out',
            'layout_name', 'Layouts', 'plan_layout']
 
 # %% ../nbs/04_planning/03_cost.ipynb #64bb0f7a
@@ -847,29 +851,101 @@ def run_options(cfg,
                 zero_stage=3 if cfg.shard else 0, optimizer_offload=cfg.cpu_offload,
                 dtype_bytes={"bfloat16": 2, "float32": 4, "float64": 8}[dtype])
 
-@functools.lru_cache(maxsize=None)
-def cpu_efficiency(threads: int = RANK_THREADS,  # threads of the process (a rank's: `RANK_THREADS`)
-                   family: str = "llama",        # the shipped tiny family of the reference step
-                   lengths: tuple = (512, 256, 128, 128),  # its documents, packed in one row as training packs them
-                  ) -> Efficiency:
-    "This CPU's compute efficiency, fitted on one reference training step measured here: a tiny model's forward, backward and AdamW step on a row packed by training's collator, at `threads` threads (median of 3). A CPU reaches far less of its matmul peak in a small model's step than a GPU's default factors assume; runs are held out of it."
+REFERENCE_STEPS = 7  # timed reference steps after one warm-up, each process's: a passing stall moves no median
+
+def reference_step_seconds(threads: int,   # threads of the process
+                           family: str,    # the shipped tiny family
+                           lengths: tuple, # its documents, packed in one row as training packs them
+                           grid: ParallelGrid | None = None,  # the processes measuring together (None: this one alone)
+                          ) -> list[float]:
+    """Seconds of `REFERENCE_STEPS` training steps of a tiny model on one packed row at `threads` threads, as training
+    runs them: the row cut into this process's Ulysses shard of `grid`, forward, backward, the gradients summed over
+    the grid, an AdamW step."""
     from workbench.core import tiny_model
     from workbench.packing import FlatteningCollator
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        model = tiny_model(family).train(); opt = torch.optim.AdamW(model.parameters())
+        grid = grid or ParallelGrid()  # alone: no collective, whatever process group this process is in
+        model = tiny_model(family, attn_implementation=register_ulysses("sdpa")).train()
+        opt = torch.optim.AdamW(model.parameters())
         g = torch.Generator().manual_seed(0)
-        batch = FlatteningCollator(train_all_tokens=True)(
-            [{"input_ids": torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()} for n in lengths])
+        docs = [{"input_ids": torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()} for n in lengths]
+        shard = shard_batch(FlatteningCollator(train_all_tokens=True)(docs), grid.sp_rank, grid.sp_size)
         def step():
-            model(**batch, use_cache=False).loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
-        step(); times = []  # the first step allocates the optimizer state: warm-up
-        for _ in range(3): t = time.perf_counter(); step(); times.append(time.perf_counter() - t)
+            _, loss = sp_forward(model, shard, grid)
+            loss.backward()
+            sync_gradients(model, grid)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        step()  # the first step allocates the optimizer state: warm-up
+        times = []
+        for _ in range(REFERENCE_STEPS):
+            t = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t)
     finally: torch.set_num_threads(before)
-    p = _predict_step(model.config, [list(lengths)], cpu_device(threads), attention=attention_work("sdpa", "cpu"), dtype_bytes=4)
-    return calibrate([(p, float(np.median(times)))], ("compute",),
-                     fitted_on=(f"cpu reference step ({family}, documents {list(lengths)}, {threads} thread{'s' * (threads > 1)})",))
+    return times
+
+def _reference_child(conn, rank: int, store: str, processes: int, threads: int, family: str, lengths: tuple,
+                     ulysses: int):
+    "One of `lockstep_seconds`' processes: join the others over gloo (a file store), measure, send the seconds."
+    try:
+        dist.init_process_group("gloo", store=dist.FileStore(store, processes), rank=rank, world_size=processes)
+        conn.send(reference_step_seconds(threads, family, lengths, ParallelGrid.build(ulysses)))
+    finally:
+        if dist.is_initialized(): dist.destroy_process_group()
+        conn.close()
+
+def lockstep_seconds(threads: int, family: str, lengths: tuple,
+                     processes: int = 1,  # processes computing at once, forked as `launch` forks ranks
+                     ulysses: int = 1,    # of which share one row by Ulysses (the rest are its data-parallel replicas)
+                    ) -> tuple[float, str]:
+    """The reference step's seconds with `processes` forked processes running it at once, joined as a run's ranks:
+    per step the slowest process (ranks wait for each other at every collective), the median over the steps; and how
+    it was measured. A process already in a process group (a torchrun rank, whose fellow ranks measure at the same
+    time) measures in itself, alone: forking more processes would crowd the ranks' cores (said in the second value)."""
+    if processes == 1: return float(np.median(reference_step_seconds(threads, family, lengths))), ""
+    if dist.is_initialized():
+        seconds = float(np.median(reference_step_seconds(threads, family, lengths)))
+        return seconds, f", in each of {processes} ranks at once, without the collectives"
+    import multiprocessing as mp
+    import shutil
+    import tempfile
+    ctx = mp.get_context("fork")
+    folder = tempfile.mkdtemp(prefix="workbench-reference-")
+    store = os.path.join(folder, "store")  # the processes' rendezvous: a file, no port to find
+    pipes = [ctx.Pipe(duplex=False) for _ in range(processes)]
+    procs = []
+    for rank, (_, w) in enumerate(pipes):
+        args = (w, rank, store, processes, threads, family, lengths, ulysses)
+        procs.append(ctx.Process(target=_reference_child, args=args, daemon=True))
+    for q in procs: q.start()
+    try: times = np.array([r.recv() for r, _ in pipes])  # [processes, steps]
+    finally:
+        for q in procs: q.join(timeout=60)
+        shutil.rmtree(folder, ignore_errors=True)  # the store's file goes with the last process that leaves it
+    layout = f"SP {ulysses} x DP {processes // ulysses}"
+    return float(np.median(times.max(axis=0))), f", {processes} processes at once ({layout})"
+
+@functools.lru_cache(maxsize=None)
+def cpu_efficiency(threads: int = RANK_THREADS,  # threads of the process (a rank's: `RANK_THREADS`)
+                   processes: int = 1,           # processes computing at once (a run's ranks), as `cpu_device` reads it
+                   ulysses: int = 1,             # of which share one row by Ulysses (a ring run: its ring, measured as 1)
+                   family: str = "llama",        # the shipped tiny family of the reference step
+                   lengths: tuple = (512, 256, 128, 128),  # its documents, packed in one row as training packs them
+                  ) -> Efficiency:
+    """This CPU's compute efficiency, fitted on one reference training step measured here as a run of `processes`
+    ranks runs it (`lockstep_seconds`: at `threads` threads, the row shared by `ulysses` of them, the collectives and
+    their waiting included) against `cpu_device(threads, processes)`, the device such a run predicts with: the
+    contention between ranks and their synchronisation are in the factor, and the rate measurement's noise cancels.
+    A CPU reaches far less of its matmul peak in a small model's step than a GPU's default factors assume; runs are
+    held out of it."""
+    seconds, how = lockstep_seconds(threads, family, lengths, processes, ulysses)
+    p = _predict_step(tiny_config(family), [list(lengths)], cpu_device(threads, processes), sp=ulysses,
+                      dp=processes // ulysses, attention=attention_work("sdpa", "cpu"), dtype_bytes=4)
+    source = f"cpu reference step ({family}, documents {list(lengths)}, {threads} thread{'s' * (threads > 1)}{how})"
+    return calibrate([(p, seconds)], ("compute",), fitted_on=(source,))
 
 _CPU_MEASURED = [0.0]  # when `fresh_cpu` last let the CPU measurements stand (time.monotonic())
 
@@ -879,9 +955,12 @@ def fresh_cpu(max_age_s: float = 60.0):
     if now - _CPU_MEASURED[0] > max_age_s: cpu_device.cache_clear(); cpu_efficiency.cache_clear()
     _CPU_MEASURED[0] = now if now - _CPU_MEASURED[0] > max_age_s else _CPU_MEASURED[0]
 
-def run_efficiency() -> Efficiency:
-    "The factors a run's prediction uses: the defaults on a GPU, `cpu_efficiency` (measured at a rank's threads) on a CPU."
-    return cpu_efficiency(RANK_THREADS) if gpu_name() is None else Efficiency()
+def run_efficiency(processes: int = 1,  # the run's processes (ranks), computing at once on this machine
+                   ulysses: int = 1,    # of which share one row by Ulysses
+                  ) -> Efficiency:
+    """The factors a run's prediction uses: the defaults on a GPU, `cpu_efficiency` on a CPU (a rank's threads,
+    measured as `processes` ranks run the reference step, `ulysses` of them sharing its row)."""
+    return cpu_efficiency(RANK_THREADS, processes, ulysses) if gpu_name() is None else Efficiency()
 
 def unmodelled(cfg, config) -> str | None:
     "Why `run_prediction` predicts nothing for this run (None: it predicts): what the cost model does not count."
@@ -899,7 +978,7 @@ def run_prediction(cfg, config, plan: Plan, efficiency: Efficiency | None = None
     sampler = sampler or TokenBudgetSampler(plan, seed=cfg.seed, num_replicas=cfg.dp, grad_accum=cfg.grad_accum)
     served = sampler.epoch_steps().reshape(-1, cfg.grad_accum, cfg.dp)
     world = getattr(cfg, "world", cfg.sp * getattr(cfg, "ring", 1) * cfg.dp)  # its ranks, computing at once
-    opts, dev, efficiency = run_options(cfg), run_device(world), efficiency or run_efficiency()
+    opts, dev, efficiency = run_options(cfg), run_device(world), efficiency or run_efficiency(world, cfg.sp)
     slowest = [max((_predict_step(config, [plan.length[plan.bins[b]] for b in step[:, r]], dev, efficiency, **opts)
                     for r in range(cfg.dp)), key=lambda p: p.step_s) for step in served[:steps]]
     step_s = float(np.mean([p.step_s for p in slowest]))

@@ -478,7 +478,7 @@ def run(cfg: TrainConfig) -> list[float]:
     planned, line = memory_readout(cfg, dtype, _device().type)
     print(line)
     fresh_cpu()  # a CPU measured more than a minute ago is measured again: the box's load may have changed
-    run_device(cfg.world); run_efficiency()  # measured once here (cached; its ranks computing at once), so that every forked rank uses the same peak and factors
+    run_device(cfg.world); run_efficiency(cfg.world, cfg.sp)  # measured once here (cached; its ranks computing at once), so that every forked rank uses the same peak and factors
     results = launch(train_rank, cfg, prepared, num_processes=cfg.world, sp_size=cfg.sp, ring=cfg.ring, model_config=model_config(cfg),
                      timeout_s=cfg.timeout_s, stall_s=cfg.stall_s or None)
     print(memory_comparison(segment_rows(cfg.out), planned, _device().type))  # this run's rows, not a resume's older
