@@ -20,8 +20,8 @@ from .ulysses import register_key, to_head_shards, to_token_shards
 # %% auto #0
 __all__ = ['QUERY_TILE', 'KERNELS', 'KEY', 'block_mask', 'block_attention', 'merge', 'merge_', 'stretches', 'fused_calls',
            'ring_plans', 'VarlenCall', 'varlen_plans', 'varlen_calls', 'band_mask', 'fused_forward', 'fused_backward',
-           'ring_attend', 'documents', 'ring_attention', 'register_ring', 'ring_forward', 'block_pairs',
-           'ring_p2p_elements', 'comm_elements', 'comm_bytes']
+           'block_backward', 'ring_attend', 'documents', 'ring_attention', 'register_ring', 'ring_forward',
+           'block_pairs', 'ring_p2p_elements', 'comm_elements', 'comm_bytes']
 
 # %% ../../nbs/02_sequence_parallel/06_sp_ring.ipynb #fc561692
 def block_mask(q_index: torch.Tensor,   # [m] global indices of the query tokens
@@ -346,6 +346,22 @@ def _wait(works, stats: RingStats):
     for w in works: w.wait()
     stats.seconds += time.perf_counter() - t
 
+def block_backward(q, k, v, dout, lse, delta, pair: tuple, scale: float,
+                   dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor):
+    """One block pair's gradients on the plain kernel, tile by tile, from the *merged* log-sum-exp and `delta` =
+    rowsum(dout · out) `[B, H, m, 1]`: added into dq `[B, H, m, D]` and dk, dv `[B, H_kv, m_k, D]` (each key/value
+    head's query heads summed). k, v: the key/value block, its heads expanded to q's; `pair`: `_tiles`' arguments."""
+    groups = q.shape[1] // dk.shape[1]
+    for rows, allowed in _tiles(*pair):
+        qt, dt = q[:, :, rows], dout[:, :, rows]
+        p = torch.exp((qt @ k.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf")) - lse[:, :, rows, None])
+        ds = p * (dt @ v.transpose(-1, -2) - delta[:, :, rows])   # [B, H, tile, m]
+        dq[:, :, rows] += torch.matmul(ds, k).mul_(scale)  # in place: one temporary per product, not two
+        dk += _grouped(torch.matmul(ds.transpose(-1, -2), qt).mul_(scale), groups)  # dK of the tile
+        del ds  # free each score-sized tensor as soon as it is used
+        dv += _grouped(torch.matmul(p.transpose(-1, -2), dt), groups)                # dV of the tile
+        del p
+
 class _RingAttention(torch.autograd.Function):
     "Forward: key/value blocks travel the ring; backward: they travel again with their gradients, which end at their owner."
     @staticmethod
@@ -411,15 +427,7 @@ class _RingAttention(torch.autograd.Function):
                 del ke, ve, dke, dve
             elif not ctx.fused and _meets(*pair):
                 ke, ve = up(kv[0]), up(kv[1])
-                for rows, allowed in _tiles(*pair):
-                    qt, dt = qa[:, :, rows], dout[:, :, rows]
-                    p = torch.exp((qt @ ke.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf")) - lse[:, :, rows, None])
-                    ds = p * (dt @ ve.transpose(-1, -2) - delta[:, :, rows])   # [B, H, tile, m]
-                    dq[:, :, rows] += torch.matmul(ds, ke).mul_(scale)  # in place: one temporary per product, not two
-                    mine[0] += _grouped(torch.matmul(ds.transpose(-1, -2), qt).mul_(scale), groups)  # dK of the tile
-                    del ds  # free each score-sized tensor as soon as it is used
-                    mine[1] += _grouped(torch.matmul(p.transpose(-1, -2), dt), groups)                # dV of the tile
-                    del p
+                block_backward(qa, ke, ve, dout, lse, delta, pair, scale, dq, mine[0], mine[1])
                 del ke, ve
             dkv = mine  # the block's gradients so far, in fp32 or finer
             if incoming is not None:  # the earlier holders' share travelled during that compute
@@ -429,6 +437,25 @@ class _RingAttention(torch.autograd.Function):
             if step < n - 1: _wait(works, ctx.stats); kv = nxt
         if incoming is not None: _wait(incoming[0], ctx.stats); dkv = incoming[1]
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), *(None,) * 9
+
+def _check_attend(q, k, ring_index, group, window, kernel: str):
+    "Refuse, by name, what the block-pair kernels cannot attend (`ring_attend`'s and the gather's inputs)."
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"{q.shape[1]} query heads do not group over {k.shape[1]} key/value heads")
+    if kernel not in KERNELS: raise ValueError(f"kernel {kernel!r} is not one of {KERNELS}")
+    if kernel == "fused" and q.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"the fused ring kernel runs PyTorch's flash attention on CPU or CUDA; these tensors are on "
+                         f"{q.device}: use kernel='plain'")
+    if kernel == "fused" and q.is_cuda and window:
+        raise ValueError(f"the fused ring kernel on CUDA has no sliding window yet (this model's is {window}): "
+                         f"use kernel='plain'")
+    if kernel == "fused" and q.is_cuda and q.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"the fused ring kernel on CUDA runs flash attention, which computes in float16 or bfloat16; "
+                         f"these tensors are {q.dtype}: train in bfloat16 or use kernel='plain'")
+    n = 1 if group is None else dist.get_world_size(group)
+    if tuple(ring_index.shape) != (n, q.shape[2]):
+        raise ValueError(f"ring_index is {tuple(ring_index.shape)} but the ring has {n} blocks of {q.shape[2]} tokens: "
+                         f"build the shards with ring_shard for this grid")
 
 def ring_attend(q: torch.Tensor,            # [B, H, m, D] this process's queries (all of its ring block's tokens)
                 k: torch.Tensor,            # [B, H_kv, m, D]
@@ -446,19 +473,7 @@ def ring_attend(q: torch.Tensor,            # [B, H, m, D] this process's querie
     "Exact attention of this ring block's queries over every block's keys: `[B, H, m, D]`, differentiable."
     if not isinstance(tile, int) or isinstance(tile, bool) or tile < 2 * q.shape[-1]:  # shorter: scores smaller than a gradient product
         raise ValueError(f"tile must be an integer of at least 2 x head_dim = {2 * q.shape[-1]} query rows, got {tile!r}")
-    if q.shape[1] % k.shape[1]: raise ValueError(f"{q.shape[1]} query heads do not group over {k.shape[1]} key/value heads")
-    if kernel not in KERNELS: raise ValueError(f"kernel {kernel!r} is not one of {KERNELS}")
-    if kernel == "fused" and q.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"the fused ring kernel runs PyTorch's flash attention on CPU or CUDA; these tensors are on {q.device}: use kernel='plain'")
-    if kernel == "fused" and q.is_cuda and window:
-        raise ValueError(f"the fused ring kernel on CUDA has no sliding window yet (this model's is {window}): use kernel='plain'")
-    if kernel == "fused" and q.is_cuda and q.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"the fused ring kernel on CUDA runs flash attention, which computes in float16 or bfloat16; these tensors "
-                         f"are {q.dtype}: train in bfloat16 or use kernel='plain'")
-    n = 1 if group is None else dist.get_world_size(group)
-    if tuple(ring_index.shape) != (n, q.shape[2]):
-        raise ValueError(f"ring_index is {tuple(ring_index.shape)} but the ring has {n} blocks of {q.shape[2]} tokens: "
-                         f"build the shards with ring_shard for this grid")
+    _check_attend(q, k, ring_index, group, window, kernel)
     home = torch.device("cpu") if kernel == "fused" else q.device  # fused: planned on the host (no copy, no sync)
     return _RingAttention.apply(q, k, v, ring_index.to(home), doc.to(home), group,
                                 q.shape[-1] ** -0.5 if scale is None else scale, window, causal, stats or RingStats(), tile,
@@ -468,6 +483,23 @@ def ring_attend(q: torch.Tensor,            # [B, H, m, D] this process's querie
 def documents(cu_seq_lens: torch.Tensor) -> torch.Tensor:
     "The document of every token of the row `[T]`, from the global boundaries."
     return torch.repeat_interleave(torch.arange(len(cu_seq_lens) - 1), cu_seq_lens.diff().long().cpu())
+
+def _check_call(name: str, forward: str, attention_mask, sp_grid, ring_index, cu_seq_lens_q, kwargs: dict):
+    "Refuse, by name, a call the ring's attention functions cannot run (`name`: the attention; `forward`: its call)."
+    if sp_grid is None or ring_index is None or cu_seq_lens_q is None:
+        raise ValueError(f"{name} got no sp_grid, ring_index or cu_seq_lens_q: call the model through {forward} with a "
+                         f"shard from ring_shard; if you did, this model does not pass forward keywords down to its "
+                         f"attention, so {name} cannot run it")
+    if attention_mask is not None:
+        raise ValueError(f"{name} got an attention mask: the mask is built per block pair from the global indices; "
+                         f"pass none")
+    for key in ("softcap", "s_aux"):
+        if kwargs.get(key) is not None: raise ValueError(f"{name} does not implement {key}: use another attention")
+    if kwargs.get("dropout"): raise ValueError(f"{name} has no attention dropout: set attention_dropout=0")
+    if int(cu_seq_lens_q[-1]) != ring_index.numel():
+        raise ValueError(f"cu_seq_lens_q ends at {int(cu_seq_lens_q[-1])} but the ring blocks hold "
+                         f"{ring_index.numel()} tokens: every process must get its shard of the same (padded) row "
+                         f"from ring_shard")
 
 def ring_attention(module,                 # the attention module calling us
                    query: torch.Tensor,    # [B, H, N/P, D]: this process's tokens, all query heads
@@ -479,18 +511,7 @@ def ring_attention(module,                 # the attention module calling us
                    cu_seq_lens_q: torch.Tensor | None = None,  # global boundaries (kept by `ring_shard`)
                    **kwargs) -> tuple[torch.Tensor, None]:     # ([B, N/P, H, D], no weights)
     "Hybrid attention: all-to-all to head shards over the Ulysses group, ring attention over the ring group (its block-pair kernel from the forward keyword `ring_kernel`), all-to-all back."
-    if sp_grid is None or ring_index is None or cu_seq_lens_q is None:
-        raise ValueError("ring attention got no sp_grid, ring_index or cu_seq_lens_q: call the model through ring_forward with a "
-                         "shard from ring_shard; if you did, this model does not pass forward keywords down to its attention, "
-                         "so ring attention cannot run it")
-    if attention_mask is not None:
-        raise ValueError("ring attention got an attention mask: the mask is built per block pair from the global indices; pass none")
-    for name in ("softcap", "s_aux"):
-        if kwargs.get(name) is not None: raise ValueError(f"ring attention does not implement {name}: use another attention")
-    if kwargs.get("dropout"): raise ValueError("ring attention has no attention dropout: set attention_dropout=0")
-    if int(cu_seq_lens_q[-1]) != ring_index.numel():
-        raise ValueError(f"cu_seq_lens_q ends at {int(cu_seq_lens_q[-1])} but the ring blocks hold {ring_index.numel()} tokens: "
-                         f"every process must get its shard of the same (padded) row from ring_shard")
+    _check_call("ring attention", "ring_forward", attention_mask, sp_grid, ring_index, cu_seq_lens_q, kwargs)
     query, key, value = to_head_shards(module, query, key, value, sp_grid)  # [B, H/U, m, D]: Ulysses over its group
     causal = kwargs.get("is_causal")
     out = ring_attend(query, key, value, ring_index, documents(cu_seq_lens_q), sp_grid.group("ring"), kwargs.get("scaling"),
