@@ -157,7 +157,7 @@ def test_a_kill_while_a_part_starts_still_ends_it(tmp_path, monkeypatch):
     assert running_with(str(tmp_path)) == []
 
 
-@pytest.mark.parametrize("flags, message", [(["--parts", "10"], "parts are numbered"),
+@pytest.mark.parametrize("flags, message", [(["--parts", "11"], "parts are numbered"),
                                             (["--cap-s", "0"], "--cap-s must be a positive"),
                                             (["--out", "FILE"], "is a file: pass a directory")])
 def test_bad_flags_are_refused(tmp_path, flags, message):
