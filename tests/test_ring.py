@@ -314,7 +314,7 @@ def test_training_runs_the_configured_ring_kernel_and_refuses_fused_in_fp32_on_a
     def spy(model, shard, grid, kernel="plain"): seen.append(kernel); raise InterruptedError
     for kernel in KERNELS:
         with monkeypatch.context() as m, pytest.raises(InterruptedError):
-            m.setattr("workbench.train.ring_forward", spy)
+            m.setattr("workbench.sp.layout.ring_forward", spy)
             forward_backward(None, [{"num_items_in_batch": 1}], None, TrainConfig(ring=2, ring_kernel=kernel))
     assert seen == list(KERNELS)
     with monkeypatch.context() as m:  # CUDA's flash kernel computes in bf16: an fp32 run is refused before any process starts

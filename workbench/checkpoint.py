@@ -21,6 +21,7 @@ import torch.distributed as dist
 from .config import TrainConfig, flag
 from .core import no_hf_bars
 from .fsdp import full_state, is_sharded, load_full_state
+from .sp.layout import LAYOUTS
 from .tracking import process_rank
 
 # %% auto #0
@@ -35,7 +36,8 @@ ADAPTER_DIR = "adapter"      # inside a checkpoint of a LoRA run: the adapter `P
 # what a resumed run may change
 _MAY_CHANGE = ("steps", "save_every", "keep", "timeout_s", "stall_s", "resume", "out", "name", "report_to", "eval_data",
                "eval_every")
-LAYOUT = ("dp", "sp", "ring", "ring_kernel", "grad_accum")  # how a step is split: a resumed run may change it, keeping dp x grad_accum
+# how a step is split (with every registered layout kind's degree): a resumed run may change it, keeping dp x grad_accum
+LAYOUT = ("dp", "sp", *LAYOUTS, "ring_kernel", "grad_accum")
 SAVE_WAIT = timedelta(days=365)  # how long the other ranks wait for rank 0's save: outside the collective timeout
 DIGEST_BLOCK = 1 << 20  # bytes read at a time when a file's digest is computed (1 MiB)
 

@@ -14,6 +14,7 @@ import torch
 from fastcore.docments import docments
 
 from .core import model_families, tiny_config
+from .sp.layout import LAYOUTS, layout_of
 from .sp.ring import KERNELS
 
 # %% auto #0
@@ -24,7 +25,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch
 
 BALANCES = ("tokens", "cost")  # how a step's bins are grouped over ranks and micro-steps
 
-_AT_LEAST = dict(sp=1, ring=1, dp=1, steps=1, max_tokens=1, grad_accum=1, seed=0, loss_chunk=0, mlp_chunk=0, save_every=0, keep=1, lora_r=0,
+_AT_LEAST = dict(sp=1, **{kind: 1 for kind in LAYOUTS}, dp=1, steps=1, max_tokens=1, grad_accum=1, seed=0, loss_chunk=0, mlp_chunk=0, save_every=0, keep=1, lora_r=0,
                  eval_every=0)
 
 def flag(name: str) -> str:
@@ -96,11 +97,17 @@ class TrainConfig:
     eval_every: int = 0         # evaluate --eval-data after every this many steps and after the last (0: after the last only)
 
     @property
-    def world(self) -> int: return self.sp * self.ring * self.dp
+    def world(self) -> int: return self.layout.sp_size * self.dp
     @property
     def block_kernel(self) -> str:
         "The ring's block-pair kernel this run trains with: `ring_kernel`, with 'auto' settled by `auto_ring_kernel` (a run records this one)."
-        return auto_ring_kernel(self.ring) if self.ring_kernel == "auto" else self.ring_kernel
+        context = max(getattr(self, kind) for kind in LAYOUTS)  # the context degree of whichever kind splits it
+        return auto_ring_kernel(context) if self.ring_kernel == "auto" else self.ring_kernel
+    @property
+    def layout(self):
+        "The run's sequence-parallel layout (`workbench.sp.layout.layout_of`): `sp` and every registered kind's degree field."
+        degrees = {name: getattr(self, name) for name in LAYOUTS}  # ring (--ring), ...
+        return layout_of(self.sp, kernel=self.block_kernel, **degrees)
 
     @property
     def global_batch(self) -> int: return self.dp * self.grad_accum  # plan bins per optimizer step: one per DP replica per micro-step
@@ -127,16 +134,15 @@ class TrainConfig:
             raise ValueError("offload_checkpoints moves activation checkpoints to the host: set checkpointing=True as well")
         if self.lora_r and importlib.util.find_spec("peft") is None:
             raise ValueError("lora_r (--lora-r) trains LoRA adapters with the peft package: pip install peft")
-        if self.ring > 1 and (self.attn != "sdpa" or self.loss_chunk or self.shard):
-            raise ValueError("ring (--ring) > 1 computes attention with its own exact blocks and does not combine with "
-                             "--attn other than sdpa, --loss-chunk or --shard yet: drop them or use --ring 1")
+        self.layout.check_options(self.attn, self.loss_chunk, self.shard)  # what the run's kind does not combine with
         if self.ring_kernel not in ("auto", *KERNELS):
             raise ValueError(f"ring_kernel (--ring-kernel) {self.ring_kernel!r} is not one of {('auto', *KERNELS)}: plain computes each "
                              f"block pair as masked matrix products, fused as flash-attention calls per document stretch (CPU, or CUDA in bf16), "
                              f"auto picks fused on CPU and plain on CUDA")
-        if self.ring_kernel == "fused" and self.ring == 1:
+        if self.ring_kernel == "fused" and not self.layout.blocked:
+            kinds = " or ".join(f"{name} ({flag(name)})" for name in LAYOUTS)
             raise ValueError(f"ring_kernel (--ring-kernel) {self.ring_kernel!r} chooses the ring's block-pair kernel, and this "
-                             f"run has no ring: set ring (--ring) to 2 or more, or drop --ring-kernel")
+                             f"run has no {' or '.join(LAYOUTS)}: set {kinds} to 2 or more, or drop --ring-kernel")
         if self.cpu_offload and not self.shard:
             raise ValueError("cpu_offload offloads the sharded states: set shard=True as well")
         if self.eval_data and self.loss_chunk:
@@ -186,13 +192,15 @@ def _config(p: argparse.ArgumentParser, a: argparse.Namespace, world: int) -> Tr
     except ValueError as e: p.error(str(e))
     if a.nproc is not None and a.nproc < 1: p.error(f"--nproc must be at least 1 process, got {a.nproc}")
     nproc = a.nproc or (world if world > 1 else None)
-    seq = cfg.sp * cfg.ring  # processes sharing one row
-    what = f"--sp {cfg.sp}" if cfg.ring == 1 else f"--sp x --ring = {cfg.sp} x {cfg.ring} = {seq}"
+    layout = cfg.layout
+    seq = layout.sp_size  # processes sharing one row
+    flags = [flag(name) for name in layout.fields]  # --sp, and the context kind's flag
+    degrees = " x ".join(map(str, layout.degrees))
+    what = f"{' x '.join(flags)} = {degrees} = {seq}" if len(flags) > 1 else f"--sp {cfg.sp}"
     if nproc and nproc % seq:
-        p.error(f"--nproc {nproc} is not a multiple of {what}: the processes form a dp x sp{' x ring' * (cfg.ring > 1)} grid; "
-                f"use --nproc {seq * max(1, nproc // seq)} or an --sp{'/--ring' * (cfg.ring > 1)} that divides {nproc}")
+        p.error(f"--nproc {nproc} is not a multiple of {what}: the processes form a dp x {' x '.join(layout.fields)} grid; "
+                f"use --nproc {seq * max(1, nproc // seq)} or an {'/'.join(flags)} that divides {nproc}")
     if nproc and "dp" not in given: cfg = replace(cfg, dp=nproc // seq)
     if nproc and nproc != cfg.world:
-        p.error(f"--nproc {nproc} but {'--sp x --dp' if cfg.ring == 1 else '--sp x --ring x --dp'} = "
-                f"{cfg.sp}{f' x {cfg.ring}' * (cfg.ring > 1)} x {cfg.dp} = {cfg.world}")
+        p.error(f"--nproc {nproc} but {' x '.join(flags)} x --dp = {degrees} x {cfg.dp} = {cfg.world}")
     return cfg

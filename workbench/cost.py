@@ -26,9 +26,10 @@ from .memory import LEVER_LADDER, Levers, Shape, estimate, max_context, preset_c
 from .packing import Plan, TokenBudgetSampler, lengths_of, plan_bins
 from .tiling import causal_lm_loss_sum, decoder_layers
 from .sp.balance import PLANS, balanced_plan, zigzag_plan
-from .sp.grid import ParallelGrid, check_layout, check_sp, sp_layouts
+from .sp.grid import ParallelGrid, check_layout, sp_layouts
+from .sp.layout import PLAN_CHUNKS, layout_of
 from .sp.loss import sync_gradients
-from .sp.ring import KERNELS, comm_bytes, documents, ring_plans
+from .sp.ring import KERNELS, documents, ring_plans
 from .sp.shard import contiguous_plan, shard_batch
 from .sp.ulysses import register_ulysses, sp_forward
 
@@ -171,7 +172,7 @@ def _pairs(s: np.ndarray, window: int, work: str, width: int) -> int:
     return width * width if work == "row" else int(document_pairs(s, window, work).sum())
 
 # %% ../nbs/04_planning/03_cost.ipynb #a1c36c62
-_PLAN_MULTIPLE = {"contiguous": 1, "zigzag": 2, "balanced": 8}  # `plan_row`'s padding, in SP sizes (balanced: its 8 chunks per shard)
+_PLAN_MULTIPLE = {"contiguous": 1, "zigzag": 2, "balanced": PLAN_CHUNKS}  # `plan_row`'s padding, in SP sizes (balanced: its chunks per shard)
 
 def ring_blocks(lengths,                  # one row's document lengths
                 ulysses: int,             # Ulysses degree
@@ -282,6 +283,7 @@ def step_cost(config,                    # a transformers config or a preset nam
               kernel: str | None = None, # an `ATTENTION_KERNELS` class (None: "dense" for 'row' work, else "flash")
               ring_plan: str = "balanced",  # with ring > 1: how a row is sharded (`workbench.sp.balance.PLANS`)
               ring_kernel: str = "plain",   # with ring > 1: the block-pair kernel (`workbench.sp.ring.KERNELS`)
+              context: str = "ring",     # the kind whose degree `ring` is (a `workbench.sp.layout.LAYOUTS` name): its bytes
               levers: Levers = Levers(checkpointing=False),  # checkpointing and the memory levers that change work
               zero_stage: int = 0,       # 0 all-reduce; 1-2 shard states; 3 also gather parameters
               optimizer_offload: bool = False,  # the AdamW step runs in host memory (its traffic is host bytes)
@@ -298,17 +300,18 @@ def step_cost(config,                    # a transformers config or a preset nam
     if zero_stage not in (0, 1, 2, 3): raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
     if ring_kernel not in KERNELS: raise ValueError(f"ring_kernel={ring_kernel!r}; choose one of {KERNELS}")
     if dtype_bytes not in (2, 4, 8): raise ValueError(f"dtype_bytes must be 2 (bf16), 4 (fp32) or 8 (fp64), got {dtype_bytes!r}")
-    kernel = kernel or ("dense" if attention == "row" and ring == 1 else "flash")
+    layout = layout_of(sp, kernel=ring_kernel, **{context: ring})  # its kind: what attention computes, what it sends
+    kernel = kernel or ("dense" if attention == "row" and not layout.blocked else "flash")
     if kernel not in ATTENTION_KERNELS:
         raise ValueError(f"kernel={kernel!r}; choose one of {list(ATTENTION_KERNELS)} "
                          f"(`attention_kernel(attn_implementation)`)")
     lv, world = levers, sp * ring * dp
-    if ring == 1:
+    if not layout.blocked:  # the inner attention computes each row whole
         tokens = sum(int(r.sum()) for r in rows)
         attended = _attended(batch, rows)
         pairs = sum(_pairs(a, w, attention, int(r.sum())) for r, a in zip(rows, attended) for w in d.windows)
         flops = _flops(d, tokens, pairs, lv, sp)
-        sent = [comm_bytes(config, int(r.sum()), sp, 1, lv.checkpointing, dtype_bytes) for r in rows]
+        sent = [layout.comm_bytes(config, int(r.sum()), lv.checkpointing, dtype_bytes) for r in rows]
     else:
         lengths, work = zip(*(_ring_row(tuple(r.tolist()), sp, ring, ring_plan, d.windows, ring_kernel) for r in rows))  # padded rows
         tokens = sum(lengths)
@@ -316,7 +319,7 @@ def step_cost(config,                    # a transformers config or a preset nam
         bwd = 2 * fwd if ring_kernel == "fused" else 10 * fwd // 4  # flash's own backward; the plain one forms the scores again
         flops = {**_flops(d, tokens, 0, lv, sp * ring), "forward attention": fwd, "backward attention": bwd,
                  "recompute attention": fwd if lv.checkpointing else 0}
-        sent = [comm_bytes(config, n, sp, ring, lv.checkpointing, dtype_bytes) for n in lengths]  # the padded rows
+        sent = [layout.comm_bytes(config, n, lv.checkpointing, dtype_bytes) for n in lengths]  # the padded rows
     shard = world if zero_stage >= 1 else 1
     share = (world - 1) / world  # of the parameters each rank sends in a ring all-reduce / reduce-scatter
     gathers = (3 if lv.checkpointing else 2) if zero_stage == 3 else 0
@@ -841,10 +844,10 @@ def run_options(cfg,
     "`step_cost` options of a `workbench.train.TrainConfig` run."
     cuda = torch.cuda.is_available() if device_type is None else device_type == "cuda"
     dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if cuda else "float32")
-    ring = getattr(cfg, "ring", 1)
-    return dict(sp=cfg.sp, ring=ring, ring_kernel=getattr(cfg, "block_kernel", "plain"), dp=cfg.dp,
+    layout = cfg.layout if hasattr(cfg, "layout") else layout_of(cfg.sp, ring=getattr(cfg, "ring", 1))  # a namespace of fields
+    return dict(sp=layout.ulysses, ring=layout.context, ring_kernel=layout.kernel, context=layout.degree or "ring", dp=cfg.dp,
                 attention=attention_work(cfg.attn, "cuda" if cuda else "cpu"),  # Ulysses: the inner one's work
-                kernel=attention_kernel(cfg.attn) if ring == 1 else "flash",  # a ring computes its own block pairs
+                kernel="flash" if layout.blocked else attention_kernel(cfg.attn),  # a ring computes its own block pairs
                 levers=Levers(checkpointing=cfg.checkpointing, offload_checkpoints=cfg.offload_checkpoints,
                               tiled_loss=bool(cfg.loss_chunk), loss_chunk=cfg.loss_chunk or 1024,
                               tiled_mlp=bool(cfg.mlp_chunk), mlp_chunk=cfg.mlp_chunk or None, lean_kernels=cfg.lean_kernels),
@@ -1141,13 +1144,12 @@ def plan_layout(model,                     # a transformers config or a preset n
     capacity = int(capacity or lengths.max())
     rows, refused = [], []
     for u, r in _split_degrees(split, config, gpus):
-        sp = u * r
-        multiple = sp * (_PLAN_MULTIPLE["balanced"] if r > 1 else 1)  # a ring row is padded as training's plan pads it
-        dp, seq = gpus // sp, -(-capacity // multiple) * multiple
+        sp_layout = layout_of(u, ring=r)
+        sp = sp_layout.sp_size
+        dp, seq = gpus // sp, sp_layout.padded_tokens(capacity)  # a ring row is padded as training's plan pads it
         step_rows = rows_per_step or gpus
         try:
-            check_layout(config, u, r, world_size=gpus)
-            check_sp(config, u, world_size=gpus // r, seq_len=seq)
+            sp_layout.check(config, world_size=gpus, seq_len=seq)
             if step_rows % dp: raise ValueError(f"rows_per_step={step_rows} is not a multiple of dp={dp}")
         except ValueError as e: refused.append((dict(ulysses=u, ring=r, dp=dp), str(e))); continue
         plan = plan_bins(lengths, seq, overlong="split")

@@ -21,7 +21,8 @@ from .data import run_examples, run_features
 from .launch import launch, progress
 from .packing import FlatteningCollator
 from .scoring import EvalResult, check_eval_features, evaluate_model
-from .sp.grid import ParallelGrid, check_layout, check_sp
+from .sp.grid import ParallelGrid
+from .sp.layout import LAYOUTS
 from .tracking import replace_file
 from .train import _device, build_model, check_attention, check_world, has_weights, no_weights, rank_model
 
@@ -30,7 +31,7 @@ __all__ = ['EVAL_FIELDS', 'eval_config', 'evaluate_rank', 'is_run_dir', 'run_mod
            'launch_eval', 'each_alone', 'eval_rows', 'main']
 
 # %% ../nbs/03_runtime/10_evaluate.ipynb #864e5bb5
-EVAL_FIELDS = ("model", "data", "tokenizer", "sp", "ring", "ring_kernel", "dp", "max_tokens", "attn", "dtype", "seed", "out",
+EVAL_FIELDS = ("model", "data", "tokenizer", "sp", *LAYOUTS, "ring_kernel", "dp", "max_tokens", "attn", "dtype", "seed", "out",
                "timeout_s", "stall_s")  # what an evaluation reads of a TrainConfig (the rest is training's)
 
 
@@ -47,7 +48,8 @@ def evaluate_rank(cfg: TrainConfig,       # the layout, model and token budget (
     "Evaluate `features` as one process of the `cfg.dp` x `cfg.sp` x `cfg.ring` grid; every process returns the whole result."
     check_world(cfg)
     device = _device()
-    grid = ParallelGrid.build(cfg.sp, cfg.ring, device.type)
+    layout = cfg.layout
+    grid = ParallelGrid.build(layout.ulysses, layout.context, device.type)
     model = rank_model(cfg, grid, device, cfg.world)
     progress()  # loaded: the launcher's stall clock (`cfg.stall_s`) restarts here, and after every row
     return evaluate_model(model, grid, cfg, features)
@@ -108,8 +110,7 @@ def preflight_eval(cfg: TrainConfig,
     cfg = eval_config(cfg)
     cfg = replace(cfg, model=eval_model(cfg.model, cfg.seed, say))
     config = model_config(cfg)
-    if cfg.ring > 1: check_layout(config, cfg.sp, cfg.ring, world_size=cfg.world)
-    else: check_sp(config, cfg.sp, world_size=cfg.world)
+    cfg.layout.check(config, world_size=cfg.world)
     check_attention(cfg, config)  # as training does: flash-attn missing, an attention the model refuses
     return cfg, config
 
@@ -130,7 +131,7 @@ def launch_eval(cfg: TrainConfig,     # the evaluation's config, as `preflight_e
     """`evaluate` after its preflight: `features` checked, then evaluated on `cfg.world` forked processes; prints one
     line."""
     check_eval_features(features, cfg.max_tokens, config.vocab_size, cfg.data)
-    results = launch(evaluate_rank, cfg, features, num_processes=cfg.world, sp_size=cfg.sp, ring=cfg.ring,
+    results = launch(evaluate_rank, cfg, features, num_processes=cfg.world, sp_layout=cfg.layout,
                      model_config=config, timeout_s=cfg.timeout_s, stall_s=cfg.stall_s or None)
     print(results[0].summary())
     return results[0]

@@ -25,12 +25,12 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from .sp.grid import check_layout, check_sp
 
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # torch.cuda.is_available() asks NVML instead of starting CUDA's driver, which no forked rank could then use
 
 # %% auto #0
-__all__ = ['MIXED_PRECISION', 'GRACE_S', 'WAKE_S', 'RankError', 'Layout', 'free_port', 'preflight', 'progress', 'launch']
+__all__ = ['Layout', 'MIXED_PRECISION', 'GRACE_S', 'WAKE_S', 'RankError', 'ProcessWorld', 'free_port', 'preflight', 'progress',
+           'launch']
 
 # %% ../nbs/03_runtime/01_launch.ipynb #7020d702
 class RankError(RuntimeError):
@@ -48,7 +48,7 @@ class RankError(RuntimeError):
         super().__init__(f"rank {rank} of {world_size} {cause}" + (f"\n\n--- {kind} of rank {rank} ---\n{tb}" if tb else ""))
 
 # %% ../nbs/03_runtime/01_launch.ipynb #c41507e7
-class Layout:
+class ProcessWorld:
     "Processes, device and the data-parallel × sequence-parallel grid of a launch."
     def __init__(self, num_processes: int, sp_size: int = 1, cpu: bool = False, ring: int = 1):
         if num_processes < 1: raise ValueError(f"num_processes must be >= 1, got {num_processes}")
@@ -67,6 +67,13 @@ class Layout:
         where = "CUDA GPUs (nccl)" if self.cuda else "CPU processes (gloo)"
         return f"{self.num_processes} {where}, DP={self.dp_size} x SP={self.sp_size}" + (f" x ring={self.ring}" if self.ring > 1 else "")
 
+Layout = ProcessWorld  # its name before `workbench.sp.layout.Layout` (a sequence-parallel kind) took it: kept for code importing it
+
+def _sp_layout(world: ProcessWorld):
+    "The sequence-parallel layout of a world given by its degrees alone: Ulysses, or the ring with Ulysses inside it."
+    from workbench.sp.layout import layout_of  # on demand: importing the launcher loads no part of workbench.sp
+    return layout_of(world.sp_size, ring=world.ring)
+
 # %% ../nbs/03_runtime/01_launch.ipynb #975a102d
 MIXED_PRECISION = ("no", "fp16", "bf16")
 
@@ -75,7 +82,8 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0)); return s.getsockname()[1]
 
-def preflight(layout: Layout, port: int, mixed_precision: str = "no", model_config=None, seq_len: int | None = None):
+def preflight(layout: ProcessWorld, port: int, mixed_precision: str = "no", model_config=None, seq_len: int | None = None,
+              sp_layout=None):  # the run's `workbench.sp.layout.Layout` (None: the one its degrees give)
     "Refuse a launch that would fail late or hang: CUDA state, devices, port, precision, heads vs SP size."
     if mixed_precision not in MIXED_PRECISION:
         raise ValueError(f"mixed_precision={mixed_precision!r}; choose one of {MIXED_PRECISION}")
@@ -94,10 +102,9 @@ def preflight(layout: Layout, port: int, mixed_precision: str = "no", model_conf
     with socket.socket() as s:
         try: s.bind(("127.0.0.1", port))
         except OSError: raise ValueError(f"port {port} is in use: pass another port, or port=None to pick a free one") from None
-    if model_config is not None and layout.ring > 1:  # the hybrid: Ulysses degree vs heads, the ring takes the rest
-        check_layout(model_config, layout.sp_size, layout.ring, world_size=layout.num_processes)
-    elif model_config is not None and layout.sp_size > 1:
-        check_sp(model_config, layout.sp_size, world_size=layout.num_processes, seq_len=seq_len)
+    if model_config is not None and layout.sp_size * layout.ring > 1:  # the layout's own checks: heads, world, row
+        sp_layout = sp_layout or _sp_layout(layout)
+        sp_layout.check(model_config, world_size=layout.num_processes, seq_len=seq_len)
 
 # %% ../nbs/03_runtime/01_launch.ipynb #669a8cfd
 def _loopback() -> str:
@@ -120,7 +127,7 @@ def _all_finished(store, world_size: int):
     store.add("finished", 1)
     while store.add("finished", 0) < world_size: time.sleep(0.05)
 
-def _rank_env(layout: Layout, port: int, mixed_precision: str) -> dict[str, str]:
+def _rank_env(layout: ProcessWorld, port: int, mixed_precision: str) -> dict[str, str]:
     "What torchrun would set for every rank, plus the loopback interface for gloo and nccl, plus what accelerate reads."
     n, lo = str(layout.num_processes), _loopback()
     on_cpu = "false" if layout.cuda else "true"  # as `accelerate launch --cpu`: else a plain Accelerator() on CPU sees 1 process
@@ -143,7 +150,7 @@ def _message(e: BaseException) -> str:
     try: return str(e)
     except Exception as broken: return f"<its message could not be printed: str() raised {type(broken).__name__}>"
 
-def _rank_main(fn, args, rank: int, layout: Layout, env: dict, listener_fd: int, exchange: Path, timeout_s: float,
+def _rank_main(fn, args, rank: int, layout: ProcessWorld, env: dict, listener_fd: int, exchange: Path, timeout_s: float,
                beats):
     "One forked rank: torchrun's environment, a process group over loopback only, then `fn`'s result or failure in `exchange`."
     global _heartbeat
@@ -338,6 +345,7 @@ def launch(fn,                                # what every rank runs; a function
            num_processes: int = 2,            # ranks to fork on this machine
            sp_size: int = 1,                  # sequence-parallel group size; must divide num_processes
            ring: int = 1,                     # ring attention degree (workbench.sp.ring): sp_size x ring processes share a row
+           sp_layout=None,                    # a `workbench.sp.layout.Layout`: its degrees and checks instead of sp_size, ring
            cpu: bool = False,                 # gloo on CPU processes even where CUDA GPUs are present
            timeout_s: float = 60,             # limit of the rendezvous and each collective; not of Python between them
            port: int | None = None,           # rendezvous port on 127.0.0.1 (None: a free one)
@@ -349,14 +357,15 @@ def launch(fn,                                # what every rank runs; a function
            stall_s: float | None = None,      # limit of a rank's time without a `progress()` call (None: none)
           ) -> list:
     "Run `fn(*args)` on `num_processes` forked ranks; return every rank's result, or raise the first real failure as `RankError`."
-    layout = Layout(num_processes, sp_size, cpu, ring)
+    if sp_layout is not None: sp_size, ring = sp_layout.ulysses, sp_layout.context  # its context group: the grid's ring
+    layout = ProcessWorld(num_processes, sp_size, cpu, ring)
     if not timeout_s > 0 or not (deadline_s is None or deadline_s > 0):
         raise ValueError(f"timeout_s={timeout_s!r}, deadline_s={deadline_s!r}: both are seconds > 0 (deadline_s=None: no limit)")
     if not (stall_s is None or stall_s > 0):
         raise ValueError(f"stall_s={stall_s!r}: the seconds a rank may go without calling progress() are > 0 "
                          "(None: no limit)")
     port = port or free_port()
-    preflight(layout, port, mixed_precision, model_config, seq_len)
+    preflight(layout, port, mixed_precision, model_config, seq_len, sp_layout)
     if not quiet: print(f"workbench.launch: {layout}, collective timeout {timeout_s:g} s, "
                         f"deadline {'none' if deadline_s is None else f'{deadline_s:g} s'}, "
                         f"stall limit {'none' if stall_s is None else f'{stall_s:g} s'}, rendezvous 127.0.0.1:{port}")

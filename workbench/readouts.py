@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from .config import TrainConfig, model_config
-from .cost import _run_record, check_run, ring_blocks
+from .cost import _run_record, check_run
 from .memory import Levers, estimate
 from .tracking import read_metrics
 
@@ -52,9 +52,8 @@ def expected_memory(cfg: TrainConfig, dtype: torch.dtype = torch.bfloat16):
     levers = Levers(checkpointing=cfg.checkpointing, offload_checkpoints=cfg.offload_checkpoints,
                     tiled_loss=bool(cfg.loss_chunk), loss_chunk=cfg.loss_chunk or 1024,
                     tiled_mlp=bool(cfg.mlp_chunk), mlp_chunk=cfg.mlp_chunk or None, lean_kernels=cfg.lean_kernels)
-    seq = (-(-cfg.max_tokens // cfg.sp) * cfg.sp if cfg.ring == 1 else  # the row is padded to a multiple of sp,
-           int(ring_blocks([cfg.max_tokens], cfg.sp, cfg.ring)[0][-1]))   # or as the ring's plan pads it
-    return estimate(model_config(cfg), seq, cfg.sp, cfg.dp, ring=cfg.ring, ring_kernel=cfg.block_kernel, levers=levers,
+    seq = cfg.layout.padded_tokens(cfg.max_tokens)  # the row as the layout pads it: a multiple of sp, or the ring's plan's
+    return estimate(model_config(cfg), seq, dp=cfg.dp, **cfg.layout.memory_options(), levers=levers,
                     zero_stage=3 if cfg.shard else 0,
                     optimizer_offload=cfg.cpu_offload, param_offload=cfg.cpu_offload, runtime_gib=0,
                     dtype_bytes=dtype.itemsize)
@@ -64,7 +63,8 @@ def memory_readout(cfg: TrainConfig,                    # the run
                    device_type: str = "cpu",             # where its ranks train: "cpu" or "cuda"
                   ) -> tuple[int | None, str]:
     "The planned per-rank peak in `dtype` in bytes and the line saying it, or None and the line saying why the planner cannot."
-    fused = cfg.ring > 1 and cfg.block_kernel == "fused"
+    layout = cfg.layout
+    fused = layout.blocked and layout.kernel == "fused"
     if fused and device_type == "cuda":
         return None, ("expected per-rank peak: not planned for the fused ring kernel on CUDA (its varlen gathers and flash's "
                       "workspace are not measured yet; the plain kernel, --ring-kernel plain, is planned)")

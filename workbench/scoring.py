@@ -18,11 +18,7 @@ from .core import IGNORE_INDEX
 from .data import check_token_ids
 from .launch import progress
 from .packing import FlatteningCollator, TokenBudgetSampler, plan_bins
-from .sp.balance import ring_batch
 from .sp.grid import ParallelGrid
-from .sp.ring import ring_forward
-from .sp.shard import shard_batch
-from .sp.ulysses import sp_forward
 from .tracking import process_rank
 
 # %% auto #0
@@ -93,12 +89,9 @@ def example_sums(logits: torch.Tensor,     # [1, n, vocab]: this process's logit
 # %% ../nbs/03_runtime/07_scoring.ipynb #29ae9144
 def eval_shard(row: dict, grid: ParallelGrid, cfg: TrainConfig) -> tuple[dict, torch.Tensor]:
     "This process's shard of a packed row and the row position of each of its tokens (the ring deals them out of order)."
-    if cfg.ring > 1:
-        shard = ring_batch(row, grid)  # the plan only balances work: evaluation is exact under any plan
-        return shard, shard["token_index"]
-    shard = shard_batch(row, grid.sp_rank, cfg.sp)
-    width = shard["input_ids"].shape[1]
-    return shard, torch.arange(width) + grid.sp_rank * width
+    layout = cfg.layout
+    shard = layout.shard(row, grid)  # a plan only balances work: evaluation is exact under any plan
+    return shard, layout.token_positions(shard, grid)
 
 def check_documents(row: dict, pieces: int):
     "Refuse a row whose documents are not its pieces (examples that carry several documents each: `seq_lengths`)."
@@ -134,18 +127,18 @@ def evaluate_model(model,                 # this process's model, as training bu
     pieces = plan.dataset(features)
     collate = FlatteningCollator(pad_to_multiple_of=cfg.sp, train_all_tokens=True)
     sums = torch.zeros(3, plan.n_examples, dtype=torch.float64)
+    layout = cfg.layout
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        rows = tqdm(served, desc=f"evaluate sp={cfg.sp} ring={cfg.ring} dp={cfg.dp}", disable=process_rank() != 0,
+        rows = tqdm(served, desc=f"evaluate {layout} dp={cfg.dp}", disable=process_rank() != 0,
                     file=sys.stdout)  # stdout: not red in Jupyter
         for k, bin_id in enumerate(rows):
             piece_ids = plan.bins[bin_id]
             row = collate([pieces[i] for i in piece_ids])
             check_documents(row, len(piece_ids))
             shard, positions = eval_shard(row, grid, cfg)
-            if cfg.ring > 1: logits, _ = ring_forward(model, shard, grid, cfg.block_kernel)
-            else: logits, _ = sp_forward(model, shard, grid)
+            logits, _ = layout.forward(model, shard, grid)  # the full logits: every token is scored
             repeated = k * cfg.dp + replica >= len(plan.bins)  # the table's last row repeats bins so every replica takes as many
             if not repeated: sums += example_sums(logits, shard, positions, torch.as_tensor(plan.example[piece_ids]), plan.n_examples)
             progress()  # a row scored: the launcher's stall clock (`stall_s`) starts again

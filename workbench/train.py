@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm  # the text bar: forked ranks cannot draw notebook widgets
 
-from .attention import KEY as VARLEN_KEY, register as register_varlen
+from .attention import KEY as VARLEN_KEY
 from .checkpoint import SAVE_WAIT, check_out, latest_checkpoint, load_checkpoint, plan_id, save_checkpoint
 from .config import DTYPES, TrainConfig, _config, _parser, model_config
 from .cost import (BalancedPlan, Dims, attention_flops, bin_work, fresh_cpu, measured_mfu, plan_balanced,
@@ -33,12 +33,9 @@ from .readouts import (START_STEP, balance_readout, memory_comparison, memory_re
                                 prediction_comparison, segment_rows, watch_memory)
 from .tiling import checkpoint_layers, lean_kernels, tile_mlp
 from .tracking import process_rank, replace_file, reporting, truncate_metrics, write_evaluation, write_metrics
-from .sp.balance import plan_window, ring_batch
-from .sp.grid import check_layout, check_sp, ParallelGrid
+from .sp.balance import plan_window
+from .sp.grid import ParallelGrid
 from .sp.loss import global_loss
-from .sp.ring import comm_bytes, register_ring, ring_forward
-from .sp.shard import shard_batch
-from .sp.ulysses import register_ulysses, sp_forward
 
 # %% auto #0
 __all__ = ['WEIGHT_FILES', 'FLASH_ATTN', 'add_lora', 'run_dtype', 'has_weights', 'no_weights', 'random_start', 'build_model',
@@ -107,10 +104,8 @@ def _endless(sampler):
     while True: yield from sampler  # the sampler moves to the next epoch (new order) at the end of each pass
 
 def attention_key(cfg: TrainConfig) -> str:
-    "The attention the model runs: `cfg.attn` wrapped in Ulysses when the sequence is split, `cfg.attn` itself when not."
-    if cfg.ring > 1: return register_ring()  # the hybrid: Ulysses over sp processes inside, the ring around them
-    if cfg.attn == VARLEN_KEY: register_varlen()  # the workbench's own key needs no import to remember
-    return register_ulysses(cfg.attn) if cfg.sp > 1 else cfg.attn
+    "The attention the model runs, registered by the run's layout: `cfg.attn` itself on one process, wrapped in Ulysses, or the ring's."
+    return cfg.layout.attention_key(cfg.attn)
 
 def cost_modelled(cfg: TrainConfig, config) -> bool:
     "Whether `workbench.cost` models this architecture's steps; where `cfg.balance` is 'cost' and it does not, an error naming the fix."
@@ -159,7 +154,8 @@ def step_bytes(config,            # the model config
                dtype_bytes: int,  # bytes of the model's dtype
               ) -> dict:
     "Bytes this process sent in one optimizer step: `comm_bytes` of every micro-step's (padded) row, over each group."
-    sent = [comm_bytes(config, n, cfg.sp, cfg.ring, cfg.checkpointing, dtype_bytes) for n in rows]
+    layout = cfg.layout
+    sent = [layout.comm_bytes(config, n, cfg.checkpointing, dtype_bytes) for n in rows]
     return dict(a2a_bytes=sum(b["all_to_all"] for b in sent), ring_bytes=sum(b["ring"] for b in sent))
 
 # %% ../nbs/03_runtime/08_train.ipynb #85c221e1
@@ -216,8 +212,7 @@ def check_world(cfg: TrainConfig) -> int:
 def rank_model(cfg: TrainConfig, grid, device: torch.device, world: int):
     "The model this process trains: built, its layout checked against its heads, sharded when `cfg.shard` says so."
     model = build_model(cfg, attention_key(cfg), device)
-    if cfg.ring > 1: check_layout(model.config, cfg.sp, cfg.ring, world_size=world)
-    else: check_sp(model.config, cfg.sp, world_size=world)
+    cfg.layout.check(model.config, world_size=world)
     if cfg.shard: model = shard_model(model, grid, cpu_offload=cfg.cpu_offload)  # before the optimizer sees the parameters
     return model
 
@@ -238,7 +233,8 @@ def setup_rank(cfg: TrainConfig,
     world = check_world(cfg)
     check_out(cfg)
     device = _device()
-    grid = ParallelGrid.build(cfg.sp, cfg.ring, device.type)
+    layout = cfg.layout
+    grid = ParallelGrid.build(layout.ulysses, layout.context, device.type)
     save_group = dist.new_group(backend="gloo", timeout=SAVE_WAIT) if dist.is_initialized() else None
     watch_memory(device)
     model = rank_model(cfg, grid, device, world)
@@ -295,22 +291,19 @@ def step_shards(bins: list,       # this replica's plan bins of one optimizer st
                 window: int | None = None,  # the sliding window the ring's document-aware plan balances by (`plan_window`)
                ) -> list[dict]:
     "Each micro-step's packed row, cut into this process's shard (labels shifted over the whole row first)."
-    shards = []
+    layout, shards = cfg.layout, []
     for bin_ids in bins:
         row = collate([pieces[i] for i in bin_ids])
-        if cfg.ring > 1: shard = ring_batch(row, grid, window=window)
-        else: shard = shard_batch(row, grid.sp_rank, cfg.sp)
-        shards.append(shard)
+        shards.append(layout.shard(row, grid, window=window))
     return shards
 
 def forward_backward(model, shards: list[dict], grid, cfg: TrainConfig) -> torch.Tensor:
     "Forward and backward every micro-step's shard; this process's share of the step's loss (summed token losses / the step's trained tokens)."
     step_trained = sum(shard["num_items_in_batch"] for shard in shards)  # every micro-step's row: the loss denominator
-    losses = []
+    layout, losses = cfg.layout, []
     for shard in shards:
         micro = {**shard, "num_items_in_batch": step_trained}  # the shard keeps its own row's count (the metrics read it)
-        if cfg.ring > 1: _, loss = ring_forward(model, micro, grid, cfg.block_kernel)
-        else: _, loss = sp_forward(model, micro, grid, cfg.loss_chunk or None)
+        _, loss = layout.forward(model, micro, grid, cfg.loss_chunk)
         loss.backward()
         losses.append(loss.detach())
     return torch.stack(losses).sum()  # in the loss's own dtype: a float64 run's loss is not rounded to float32
@@ -332,15 +325,11 @@ def optimizer_step(model, opt, grid):
 
 def shard_tokens(shard: dict, real: int, grid, cfg: TrainConfig) -> int:
     "Tokens of the plan (not padding) in this process's shard of a row holding `real` of them."
-    if cfg.ring > 1: return int((shard["token_index"] < real).sum())  # the ring deals tokens out of order
-    width = shard["input_ids"].shape[1]
-    before = grid.sp_rank * width  # tokens of the row in the shards before this one
-    return min(max(real - before, 0), width)
+    return cfg.layout.shard_tokens(shard, real, grid)  # the ring deals tokens out of order; Ulysses cuts the row in order
 
 def row_tokens(shard: dict, cfg: TrainConfig) -> int:
     "Tokens of the whole (padded) row a shard was cut from."
-    if cfg.ring > 1: return shard["ring_index"].numel()
-    return shard["input_ids"].shape[1] * cfg.sp
+    return cfg.layout.row_tokens(shard)
 
 def step_metrics(rank_run: RankRun, step: int, loss: float, bins: list, shards: list[dict],
                  totals: torch.Tensor,  # the step's `[real, trained]` over every replica (`step_totals`)
@@ -432,7 +421,7 @@ def train_rank(cfg: TrainConfig,
     losses = []
     with reporting(cfg, start) as sink:
         started = time.perf_counter()
-        bar = tqdm(range(start, cfg.steps), desc=f"train sp={cfg.sp} ring={cfg.ring} dp={cfg.dp}",
+        bar = tqdm(range(start, cfg.steps), desc=f"train {cfg.layout} dp={cfg.dp}",
                    disable=process_rank() != 0, file=sys.stdout)  # stdout: not red in Jupyter
         for step in bar:
             bins = next_step_bins(bin_stream, cfg.grad_accum)
@@ -463,8 +452,7 @@ def preflight_run(cfg: TrainConfig) -> tuple[list[dict], object, list[dict] | No
     if cfg.block_kernel == "fused" and device == "cuda" and windowed(config):
         raise ValueError("ring_kernel (--ring-kernel) 'fused' has no sliding window on CUDA yet and this model's layers use one: "
                          "use --ring-kernel plain (exact with a window on any device)")
-    if cfg.ring > 1: check_layout(config, cfg.sp, cfg.ring, world_size=cfg.world)  # Ulysses degree vs heads; the ring the rest
-    else: check_sp(config, cfg.sp, world_size=cfg.world)
+    cfg.layout.check(config, world_size=cfg.world)  # Ulysses degree vs heads; a ring the rest
     check_attention(cfg, config)
     if (line := random_start(cfg)) and int(os.environ.get("RANK", 0)) == 0: print(line)  # once, also under torchrun
     cost_modelled(cfg, config)  # balance 'cost' on an architecture the cost model refuses: said here
@@ -479,7 +467,7 @@ def run(cfg: TrainConfig) -> list[float]:
     print(line)
     fresh_cpu()  # a CPU measured more than a minute ago is measured again: the box's load may have changed
     run_device(cfg.world); run_efficiency(cfg.world, cfg.sp)  # measured once here (cached; its ranks computing at once), so that every forked rank uses the same peak and factors
-    results = launch(train_rank, cfg, prepared, num_processes=cfg.world, sp_size=cfg.sp, ring=cfg.ring, model_config=model_config(cfg),
+    results = launch(train_rank, cfg, prepared, num_processes=cfg.world, sp_layout=cfg.layout, model_config=model_config(cfg),
                      timeout_s=cfg.timeout_s, stall_s=cfg.stall_s or None)
     print(memory_comparison(segment_rows(cfg.out), planned, _device().type))  # this run's rows, not a resume's older
     if comparison := prediction_comparison(cfg.out): print(comparison)  # recorded: later predictions carry it, held out
