@@ -265,3 +265,37 @@ def test_the_fused_cuda_path_equals_its_cpu_path_on_every_block(monkeypatch):
     for r in range(3):
         for name, a, b in zip(("out", "lse", "dq", "dkv"), results["cpu", r], results["cuda", r]):
             assert (a - b).abs().max() < 1e-12, (r, name)
+
+
+# ---------------------------------------------------------------- the training loop, evaluation and resume
+
+def test_gather_trains_resumes_and_evaluates_through_the_loop(tmp_path, capsys):
+    """`--gather 2` through the training loop (forked ranks, the layout from the config: nothing in the loop names it)
+    equals one process step by step (fp32, 1e-6 relative); a run saved under Ulysses 2 resumes under gather 2 with the
+    uninterrupted losses; evaluation under gather 2 equals each example alone; the flag and its refusals."""
+    from dataclasses import replace
+    import json
+    import numpy as np
+    from workbench.config import TrainConfig, _config, _parser
+    from workbench.core import load_tokenizer
+    from workbench.data import load_features
+    from workbench.evaluate import each_alone, evaluate
+    from workbench.train import run
+    common = dict(model="qwen2", data="orca_like", steps=3, max_tokens=512)
+    one = run(TrainConfig(**common, out=str(tmp_path / "one")))
+    gathered = run(TrainConfig(**common, gather=2, out=str(tmp_path / "gather")))
+    assert len(one) == len(gathered) == 3 and close_losses(gathered, one), (gathered, one)
+    saved = json.loads((tmp_path / "gather" / "config.json").read_text())
+    assert saved["gather"] == 2 and saved["ring"] == 1 and saved["predicted"]["step_s"] > 0
+    first = run(TrainConfig(**{**common, "steps": 2}, sp=2, save_every=2, out=str(tmp_path / "switch")))
+    rest = run(TrainConfig(**common, gather=2, resume=True, out=str(tmp_path / "switch")))
+    assert len(rest) == 1 and close_losses(first + rest, one), (first, rest, one)
+    features = load_features("orca_like", load_tokenizer())[-6:]
+    base = TrainConfig(model="qwen2", max_tokens=512)
+    reference, got = each_alone(base, features), evaluate(replace(base, gather=2), features)
+    assert np.max(np.abs(got.loss - reference.loss) / reference.loss) <= LOSS_RTOL, (got, reference)
+    assert np.array_equal(got.tokens, reference.tokens) and np.array_equal(got.accuracy, reference.accuracy)
+    p = _parser()
+    assert _config(p, p.parse_args(["--gather", "2", "--nproc", "4"]), 1).dp == 2
+    with pytest.raises(ValueError, match="each split the row's context"): TrainConfig(ring=2, gather=2)
+    with pytest.raises(ValueError, match=r"gather \(--gather\) > 1 computes attention"): TrainConfig(gather=2, loss_chunk=64)

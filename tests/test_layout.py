@@ -63,8 +63,8 @@ def test_the_factory_and_the_config_pick_the_kind_from_the_degrees():
     assert (type(hybrid), hybrid.ulysses, hybrid.context, hybrid.kernel) == (RingLayout, 2, 2, "fused")
     assert (hybrid.sp_size, hybrid.fields, hybrid.degrees) == (4, ("sp", "ring"), (2, 2))
     assert (str(layout_of(2)), str(hybrid)) == ("sp=2", "sp=2 ring=2")
-    assert list(LAYOUTS) == ["ring"] and LAYOUTS["ring"] is RingLayout
-    assert "no sequence-parallel layout named ['gather']" in message(lambda: layout_of(2, gather=2))
+    assert list(LAYOUTS) == ["ring", "gather"] and LAYOUTS["ring"] is RingLayout  # the kinds registered in sp/layout
+    assert "no sequence-parallel layout named ['stripe']" in message(lambda: layout_of(2, stripe=2))
     assert "not a Layout subclass" in message(lambda: register_layout(dict))
     with pytest.raises(TypeError, match="abstract"):  # a kind that leaves a method out cannot be built
         type("Half", (Layout,), {"degree": "half"})(1, 2)
@@ -78,8 +78,8 @@ def test_the_config_and_the_command_line_say_what_they_said():
         "ring (--ring) > 1 computes attention with its own exact blocks and does not combine with --attn other than "
         "sdpa, --loss-chunk or --shard yet: drop them or use --ring 1")
     assert message(lambda: TrainConfig(ring_kernel="fused")) == (
-        "ring_kernel (--ring-kernel) 'fused' chooses the ring's block-pair kernel, and this run has no ring: set ring "
-        "(--ring) to 2 or more, or drop --ring-kernel")
+        "ring_kernel (--ring-kernel) 'fused' chooses the ring's block-pair kernel, and this run has no ring or gather: "
+        "set ring (--ring) or gather (--gather) to 2 or more, or drop --ring-kernel")
     p = _parser()
     said = []
     p.error = lambda text: said.append(text) or (_ for _ in ()).throw(SystemExit(2))

@@ -67,6 +67,7 @@ class TrainConfig:
     tokenizer: str = ""         # the tokenizer of the data and the checkpoints ('': the model directory's own; the shipped one for a shipped family)
     sp: int = 1                 # processes sharing one sequence (Ulysses)
     ring: int = 1               # ring attention degree: a row is split over sp x ring processes (Ulysses inside a node, the ring across)
+    gather: int = 1             # all-gather context parallelism degree: a row is split over sp x gather processes whose keys and values are gathered every layer (`workbench.sp.gather`)
     ring_kernel: str = "auto"   # the ring's block-pair kernel: auto (fused on CPU, plain on CUDA: `auto_ring_kernel`), plain (masked products, any device) or fused (flash attention per document stretch: CPU, or CUDA in bf16)
     dp: int = 1                 # data-parallel replicas
     steps: int = 10             # optimizer steps (a resumed run continues up to this step)

@@ -10,13 +10,14 @@ import torch
 
 from ..attention import KEY as VARLEN_KEY, register as register_varlen
 from .balance import ring_batch
+from .gather import gather_bytes, gather_forward, register_gather
 from .grid import ParallelGrid, check_layout, check_sp
 from .ring import comm_bytes, register_ring, ring_forward
 from .shard import shard_batch
 from .ulysses import register_ulysses, sp_forward
 
 # %% auto #0
-__all__ = ['PLAN_CHUNKS', 'LAYOUTS', 'Layout', 'UlyssesLayout', 'RingLayout', 'register_layout', 'layout_of']
+__all__ = ['PLAN_CHUNKS', 'LAYOUTS', 'Layout', 'UlyssesLayout', 'RingLayout', 'register_layout', 'layout_of', 'GatherLayout']
 
 # %% ../../nbs/02_sequence_parallel/12_sp_layout.ipynb #74362f80
 class Layout(ABC):
@@ -172,3 +173,23 @@ def layout_of(ulysses: int = 1,       # Ulysses degree (`--sp`)
     if not split: return UlyssesLayout(ulysses, kernel=kernel)
     (name, degree), = split.items()
     return LAYOUTS[name](ulysses, degree, kernel)
+
+# %% ../../nbs/02_sequence_parallel/12_sp_layout.ipynb #55036c0e
+class GatherLayout(RingLayout):
+    """All-gather context parallelism, Ulysses inside it: shards dealt as the ring's, the row's keys and values
+    all-gathered over the context group (the grid's "ring" dimension) every layer, their gradients reduce-scattered."""
+    degree = "gather"
+    def attention_key(self, attn: str) -> str:
+        self.check_options(attn)
+        return register_gather()
+    def forward(self, model, shard, grid, loss_chunk=None):
+        self.check_options(loss_chunk=loss_chunk)
+        return gather_forward(model, shard, grid, self.kernel)
+    def comm_bytes(self, config, n_tokens, recompute=False, dtype_bytes=2):
+        sent = gather_bytes(config, n_tokens, self.ulysses, self.context, recompute, dtype_bytes)
+        return {"all_to_all": sent["all_to_all"], "ring": sent["gather"]}  # the context group is the grid's "ring"
+    def memory_options(self):
+        raise ValueError("the memory planner does not model the all-gather layout's gathered keys and values yet "
+                         "(--gather): its peak is measured, not planned")
+
+register_layout(GatherLayout)
