@@ -192,7 +192,8 @@ def test_a_dp2_checkpoint_resumes_on_ulysses_and_on_a_ring_with_two_micro_steps(
         assert len(resumed) == 2 and max(abs(a - b) / abs(b) for a, b in zip(resumed, straight[2:])) <= 1e-5, (name, resumed, straight)
         manifest = latest_checkpoint(out, say=lambda _: None)[1]
         kernel = "fused" if name == "ring" else "plain"  # the default kernel on CPU: fused where there is a ring
-        assert manifest["step"] == 4 and manifest["layout"] == {"dp": 1, "sp": 1, "ring": 1, "grad_accum": 2, **layout, "ring_kernel": kernel}
+        assert manifest["step"] == 4 and manifest["layout"] == {"dp": 1, "sp": 1, "ring": 1, "gather": 1, "grad_accum": 2, **layout,
+                                                                     "ring_kernel": kernel}
     before = (tmp_path / "saved" / "metrics.jsonl").read_text()
     words = "it trained 2 bins per optimizer step (dp x grad_accum = 2 x 1) and this run has 1 x 1 = 1 (--dp, --grad-accum)"
     with pytest.raises(ValueError, match=re.escape(words)):
