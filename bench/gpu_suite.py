@@ -452,7 +452,7 @@ def part_step_time(dry: bool, out: Path) -> dict:
             t = max(ran, key=lambda t: t["tokens"])
             p = predict_step(cfg, [[t["tokens"]]], dev, attention=attention_work("sdpa", kind),
                              levers=gpu_long_context.LEVER_SETS[r["levers"]], dtype_bytes=dtype_bytes)
-            terms = dict(p.terms, memory=0.0)  # a trial is one forward + backward: no optimizer step
+            terms = fwd_bwd_terms(p, dev)  # a trial is one forward + backward: no optimizer step, offload copies kept
             points.append((f"part 4 {r['levers']}, {t['tokens']:,} tokens (one fwd+bwd)", terms, _seconds(terms, Efficiency()), t["seconds"]))
     rows = [dict(source=src, predicted_s=pred, measured_s=meas, error=meas / pred - 1) for src, _, pred, meas in points]
     refit = None
