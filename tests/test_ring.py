@@ -11,7 +11,6 @@ each node, the ring across them) gives one process's losses. The rest needs no p
 import json
 import re
 import os
-import signal
 import subprocess
 import sys
 from functools import partial
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from process_utils import end_tree, run_tree
 
 from workbench.core import shift_labels, tiny_config, tiny_model
 from workbench.launch import free_port, launch
@@ -241,7 +241,7 @@ def test_ring_of_four_hybrid_2x2_and_training_equal_one_process():
 # ---------------------------------------------------------------- workbench.train: --ring
 
 def _torchrun_nodes(port: int, args: list, timeout: float = 240) -> list[str]:
-    "Two `torchrun --nnodes 2 --node_rank {0,1}` invocations of 2 processes each on 127.0.0.1; their outputs (the trees killed on a timeout)."
+    "Two `torchrun --nnodes 2 --node_rank {0,1}` invocations of 2 processes each on 127.0.0.1; their outputs (the trees ended on a timeout)."
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(n),
@@ -251,9 +251,7 @@ def _torchrun_nodes(port: int, args: list, timeout: float = 240) -> list[str]:
     try:
         logs = [p.communicate(timeout=timeout)[0] for p in nodes]
     finally:
-        for p in nodes:  # on a timeout or an error: the whole torchrun tree, then reap
-            if p.poll() is None: os.killpg(p.pid, signal.SIGKILL)
-            p.wait(timeout=30)
+        for p in nodes: end_tree(p)  # on a timeout or an error: torchrun ends its workers (own sessions), then reap
     assert [p.returncode for p in nodes] == [0, 0], logs
     return logs
 
@@ -270,10 +268,10 @@ def test_train_ring_from_the_notebook_launcher_torchrun_nodes_and_accelerate_equ
     logs = _torchrun_nodes(free_port(), ["-m", "workbench.train", "--sp", "2", "--ring", "2", "--ring-kernel", "fused", "--dp", "1", "--model", "qwen2",
                                          "--data", "orca_like", "--steps", "2", "--max-tokens", "512", "--out", str(tmp_path / "nodes")])
     nodes = json.loads(logs[0].strip().splitlines()[-1])["losses"]  # global rank 0 (node 0) prints the losses
-    accel = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "4", "-m",
-                            "workbench.train", "--sp", "2", "--ring", "2", "--nproc", "4", "--model", "qwen2", "--data", "orca_like",
-                            "--steps", "2", "--max-tokens", "512", "--out", str(tmp_path / "accelerate")],
-                           capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    accel = run_tree([sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "4", "-m",
+                      "workbench.train", "--sp", "2", "--ring", "2", "--nproc", "4", "--model", "qwen2", "--data", "orca_like",
+                      "--steps", "2", "--max-tokens", "512", "--out", str(tmp_path / "accelerate")],
+                     timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})  # accelerate's workers: torchrun's
     assert accel.returncode == 0, accel.stderr[-3000:]
     accelerated = json.loads(accel.stdout.strip().splitlines()[-1])["losses"]
     assert len(one) == len(hybrid) == len(nodes) == len(accelerated) == 2 and min(one) > 1  # two steps that train something

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from process_utils import run_tree
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,9 +26,10 @@ def cli_runs(tmp_path_factory):
     args = ["--sp", "2", "--steps", "2", "--max-tokens", "256", "--data", "orca_like", "--model", "qwen2"]
     subprocess.run([sys.executable, "-m", "workbench.train", "--nproc", "2", "--out", str(tmp_path / "self"), *args],
                    check=True, cwd=ROOT, timeout=240)
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                    "-m", "workbench.train", "--out", str(tmp_path / "torchrun"), *args],  # dp from WORLD_SIZE
-                   check=True, cwd=ROOT, timeout=240)
+    torchrun = run_tree([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                         "-m", "workbench.train", "--out", str(tmp_path / "torchrun"), *args],  # dp from WORLD_SIZE
+                        cwd=ROOT, timeout=240)  # a timeout ends torchrun's workers too
+    assert torchrun.returncode == 0, torchrun.stderr[-3000:]
     subprocess.run([sys.executable, "-m", "workbench.train", "--nproc", "2", "--shard", "--out", str(tmp_path / "sharded"),
                     *args], check=True, cwd=ROOT, timeout=240)
     return tmp_path
