@@ -9,8 +9,10 @@ import functools
 import json
 import math
 import os
+import socket
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -34,18 +36,18 @@ from .sp.shard import contiguous_plan, shard_batch
 from .sp.ulysses import register_ulysses, sp_forward
 
 # %% auto #0
-__all__ = ['ATTENTION_WORK', 'ATTENTION_KERNELS', 'ADAMW_BYTES', 'CPU_FLOP_FORMULAS', 'ATTENTION_PARTS', 'DEVICES',
-           'RANK_THREADS', 'FACTORS', 'MEASURED', 'HELD_OUT_SOURCES', 'device_of', 'FIT_GROUPS', 'KERNEL_FIT',
-           'HF_BLOG_QWEN3_4B', 'HF_BLOG_FIT', 'HF_BLOG_RUN', 'REFERENCE_STEPS', 'H200_FIT_ON', 'SPLITS',
+__all__ = ['ATTENTION_WORK', 'ATTENTION_KERNELS', 'ADAMW_BYTES', 'CPU_FLOP_FORMULAS', 'ATTENTION_PARTS', 'CPU_MAX_AGE_S',
+           'DEVICES', 'RANK_THREADS', 'FACTORS', 'MEASURED', 'HELD_OUT_SOURCES', 'device_of', 'FIT_GROUPS',
+           'KERNEL_FIT', 'HF_BLOG_QWEN3_4B', 'HF_BLOG_FIT', 'HF_BLOG_RUN', 'REFERENCE_STEPS', 'H200_FIT_ON', 'SPLITS',
            'LAYOUT_LEVERS', 'RANK_BY', 'attention_work', 'attention_kernel', 'Dims', 'windowed', 'rows_of',
            'document_pairs', 'ring_blocks', 'interacting_blocks', 'fused_pairs', 'StepCost', 'step_cost', 'FlopCount',
            'measured_flops', 'bin_work', 'attention_flops', 'bin_costs', 'BalancedPlan', 'served_steps',
-           'plan_balanced', 'Device', 'cpu_device', 'device', 'gpu_name', 'run_device', 'gpu_device', 'Efficiency',
-           'HeldOut', 'MeasuredStep', 'held_out', 'held_out_errors', 'Prediction', 'step_terms', 'predict_step',
-           'calibrate', 'run_source', 'calibrate_run', 'check_run', 'hf_blog_prediction', 'blog_source',
-           'hf_blog_table', 'run_options', 'reference_step_seconds', 'lockstep_seconds', 'cpu_efficiency', 'fresh_cpu',
-           'run_efficiency', 'unmodelled', 'run_prediction', 'measured_mfu', 'HeldOutFit', 'fit_held_out',
-           'layout_name', 'Layouts', 'plan_layout']
+           'plan_balanced', 'cpu_cache', 'shared_measurement', 'Device', 'cpu_device', 'device', 'gpu_name',
+           'run_device', 'gpu_device', 'Efficiency', 'HeldOut', 'MeasuredStep', 'held_out', 'held_out_errors',
+           'Prediction', 'step_terms', 'predict_step', 'calibrate', 'run_source', 'calibrate_run', 'check_run',
+           'hf_blog_prediction', 'blog_source', 'hf_blog_table', 'run_options', 'reference_step_seconds',
+           'lockstep_seconds', 'cpu_efficiency', 'fresh_cpu', 'run_efficiency', 'unmodelled', 'run_prediction',
+           'measured_mfu', 'HeldOutFit', 'fit_held_out', 'layout_name', 'Layouts', 'plan_layout']
 
 # %% ../nbs/04_planning/03_cost.ipynb #64bb0f7a
 ATTENTION_WORK = {  # how much of each document's query x key square an attention implementation computes
@@ -503,6 +505,48 @@ def plan_balanced(lengths,                 # per-example token counts (or anythi
     cost_steps = cost_steps[np.random.default_rng(seed).permutation(len(cost_steps))]  # order of steps: no effect on balance
     return BalancedPlan(plan, costs, attention_flops(work), served_steps(plan, dp, grad_accum, seed), cost_steps)
 
+# %% ../nbs/04_planning/03_cost.ipynb #5b6cba73
+CPU_MAX_AGE_S = 60.0  # seconds a CPU measurement stands: in this process (`fresh_cpu`) and for this machine's others
+
+def cpu_cache() -> Path:
+    "The file this machine's processes share their CPU measurements in: `$WORKBENCH_CPU_CACHE`, else the user's cache."
+    if os.environ.get("WORKBENCH_CPU_CACHE"): return Path(os.environ["WORKBENCH_CPU_CACHE"])
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "workbench" / "cpu-measurements.json"
+
+def _kept(path: Path, max_age_s: float) -> dict:
+    "The measurements `path` holds that are younger than `max_age_s` ({} when it is missing or unreadable)."
+    try: kept = json.loads(path.read_text())
+    except (OSError, ValueError): return {}
+    if not isinstance(kept, dict): return {}
+    now = time.time()
+    young = {}
+    for key, entry in kept.items():
+        if isinstance(entry, dict) and isinstance(entry.get("at"), float) and 0 <= now - entry["at"] <= max_age_s:
+            young[key] = entry
+    return young
+
+def shared_measurement(what: str,                      # the measurement and how it is taken (its key)
+                       measure: Callable[[], tuple],   # takes it: returns a tuple of numbers and strings
+                       max_age_s: float = CPU_MAX_AGE_S,  # an older one is taken again
+                      ) -> tuple:
+    """What `measure()` returns, or what a process of this machine measured as `what` within `max_age_s` seconds
+    (kept in `cpu_cache()`): launches in quick succession (a resume after a kill, a sweep, a test suite) measure the
+    CPU once, and a measurement older than that is taken again under the load of its day."""
+    key = f"{socket.gethostname()}, torch {torch.__version__}: {what}"  # a home directory a cluster's nodes share
+    path = cpu_cache()
+    kept = _kept(path, max_age_s)
+    if key in kept: return tuple(kept[key]["value"])
+    value = tuple(measure())
+    kept[key] = {"at": time.time(), "value": list(value)}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        part = path.with_name(f"{path.name}.{os.getpid()}")
+        part.write_text(json.dumps(kept))
+        os.replace(part, path)  # whole or not at all: other processes read it at any moment
+    except OSError: pass  # a read-only home: each process measures for itself
+    return value
+
 # %% ../nbs/04_planning/03_cost.ipynb #be797c86
 @dataclass(frozen=True)
 class Device:
@@ -540,6 +584,22 @@ def _rates_child(conn, threads: int):
     try: conn.send(_cpu_rates(threads))
     finally: conn.close()
 
+def _measured_rates(threads: int, processes: int) -> tuple[float, float]:
+    "FLOP/s and bytes/s of one of `processes` processes of `threads` threads, each measured while the others run."
+    if processes == 1:
+        before = torch.get_num_threads()
+        try: return _cpu_rates(threads)
+        finally: torch.set_num_threads(before)
+    import multiprocessing as mp  # forked, like the ranks: threads here would leave state behind that a later fork inherits
+    ctx = mp.get_context("fork")
+    pipes = [ctx.Pipe(duplex=False) for _ in range(processes)]
+    procs = [ctx.Process(target=_rates_child, args=(w, threads), daemon=True) for _, w in pipes]
+    for q in procs: q.start()
+    try: flops, hbm = np.mean([r.recv() for r, _ in pipes], axis=0)
+    finally:
+        for q in procs: q.join(timeout=60)
+    return float(flops), float(hbm)
+
 @functools.lru_cache(maxsize=None)
 def cpu_device(threads: int | None = None,  # threads of the process to model (None: this process's, now)
                processes: int = 1,           # processes computing at once (a run's ranks), each measured while the others run
@@ -547,19 +607,8 @@ def cpu_device(threads: int | None = None,  # threads of the process to model (N
     "This machine's CPU as a `Device` for one of `processes` processes of `threads` threads each: FLOP/s and memory bandwidth measured that way (`processes` > 1: as many forked processes, as `workbench.launch` forks ranks, measuring at once), so that cores shared between ranks, or a busy box, are measured as shared and busy; links are estimates."
     threads = int(threads or torch.get_num_threads())
     if threads < 1 or processes < 1: raise ValueError(f"threads and processes must be positive, got {threads!r}, {processes!r}")
-    if processes == 1:
-        before = torch.get_num_threads()
-        try: flops, hbm = _cpu_rates(threads)
-        finally: torch.set_num_threads(before)
-    else:  # forked, like the ranks: threads in this process would leave state behind that a later fork inherits
-        import multiprocessing as mp
-        ctx = mp.get_context("fork")
-        pipes = [ctx.Pipe(duplex=False) for _ in range(processes)]
-        procs = [ctx.Process(target=_rates_child, args=(w, threads), daemon=True) for _, w in pipes]
-        for q in procs: q.start()
-        try: flops, hbm = np.mean([r.recv() for r, _ in pipes], axis=0)
-        finally:
-            for q in procs: q.join(timeout=60)
+    what = f"fp32 matmul and copy rates, {threads} threads per process, {processes} processes at once"
+    flops, hbm = shared_measurement(what, lambda: _measured_rates(threads, processes))
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     shared = f", {processes} processes at once" if processes > 1 else ""
     return Device(f"cpu ({threads} thread{'s' * (threads > 1)} per process{shared}, measured fp32 matmul)", float(flops),
@@ -944,7 +993,9 @@ def cpu_efficiency(threads: int = RANK_THREADS,  # threads of the process (a ran
     contention between ranks and their synchronisation are in the factor, and the rate measurement's noise cancels.
     A CPU reaches far less of its matmul peak in a small model's step than a GPU's default factors assume; runs are
     held out of it."""
-    seconds, how = lockstep_seconds(threads, family, lengths, processes, ulysses)
+    grouped = " (in a process group)" if dist.is_initialized() else ""  # torchrun's ranks measure alone, at once
+    what = f"reference step {family} {list(lengths)}, {threads} threads, {processes} processes, SP {ulysses}{grouped}"
+    seconds, how = shared_measurement(what, lambda: lockstep_seconds(threads, family, lengths, processes, ulysses))
     p = _predict_step(tiny_config(family), [list(lengths)], cpu_device(threads, processes), sp=ulysses,
                       dp=processes // ulysses, attention=attention_work("sdpa", "cpu"), dtype_bytes=4)
     source = f"cpu reference step ({family}, documents {list(lengths)}, {threads} thread{'s' * (threads > 1)}{how})"
@@ -952,8 +1003,8 @@ def cpu_efficiency(threads: int = RANK_THREADS,  # threads of the process (a ran
 
 _CPU_MEASURED = [0.0]  # when `fresh_cpu` last let the CPU measurements stand (time.monotonic())
 
-def fresh_cpu(max_age_s: float = 60.0):
-    "Measure the CPU afresh (`cpu_device`, `cpu_efficiency`) when the last measurement is older than `max_age_s`: a shared box's load changes, and a run's prediction should see the load it runs under; runs in quick succession share one measurement."
+def fresh_cpu(max_age_s: float = CPU_MAX_AGE_S):
+    "Measure the CPU afresh (`cpu_device`, `cpu_efficiency`) when the last measurement is older than `max_age_s`: a shared box's load changes, and a run's prediction should see the load it runs under; runs in quick succession share one measurement (`shared_measurement`: also between processes)."
     now = time.monotonic()
     if now - _CPU_MEASURED[0] > max_age_s: cpu_device.cache_clear(); cpu_efficiency.cache_clear()
     _CPU_MEASURED[0] = now if now - _CPU_MEASURED[0] > max_age_s else _CPU_MEASURED[0]
