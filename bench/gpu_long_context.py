@@ -30,7 +30,8 @@ import torch
 
 from workbench.memory import LEVER_LADDER, LiveBytes, Levers, estimate, max_context, preset_config
 from workbench.readouts import peak_memory_bytes, watch_memory
-from workbench.tiling import causal_lm_loss_sum, checkpoint_layers, lean_kernels, tile_mlp
+from workbench.sp.loss import causal_lm_loss_sum
+from workbench.tiling import checkpoint_layers, lean_kernels, tile_mlp
 
 LEVER_SETS = {"checkpointing only": LEVER_LADDER["blog setup (checkpointing)"],
               "all levers": LEVER_LADDER["+ checkpoint offload"]}

@@ -25,7 +25,7 @@ from gpu_long_context import build  # noqa: E402
 
 from workbench.cost import step_cost  # noqa: E402
 from workbench.memory import LEVER_LADDER, preset_config  # noqa: E402
-from workbench.tiling import causal_lm_loss_sum  # noqa: E402
+from workbench.sp.loss import causal_lm_loss_sum  # noqa: E402
 
 LEVERS = LEVER_LADDER["+ checkpoint offload"]
 SMALL = dict(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,

@@ -90,15 +90,21 @@ def step_times(layout, kernel: str, rows: list, lr: float = 1e-3) -> list:
     return seconds
 
 
-def training_table(n_tokens: int, steps: int) -> list:
-    from workbench.launch import launch
+def packed_rows(kind: str, n_tokens: int, count: int) -> list:
+    "`count` packed rows (the contract) of `n_tokens` random token ids, cut into documents by `row_boundaries`."
     from workbench.packing import FlatteningCollator
     rng = np.random.default_rng(0)
     rows = []
-    for s in range(steps):
-        cu = row_boundaries("long", n_tokens, seed=s).tolist()
+    for s in range(count):
+        cu = row_boundaries(kind, n_tokens, seed=s).tolist()
         feats = [{"input_ids": rng.integers(3, 8000, b - a).tolist()} for a, b in zip(cu[:-1], cu[1:])]
         rows.append(FlatteningCollator(train_all_tokens=True, pad_to_multiple_of=4)(feats))
+    return rows
+
+
+def training_table(n_tokens: int, steps: int) -> list:
+    from workbench.launch import launch
+    rows = packed_rows("long", n_tokens, steps)
     table = []
     runs = [("one process", None, "plain"), ("Ulysses 2", (2, 1), "plain"), ("ring 2, plain", (1, 2), "plain"),
             ("ring 2, fused", (1, 2), "fused")]

@@ -1,5 +1,5 @@
-"""Proofs of `workbench.engines`: the workbench's Ulysses and DeepSpeed ALST (directly and through accelerate + the HF
-Trainer) against one process, on CPU processes over gloo.
+"""Proofs of `workbench.engines`: the workbench's Ulysses (and its all-gather layout) and DeepSpeed ALST (directly and
+through accelerate + the HF Trainer) against one process, on CPU processes over gloo.
 
 The runs are grouped so that each process count is launched once (a DeepSpeed import and its CPU op are paid once per
 launch). Every verdict is asserted on measured values: losses within 1e-6 and gradients within 1e-5 (fp32, relative).
@@ -37,6 +37,7 @@ RUNS = {  # name -> run; each is judged against its golden run and against the n
     "ours dp2 sp2": base(engine="workbench", dp=2, sp=2),
     "ours sp2 packed fp64": base(engine="workbench", sp=2, dtype="float64"),
     "ours sp2 hf loss, clipped": base(engine="workbench", sp=2, loss="hf_sp", max_grad_norm=0.5),
+    "ours gather2 packed": base(engine="workbench", context=2, kind="gather"),  # all-gather context parallelism
     "alst sp2 unpacked": base(engine="alst", sp=2, packed=False, loss="hf_sp"),
     "alst sp2 unpacked exact": base(engine="alst", sp=2, packed=False),
     "alst sp2 packed sdpa": base(engine="alst", sp=2, loss="hf_sp"),
@@ -212,7 +213,7 @@ def test_a_third_engine_plugs_in_and_is_judged():
     import torch
     import torch.nn.functional as F
     from workbench.engines import ENGINES, Recorder, register_engine
-    from workbench.sp.proofs import case_model
+    from workbench.sp_proofs import case_model
 
     @register_engine("test_cache_trap", processes=False)
     def train(run, rows):

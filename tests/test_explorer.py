@@ -7,6 +7,7 @@ import torch
 from workbench.core import load_sample, load_tokenizer, tiny_config
 from workbench.masks import attention_leakage, mask_report
 from workbench.packing import FlatteningCollator, NaiveConcatCollator, PaddingCollator
+from workbench.sp.ranks import rank_view
 from workbench.viz import (CATEGORIES, CATEGORY_COLORS, MASK_COLORSCALE, MaskExplorer, attention_kinds, clamp_range,
                            explorer_data, explorer_model, explorer_tokenizer, mask_blocks, mask_traces, readable_tokens,
                            view_edges)
@@ -203,6 +204,14 @@ def test_shipped_choices_still_work_beside_yours(dataset):
     ex.controls["family"].value = "mistral (sliding window 16)"
     assert ex.report.effective.window == 16
 
+
+def test_the_rank_view_offers_the_gather():
+    ex = MaskExplorer(processes="Ulysses 2 x gather 2")  # llama, a flattened row of 8 examples
+    view, note = ex.rank_view()
+    row = {k: v for k, v in ex.batch.items() if k != "attention_mask"}
+    assert view.table.equals(rank_view(row, 2, 1, "balanced", tiny_config("llama"), gather=2).table), note
+    assert ex.ranks_table.value.count("<tr>") == 1 + 4  # the header and one row per process, on the page
+    assert "data-col='gather bytes'" in ex.ranks_table.value and "pairs skipped" not in ex.ranks_table.value
 
 # --- bad input: a clear error naming what is wrong and the fix -----------------------------------------------------
 def bad_inputs(tmp_path):

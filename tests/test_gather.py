@@ -26,7 +26,7 @@ from workbench.sp.gather import (attend_row, attend_row_backward, gather_bytes, 
                                  register_gather)
 from workbench.sp.grid import ParallelGrid
 from workbench.sp.loss import global_loss, sync_gradients
-from workbench.sp.proofs import Case, CountComm, _grad_error, _rel, case_model, case_rows, one_process, ring_losses
+from workbench.sp_proofs import Case, CountComm, _grad_error, _rel, case_model, case_rows, one_process, ring_losses
 from workbench.sp.ring import documents, ring_plans, varlen_plans
 from workbench.sp.shard import contiguous_plan, ring_shard
 
@@ -38,27 +38,6 @@ F64 = [Case("llama", "sdpa", dtype="float64"),                  # MHA, 203 FLAN-
 TOL = 1e-10       # fp64 logits, loss and gradients, relative to one process
 LOSS_RTOL = 1e-6  # fp32 per-step training losses (about 9 here): a few fp32 ulps, as tests/test_ring.py's
 BROKEN = 1e-3     # a broken variant's error is far above TOL (measured: the report prints them)
-
-
-class CountGather(CountComm):
-    """`CountComm` (all-to-alls, sends) and the context group's collectives, as a bandwidth-optimal collective moves
-    them: into an all-gather a process sends G − 1 copies of its input, into a reduce-scatter G − 1 shares of its
-    output's size; elements and bytes."""
-    def __init__(self):
-        super().__init__()
-        self.gathered = self.scattered = self.gathered_bytes = self.scattered_bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.name()
-        if name == "c10d::_allgather_base_":  # (output, input, group, ...)
-            sent = args[0].numel() - args[1].numel()
-            self.gathered += sent
-            self.gathered_bytes += sent * args[1].element_size()
-        elif name == "c10d::_reduce_scatter_base_":  # (output, input, op, group, ...)
-            sent = args[1].numel() - args[0].numel()
-            self.scattered += sent
-            self.scattered_bytes += sent * args[1].element_size()
-        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 def check_gather(cases: list, layout: tuple, references: list, kernel: str = "plain", strategy: str = "balanced"):
@@ -73,8 +52,8 @@ def check_gather(cases: list, layout: tuple, references: list, kernel: str = "pl
         row = ref["rows"][0]
         batch, plan = plan_row(row, grid.sp_size, strategy, window=plan_window(cfg))  # as training cuts it
         shard = ring_shard(batch, plan, grid.sp_rank, u)
-        with CountGather() as fwd: logits, loss = gather_forward(model, shard, grid, kernel)
-        with CountGather() as bwd: loss.backward()
+        with CountComm() as fwd: logits, loss = gather_forward(model, shard, grid, kernel)
+        with CountComm() as bwd: loss.backward()
         sync_gradients(model, grid)
         idx = shard["token_index"]
         real = idx < row["input_ids"].shape[1]  # the padding's logits have no reference

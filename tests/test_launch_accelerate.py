@@ -12,7 +12,7 @@ from accelerate.state import AcceleratorState, GradientState, PartialState
 from torch.utils.data import DataLoader, TensorDataset
 
 from workbench.launch import free_port, launch
-from workbench.sp.proofs import Case, equivalence_worker, one_process
+from workbench.sp_proofs import Case, equivalence_worker, one_process
 
 
 def _data():

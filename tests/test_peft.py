@@ -14,7 +14,7 @@ from workbench.attention import KEY as VARLEN
 from workbench.core import tiny_model
 from workbench.doctor import check_packing, contamination_probe, matrix_examples, padded_twin, prompt_learning, unwrap
 from workbench.packing import FlatteningCollator
-from workbench.sp.proofs import Case, prove_equivalence
+from workbench.sp_proofs import Case, prove_equivalence
 
 NO_CACHE = {"use_cache": False}
 # peft 0.18 (the floor) warns when a tied lm_head is trained whole (`modules_to_save`) without `ensure_weight_tying`:
@@ -164,7 +164,8 @@ def test_train_lora_sp2_sharded_equals_one_process_and_saves_a_peft_adapter(tmp_
     from transformers import AutoModelForCausalLM
     from workbench.checkpoint import ADAPTER_DIR, latest_checkpoint, MODEL_DIR
     from workbench.config import TrainConfig
-    from workbench.train import build_model, run, train_rank
+    from workbench.model import build_model
+    from workbench.train import run, train_rank
     cfg = TrainConfig(steps=3, max_tokens=256, lora_r=4, lr=1e-2, save_every=3)
     with pytest.raises(ValueError, match=r"lora_r \(--lora-r\) must be an integer >= 0"): TrainConfig(lora_r=-1)
     one = train_rank(TrainConfig(**{**cfg.__dict__, "out": str(tmp_path / "one")}))

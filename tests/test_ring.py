@@ -24,8 +24,8 @@ from workbench.core import shift_labels, tiny_config, tiny_model
 from workbench.launch import free_port, launch
 from workbench.sp.balance import balanced_plan, imbalance, plan_row, PLANS, token_work, unshard, zigzag_plan
 from workbench.sp.grid import check_layout, check_sp, choose_layout, ParallelGrid, sp_layouts
-from workbench.sp.measure import balance_markdown, balance_table
-from workbench.sp.proofs import Case, case_rows, check_ring, one_process, ring_losses
+from workbench.sp_measure import balance_markdown, balance_table
+from workbench.sp_proofs import Case, case_rows, check_ring, one_process, ring_losses
 from workbench.sp.ring import KERNELS, block_pairs, documents, register_ring, ring_forward
 from workbench.sp.shard import contiguous_plan, ring_shard
 
@@ -316,7 +316,7 @@ def test_training_runs_the_configured_ring_kernel_and_refuses_fused_in_fp32_on_a
             forward_backward(None, [{"num_items_in_batch": 1}], None, TrainConfig(ring=2, ring_kernel=kernel))
     assert seen == list(KERNELS)
     with monkeypatch.context() as m:  # CUDA's flash kernel computes in bf16: an fp32 run is refused before any process starts
-        m.setattr("workbench.train._device", lambda: torch.device("cuda", 0))
+        m.setattr("workbench.train.rank_device", lambda: torch.device("cuda", 0))
         with pytest.raises(ValueError, match=r"'fused' runs CUDA's flash attention, which computes in bfloat16, and this run trains in float32"):
             run(TrainConfig(model="qwen2", ring=2, ring_kernel="fused", dtype="float32", steps=1, out=str(tmp_path / "gpu")))
         with pytest.raises(ValueError, match=r"'fused' has no sliding window on CUDA yet and this model's layers use one"):

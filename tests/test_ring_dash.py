@@ -18,7 +18,7 @@ from workbench.core import load_tokenizer, tiny_config
 from workbench.cost import plan_balanced, run_options
 from workbench.dashboard import COMM_TITLE, METRIC_KEYS, Dashboard
 from workbench.launch import launch
-from workbench.sp.proofs import CountComm
+from workbench.sp_proofs import CountComm
 from workbench.config import model_config, TrainConfig
 from workbench.readouts import balance_readout
 from workbench.train import plan_run, train_rank

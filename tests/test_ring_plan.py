@@ -7,7 +7,7 @@ Two launches (2 and 4 gloo processes on CPU) measure, on every rank:
   holds more; on the fused kernel they equal `ring_attention_bytes(..., kernel="fused", plans=ring_plans(...))` on every
   rank (one document under two plans, packed rows of many short documents, sliding windows), and never exceed the
   bound it gives without the row;
-- the bytes sent at the dispatcher (`workbench.sp.proofs.CountComm`: Ulysses all-to-alls, ring sends) during one training
+- the bytes sent at the dispatcher (`workbench.sp_proofs.CountComm`: Ulysses all-to-alls, ring sends) during one training
   step of a tiny model: equal to `step_cost`'s "all-to-all" and "ring" bytes;
 - the FLOPs that ran (torch's `FlopCounterMode`): the busiest ring rank's equal `step_cost`'s total.
 Then `workbench.train.run` with --ring prints a memory readout and a step prediction and records "predicted".
@@ -29,7 +29,7 @@ from workbench.memory import LiveBytes, Levers, Shape, estimate, max_context, pr
 from workbench.packing import FlatteningCollator, synthetic_lengths
 from workbench.sp.balance import PLANS, plan_row, ring_batch, zigzag_plan
 from workbench.sp.grid import ParallelGrid, check_layout
-from workbench.sp.proofs import CountComm
+from workbench.sp_proofs import CountComm
 from workbench.sp.ring import QUERY_TILE, block_pairs, documents, register_ring, ring_attend, ring_forward, ring_plans
 from workbench.sp.shard import contiguous_plan
 from workbench.tiling import checkpoint_layers

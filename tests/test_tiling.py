@@ -5,8 +5,8 @@ import torch.nn.functional as F
 
 from workbench.core import load_sample, load_tokenizer, shift_labels, tiny_model
 from workbench.packing import FlatteningCollator
-from workbench.tiling import (causal_lm_loss_sum, checkpoint_layers, lean_kernels, tile_mlp,
-                              tiled_cross_entropy)
+from workbench.sp.loss import causal_lm_loss_sum, tiled_cross_entropy
+from workbench.tiling import checkpoint_layers, lean_kernels, tile_mlp
 
 TOL = 1e-10
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "olmo2", "phi3", "starcoder2"]  # dense, plain lm_head

@@ -11,11 +11,11 @@ import torch.distributed as dist
 from workbench.core import shift_labels, tiny_config, tiny_model
 from workbench.launch import launch
 from workbench.packing import FlatteningCollator
-from workbench.sp.proofs import Case, case_rows, prove_equivalence
+from workbench.sp_proofs import Case, case_rows, prove_equivalence
 from workbench.sp.grid import check_sp, grid_degrees, ParallelGrid, sp_sizes
 from workbench.sp.all_to_all import all_to_all, simulate_all_to_all
 from workbench.sp.loss import global_loss, sync_gradients
-from workbench.sp.measure import memory_table
+from workbench.sp_measure import memory_table
 from workbench.sp.ulysses import register_ulysses, sp_forward
 from workbench.sp.shard import shard_batch
 

@@ -18,14 +18,15 @@ from torch.utils._pytree import tree_leaves
 
 from .core import layer_windows
 from .sp.ring import KERNELS, QUERY_TILE
-from .tiling import causal_lm_loss_sum, checkpoint_layers, lean_kernels, shift_labels, tile_mlp
+from .sp.loss import causal_lm_loss_sum
+from .tiling import checkpoint_layers, lean_kernels, tile_mlp
 
 # %% auto #0
-__all__ = ['PRESETS', 'HF_BLOG_QWEN3_4B_SP4', 'HF_BLOG_SETUP', 'H100_80GB_GIB', 'LEVER_LADDER', 'ALST_LLAMA_8B',
+__all__ = ['PRESETS', 'CONTEXT_BYTES', 'HF_BLOG_QWEN3_4B_SP4', 'HF_BLOG_SETUP', 'H100_80GB_GIB', 'LEVER_LADDER', 'ALST_LLAMA_8B',
            'ALST_NODE_HOST_BYTES', 'preset_config', 'Shape', 'LiveBytes', 'shapes_attention', 'Levers', 'Measurement',
-           'measure_activations', 'replace_layers', 'local_tokens', 'ring_attention_bytes', 'activation_phases',
-           'planned_activations', 'Estimate', 'estimate', 'default_runtime_gib', 'ContextLimit', 'max_context',
-           'lever_table', 'lever_figure', 'alst_table']
+           'measure_activations', 'replace_layers', 'local_tokens', 'ring_attention_bytes', 'gather_attention_bytes',
+           'context_attention_bytes', 'activation_phases', 'planned_activations', 'Estimate', 'estimate',
+           'default_runtime_gib', 'ContextLimit', 'max_context', 'lever_table', 'lever_figure', 'alst_table']
 
 # %% ../nbs/04_planning/01_memory.ipynb #433e0b77
 PRESETS = {  # published config.json shapes: (transformers config class, fields)
@@ -289,25 +290,35 @@ def ring_attention_bytes(config,              # a transformers config or a `Shap
                          plans: list | None = None,  # fused: this rank's calls per ring step (`ring_plans`); None: the largest calls any row makes (`_bound_plans`)
                         ) -> dict:
     "Bytes one `ring_attend` call holds on a rank at its peak, by part: the plain kernel's at the backward of its second computed block pair, the fused kernel's at the step that holds the most."
-    if dtype_bytes != 2: raise ValueError("the ring terms are read off bf16 training (fp32 accumulators): dtype_bytes must be 2")
-    if not isinstance(ring, int) or isinstance(ring, bool) or ring < 2:
-        raise ValueError(f"ring attention needs ring >= 2 processes, got ring={ring!r} (ring=1 is Ulysses alone)")
-    if kernel not in KERNELS: raise ValueError(f"kernel={kernel!r}; choose one of {KERNELS}")
-    s, b, a = Shape.of(config), dtype_bytes, 4
-    m, heads = n * sp, s.heads // sp                 # the ring block's tokens and the query heads after the all-to-all
-    Q, K, L = heads * m * s.head_dim, max(s.kv_heads, sp) // sp * m * s.head_dim, heads * m
+    s, b, a, m, heads, Q, K, L = _context_sizes(config, n, sp, "ring", ring, dtype_bytes, kernel)
     if kernel == "fused":
         plans = plans if plans is not None else _bound_plans(m, ring, s.window)
         return _fused_ring_bytes(heads * s.head_dim, m, Q, K, L, b, a, ring, plans)
     if plans is not None: raise ValueError("plans are the fused kernel's calls: the plain kernel computes every met pair in tiles")
-    if not isinstance(tile, int) or isinstance(tile, bool) or tile < 2 * s.head_dim:
-        raise ValueError(f"tile must be an integer of at least 2 x head_dim = {2 * s.head_dim} query rows, got {tile!r} (as ring_attend)")
-    c = min(tile, m)                                 # rows of one query tile (a short block is one short tile)
-    S, M = heads * c * m, c * m
     return {"saved for backward": a * (Q + L), "output gradient": b * Q, "blocks in flight": 4 * b * K,
             "gradients in flight": 6 * a * K, "fp32 working copies": 5 * a * Q + a * L,
-            # the tile's peak: forming the score gradient (3 score-sized tensors), or, for short tiles, a product beside two
-            "block scores": a * max(3 * S, 2 * S + heads * c * s.head_dim, 2 * S + Q + (K if Q > K else 0)) + M}
+            "block scores": _tile_bytes(s, heads, m, m, Q, K, a, tile)}
+
+def _context_sizes(config, n: int, sp: int, kind: str, degree: int, dtype_bytes: int, kernel: str) -> tuple:
+    "Refuse what a context layout's terms do not model; else (shape, b, a, m, heads, Q, K, L) of one attention call."
+    if dtype_bytes != 2:
+        raise ValueError(f"the {kind} terms are read off bf16 training (fp32 accumulators): dtype_bytes must be 2")
+    if not isinstance(degree, int) or isinstance(degree, bool) or degree < 2:
+        raise ValueError(f"{kind} attention needs {kind} >= 2 processes, got {kind}={degree!r} ({kind}=1 is Ulysses alone)")
+    if kernel not in KERNELS: raise ValueError(f"kernel={kernel!r}; choose one of {KERNELS}")
+    s = Shape.of(config)
+    m, heads = n * sp, s.heads // sp  # the block's tokens and the query heads after the all-to-all
+    return s, dtype_bytes, 4, m, heads, heads * m * s.head_dim, max(s.kv_heads, sp) // sp * m * s.head_dim, heads * m
+
+def _tile_bytes(s: Shape, heads: int, m: int, keys: int, Q: int, K: int, a: int, tile: int) -> int:
+    """The plain kernel's query tile against `keys` keys at its peak: forming the score gradient (3 score-sized
+    tensors), or, for short tiles, a product beside two (dq's; dK's over every query head, and its GQA head sum); and
+    the tile's mask. `Q`, `K`: dK's product and head sum over the `keys` keys."""
+    if not isinstance(tile, int) or isinstance(tile, bool) or tile < 2 * s.head_dim:
+        raise ValueError(f"tile must be an integer of at least 2 x head_dim = {2 * s.head_dim} query rows, got {tile!r} (as ring_attend)")
+    c = min(tile, m)  # rows of one query tile (a short block is one short tile)
+    S, M = heads * c * keys, c * keys
+    return a * max(3 * S, 2 * S + heads * c * s.head_dim, 2 * S + Q + (K if Q > K else 0)) + M
 
 def _bound_plans(m: int, ring: int, window: int | None) -> list:
     """The fused kernel's calls at their largest, at every step: a whole-block call, and under a window a call of
@@ -324,19 +335,25 @@ def _fused_call_bytes(a: int, width: int, rows: slice, keys: slice, band) -> int
     mask = a * n_rows * n_keys  # `band_mask`: additive, in the kernel's dtype
     return max(gradients + mask, 2 * mask if band[2] else mask)
 
+def _largest_calls(plans: list, degree: int, kind: str, m: int, a: int, width: int) -> list:
+    "Each step's largest fused call's bytes (`_fused_call_bytes`; None at a step without a call), after checking the plans are this row's."
+    if len(plans) != degree:
+        raise ValueError(f"plans has {len(plans)} steps but the {kind} has {degree}: pass ring_plans(ring_index, doc, rank)")
+    largest = []
+    for calls in plans:
+        for rows, keys, _, _ in calls:
+            if max(rows.stop, keys.stop) > m:
+                raise ValueError(f"a call reaches row {max(rows.stop, keys.stop)} of a {kind} block of {m} tokens: these plans are "
+                                 f"another row's; pass ring_plans of this row's ring_index (n x sp = {m} tokens per block)")
+        largest.append(max((_fused_call_bytes(a, width, *call[:2], call[3]) for call in calls), default=None))
+    return largest
+
 def _fused_ring_bytes(width, m, Q, K, L, b, a, ring, plans) -> dict:
     "The fused kernel's peak (CPU path): the backward step that holds the most, by part. `width` = query heads x head_dim."
-    if len(plans) != ring: raise ValueError(f"plans has {len(plans)} steps but the ring has {ring}: pass ring_plans(ring_index, doc, rank)")
     best, best_total = None, -1
-    for step, calls in enumerate(plans):
+    for step, largest in enumerate(_largest_calls(plans, ring, "ring", m, a, width)):
         held = 2 * a * K if step == 0 else 6 * a * K  # this step's share of dK, dV; later also the sum sent on and the one arriving
-        largest = 0
-        for rows, keys, _, band in calls:
-            if max(rows.stop, keys.stop) > m:
-                raise ValueError(f"a call reaches row {max(rows.stop, keys.stop)} of a ring block of {m} tokens: these plans are "
-                                 f"another row's; pass ring_plans of this row's ring_index (n x sp = {m} tokens per block)")
-            largest = max(largest, _fused_call_bytes(a, width, rows, keys, band))
-        if calls:  # k, v and their gradients over every query head, beside the largest call (or a GQA group sum)
+        if largest is not None:  # k, v and their gradients over every query head, beside the largest call (or a GQA group sum)
             pair = {"expanded blocks": 4 * a * Q, "pair working set": max(largest, a * K if Q > K else 0)}
         else:  # no call: the step's peak is handing its gradients on (the new sum and the buffer for the next)
             pair = {"expanded blocks": 0, "pair working set": 2 * a * K if step == 0 else 4 * a * K}
@@ -346,10 +363,47 @@ def _fused_ring_bytes(width, m, Q, K, L, b, a, ring, plans) -> dict:
     return {"saved for backward": a * (Q + L), "output gradient": b * Q, "blocks in flight": 4 * b * K,
             "gradients in flight": held, "fp32 working copies": 3 * a * Q, **pair}
 
+# %% ../nbs/04_planning/01_memory.ipynb #fe8da802
+def gather_attention_bytes(config,              # a transformers config or a `Shape`
+                           n: int,              # tokens on this rank (`local_tokens`)
+                           sp: int = 1,         # Ulysses degree (heads exchanged before the gather)
+                           gather: int = 2,     # context-group degree (at least 2)
+                           dtype_bytes: int = 2,  # activation bytes (bf16)
+                           tile: int = QUERY_TILE,  # query rows computed at once (the plain kernel's)
+                           kernel: str = "plain",   # the block-pair kernel (`workbench.sp.ring.KERNELS`); "fused": its CPU path
+                           plans: list | None = None,  # fused: this rank's calls per block (`ring_plans`); None: the largest calls any row makes
+                          ) -> dict:
+    "Bytes one `gather_attend` call holds on a rank at its peak (in its backward), by part."
+    s, b, a, m, heads, Q, K, L = _context_sizes(config, n, sp, "gather", gather, dtype_bytes, kernel)
+    grouped = Q > K  # more query than key/value heads: k and v are expanded, their gradients summed per group
+    held = {"saved for backward": a * (Q + L), "gathered keys and values": b * 2 * gather * K, "output gradient": b * Q,
+            "fp32 working copies": 3 * a * Q, "key/value gradients": a * 2 * gather * K}
+    if kernel == "plain":
+        if plans is not None: raise ValueError("plans are the fused kernel's calls: the plain kernel computes the whole row in tiles")
+        scores = _tile_bytes(s, heads, m, gather * m, gather * Q, gather * K, a, tile)
+        return {**held, "fp32 working copies": 3 * a * Q + a * L, "expanded row": 2 * a * gather * Q,
+                "row scores": max(scores, b * gather * Q if grouped else 0)}
+    plans = plans if plans is not None else _bound_plans(m, gather, s.window)
+    steps = [largest for largest in _largest_calls(plans, gather, "gather", m, a, heads * s.head_dim) if largest is not None]
+    pair = max(steps[0], a * K if grouped else 0)  # the first computed step
+    best = {"expanded blocks": 4 * a * Q, "pair working set": pair}
+    for largest in steps[1:]:  # a later step: its k, v expanded beside the last step's four, then its own work
+        expand = {"expanded blocks": 6 * a * Q + (b * Q if grouped else 0), "pair working set": 0}
+        work = {"expanded blocks": 4 * a * Q, "pair working set": max(largest, a * K if grouped else 0)}
+        best = max(best, expand, work, key=lambda p: sum(p.values()))
+    return {**held, **best}
+
+CONTEXT_BYTES = {"ring": ring_attention_bytes, "gather": gather_attention_bytes}  # a context layout's attention terms, by its degree name
+
+def context_attention_bytes(config, n: int, sp: int, degree: int, context: str = "ring", kernel: str = "plain") -> dict:
+    "One attention call's peak bytes by part under the context layout `context` (a `CONTEXT_BYTES` key) of `degree` processes."
+    if context not in CONTEXT_BYTES: raise ValueError(f"context={context!r}: the planner models {sorted(CONTEXT_BYTES)}")
+    return CONTEXT_BYTES[context](config, n, sp, degree, kernel=kernel)
+
 # %% ../nbs/04_planning/01_memory.ipynb #78d1a469
 def activation_phases(config, n: int, sp: int = 1, levers: Levers = Levers(), dtype_bytes: int = 2, ring: int = 1,
-                      ring_kernel: str = "plain") -> dict:
-    "Per-rank activation bytes of each phase for `n` local tokens: kept state, layer, loss, embedding, all-to-all, ring attention (`ring` > 1, its block-pair kernel `ring_kernel`)."
+                      ring_kernel: str = "plain", context: str = "ring") -> dict:
+    "Per-rank activation bytes of each phase for `n` local tokens: kept state, layer, loss, embedding, all-to-all, context attention (`ring` > 1 processes of the `context` layout, its block-pair kernel `ring_kernel`)."
     if dtype_bytes != 2: raise ValueError("the activation terms are measured for 2-byte (bf16/fp16) training only")
     s, b, lv = Shape.of(config), dtype_bytes, levers
     h, q, kv, I, V = s.hidden, s.q, s.kv, s.intermediate, s.vocab
@@ -359,7 +413,9 @@ def activation_phases(config, n: int, sp: int = 1, levers: Levers = Levers(), dt
     norm = 2 * b * h + 4 if lean else 4 * h + 4 + 2 * b * h
     attn = 2 * b * q + 2 * b * kv + 4 * s.heads + a2a
     if s.qk_norm: attn += 4 * (s.heads + s.kv_heads) + (3 if lean else 6) * (q + kv)
-    if ring > 1: attn += (4 - b) * q + 8 * sp * ring  # the ring saves an fp32 output (flash: bf16) and every token's document (int64, whole row)
+    rp = context_attention_bytes(s, n, sp, ring, context, ring_kernel) if ring > 1 else {}
+    row = rp.get("gathered keys and values", 0)  # the gather saves the row's keys and values for its backward
+    if ring > 1: attn += (4 - b) * q + 8 * sp * ring + row // n  # also an fp32 output (flash: bf16), every token's document (int64, whole row)
     mlp = 0 if lv.tiled_mlp else (3 if lean else 4) * b * I
     saved = 2 * norm + attn + mlp
     keep = (0 if lv.offload_checkpoints else b * h) if lv.checkpointing else saved
@@ -371,9 +427,8 @@ def activation_phases(config, n: int, sp: int = 1, levers: Levers = Levers(), dt
     else: mlp_bwd = max(n * (base + 2 * b * I), n * (base + b * I) + b * h * I)
     norm_bwd = n * (base - mlp + (0 if lean else 16 * h))
     rest = base - mlp - norm - (b * q if sp > 1 else 0) + (0 if lean else b * h + (q + kv if s.qk_norm else 0))
-    if ring > 1:  # the ring's block pairs replace FlashAttention-2's backward; its saved output is in `base` already
-        rp = ring_attention_bytes(s, n, sp, ring, dtype_bytes, kernel=ring_kernel)
-        ring_work = sum(rp.values()) - rp["saved for backward"]
+    if ring > 1:  # the context kernel's blocks replace FlashAttention-2's backward; what it saves is in `base` already
+        ring_work = sum(rp.values()) - rp["saved for backward"] - row
         attn_bwd = n * rest + ring_work
     else:
         gqa = s.heads // sp != max(s.kv_heads, sp) // sp              # a rank has more query than key/value heads
@@ -391,9 +446,11 @@ def activation_phases(config, n: int, sp: int = 1, levers: Levers = Levers(), dt
                 ring=ring_work if ring > 1 and attn_bwd > max(mlp_bwd, norm_bwd) else 0)
 
 # %% ../nbs/04_planning/01_memory.ipynb #bd5e9eb5
-def planned_activations(config, seq_len: int, sp: int = 1, levers: Levers = Levers(), ring: int = 1, ring_kernel: str = "plain") -> int:
-    "The planner's per-rank activation peak in bytes (what `measure_activations` measures; `ring` > 1: with ring attention on `ring_kernel`)."
-    ph = activation_phases(config, local_tokens(config, seq_len, sp, ring), sp, levers, ring=ring, ring_kernel=ring_kernel)
+def planned_activations(config, seq_len: int, sp: int = 1, levers: Levers = Levers(), ring: int = 1, ring_kernel: str = "plain",
+                        context: str = "ring") -> int:
+    "The planner's per-rank activation peak in bytes (what `measure_activations` measures; `ring` > 1: with the `context` layout's attention on `ring_kernel`)."
+    ph = activation_phases(config, local_tokens(config, seq_len, sp, ring), sp, levers, ring=ring, ring_kernel=ring_kernel,
+                           context=context)
     return max(ph["kept"] + max(ph["layer"], ph["loss"]), ph["embedding"])
 
 # %% ../nbs/04_planning/01_memory.ipynb #b69787bd
@@ -404,7 +461,8 @@ class Estimate:
     phases: dict         # every activation phase in bytes (the binding one is in `parts`)
     host: dict           # name -> bytes the offloads keep in host memory (per rank)
     seq_len: int; sp: int; dp: int; local_tokens: int
-    ring: int = 1        # ring degree (1: Ulysses alone)
+    ring: int = 1        # context degree (1: Ulysses alone)
+    context: str = "ring"  # the context layout (`CONTEXT_BYTES` key) of degree `ring`
 
     @property
     def total(self) -> int: return sum(self.parts.values())
@@ -420,7 +478,7 @@ class Estimate:
         host = [(f"host: {k}", v / 2**30) for k, v in self.host.items() if v] + [("host total", self.host_gib)]
         return [(k, v / 2**30) for k, v in self.parts.items()] + [("total", self.gib)] + (host if self.host_gib else [])
     def __str__(self):
-        ring = f", ring={self.ring}" if self.ring > 1 else ""
+        ring = f", {self.context}={self.ring}" if self.ring > 1 else ""
         head = f"seq_len {self.seq_len:,} (sp={self.sp}{ring}, dp={self.dp}: {self.local_tokens:,} tokens per rank)"
         return "\n".join([head] + [f"  {k:<28}{v:9.2f} GiB" for k, v in self.rows()])
     __repr__ = __str__
@@ -456,8 +514,9 @@ def estimate(config,                       # a transformers config, a preset nam
              sp: int = 1,                  # sequence-parallel (Ulysses) degree: heads exchanged by all-to-all
              dp: int = 1,                  # data-parallel degree (states are sharded over dp * sp * ring)
              *,
-             ring: int = 1,                # ring attention degree: a rank holds seq_len / (sp * ring) tokens
-             ring_kernel: str = "plain",   # the ring's block-pair kernel: "plain", or "fused" (its CPU path: CUDA's is not modelled yet)
+             ring: int = 1,                # context degree (ring attention's by default): a rank holds seq_len / (sp * ring) tokens
+             ring_kernel: str = "plain",   # the context kernel: "plain", or "fused" (its CPU path: CUDA's is not modelled yet)
+             context: str = "ring",        # the context layout of degree `ring` (`CONTEXT_BYTES`: "ring" or "gather")
              levers: Levers = Levers(),    # checkpointing / offload / tiled loss / tiled MLP
              zero_stage: int = 3,          # 0 none, 1 optimizer, 2 + gradients, 3 + parameters sharded
              optimizer_offload: bool = False,  # Adam states (and master weights) in host memory
@@ -469,7 +528,7 @@ def estimate(config,                       # a transformers config, a preset nam
     config = preset_config(config) if isinstance(config, str) else config
     shape, n = Shape.of(config), local_tokens(config, seq_len, sp, ring)
     if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1: raise ValueError(f"dp must be a positive integer, got {dp!r}")
-    ph = activation_phases(shape, n, sp, levers, dtype_bytes, ring, ring_kernel)
+    ph = activation_phases(shape, n, sp, levers, dtype_bytes, ring, ring_kernel, context)
     layer_binds = ph["layer"] >= ph["loss"]
     work = ph["layer"] if layer_binds else ph["loss"]
     a2a_in_work = ph["all_to_all"] if levers.checkpointing and layer_binds else 0
@@ -479,7 +538,7 @@ def estimate(config,                       # a transformers config, a preset nam
     acts = {"checkpoints" if levers.checkpointing else "saved activations":
                 0 if end_binds else ph["kept"] - a2a_in_kept,
             "layer working set": 0 if end_binds or not layer_binds else work - a2a_in_work - ring_in_work,
-            **({"ring attention": ring_in_work} if ring > 1 else {}),
+            **({f"{context} attention": ring_in_work} if ring > 1 else {}),
             "loss working set": 0 if end_binds or layer_binds else work,
             "all-to-all buffers": 0 if end_binds else a2a_in_work + a2a_in_kept,
             "embedding gradients": ph["embedding"] if end_binds else 0}
@@ -488,7 +547,7 @@ def estimate(config,                       # a transformers config, a preset nam
     parts = {**_states(shape, world, zero_stage, optimizer_offload, param_offload, dtype_bytes), **acts,
              "runtime constant": int(runtime * 2**30)}
     host = _host(shape, n, world, levers, zero_stage, optimizer_offload, param_offload, dtype_bytes)
-    return Estimate(parts, ph, host, seq_len, sp, dp, n, ring)
+    return Estimate(parts, ph, host, seq_len, sp, dp, n, ring, context)
 
 # %% ../nbs/04_planning/01_memory.ipynb #a6e72a9c
 HF_BLOG_QWEN3_4B_SP4 = {8192: 23.4, 32768: 35.0, 65536: 50.5, 98304: 66.0}  # published peak GiB per GPU by seq_len

@@ -533,8 +533,9 @@ def explorer_tokenizer(tokenizer, model=None):
 
 # %% ../nbs/01_packing/05_viz.ipynb #257bf650
 FAMILIES = ("llama", "mistral")  # shipped tiny model families offered by the explorer (mistral: sliding window 16)
-LAYOUTS = {"one process": (1, 1), "Ulysses 2": (2, 1), "ring 2": (1, 2), "Ulysses 2 x ring 2": (2, 2), "ring 4": (1, 4),
-           "Ulysses 4": (4, 1)}  # the explorer's process layouts: (Ulysses degree, ring degree)
+LAYOUTS = {"one process": {}, "Ulysses 2": dict(ulysses=2), "ring 2": dict(ring=2), "gather 2": dict(gather=2),
+           "Ulysses 2 x ring 2": dict(ulysses=2, ring=2), "Ulysses 2 x gather 2": dict(ulysses=2, gather=2),
+           "ring 4": dict(ring=4), "Ulysses 4": dict(ulysses=4)}  # the explorer's process layouts: rank_view's degrees
 REPLICAS = (1, 2, 4)  # the explorer's data-parallel degrees
 
 def html_table(table,   # a `pandas.DataFrame`, one row per rank (None: no table)
@@ -573,7 +574,7 @@ class MaskExplorer:
                  tokenizer=None,                         # your tokenizer (object or folder) for your data's token text
                  model=None,                             # your model: a folder with config.json, or a model object
                  data_name: str = "your data",           # how your data is named in the dataset menu
-                 processes: str = "one process",         # processes the row is split over: one of LAYOUTS (Ulysses x ring)
+                 processes: str = "one process",         # processes the row is split over: one of LAYOUTS
                  shards: str = "balanced",               # how the row is cut into shards: one of workbench.sp.balance.PLANS
                  replicas: int = 1,                      # data-parallel ranks a token-budget step is dealt to (`--dp`): one of REPLICAS
                  balance: str = "tokens",                # how a step's bins are dealt to them (`--balance`): one of BALANCES
@@ -807,13 +808,13 @@ class MaskExplorer:
     def rank_view(self):
         "The row under the chosen layout and shards (`workbench.sp.ranks.rank_view`, what training cuts), or why there is none."
         s = self.state
-        ulysses, ring = LAYOUTS[s["processes"]]
-        if ulysses * ring == 1: return None, ""
+        degrees = LAYOUTS[s["processes"]]
+        if not degrees: return None, ""
         if self.batch["input_ids"].shape[0] != 1 or "cu_seq_lens_q" not in self.batch:
             return None, "sequence parallelism splits one packed row: choose flattening or token-budget packing"
         name, window = self._models_by_label[s["family"]]
         row = {k: v for k, v in self.batch.items() if k != "attention_mask"}  # the row as a sequence-parallel run takes it
-        try: view = rank_view(row, ulysses, ring, s["shards"], self._configs.get(name), window)
+        try: view = rank_view(row, strategy=s["shards"], config=self._configs.get(name), window=window, **degrees)
         except ValueError as e: return None, f"{s['processes']} cannot run this model: {e}"
         return view, f"{s['processes']}, {s['shards']} shards: the slowest process has {view.imbalance():.2f}x the mean attention work"
 
@@ -829,8 +830,7 @@ class MaskExplorer:
     def _draw_ranks(self):
         "The rank view below the mask: the row by process, the ring's block pairs, each process's work (hidden for one process)."
         view, note = self.rank_view()
-        columns = ["rank", "tokens", "trained", "pairs computed", "pairs skipped", "attention work", "all-to-all bytes", "ring bytes"]
-        self.ranks_table.value = html_table(None if view is None else view.table[columns], "rank")
+        self.ranks_table.value = html_table(None if view is None else view.summary(), "rank")
         if view is not None:
             self.ranks_fig = rank_figure(view)
             self.ranks_view.show(self.ranks_fig)

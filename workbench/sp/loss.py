@@ -8,11 +8,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..core import IGNORE_INDEX
+from ..core import IGNORE_INDEX, shift_labels
 from .grid import ParallelGrid
 
 # %% auto #0
-__all__ = ['trained_tokens', 'sp_loss', 'sync_gradients', 'global_loss']
+__all__ = ['trained_tokens', 'sp_loss', 'sync_gradients', 'global_loss', 'TiledCrossEntropy', 'tiled_cross_entropy',
+           'causal_lm_loss_sum']
 
 # %% ../../nbs/02_sequence_parallel/04_sp_loss.ipynb #9183e609
 def trained_tokens(shard: dict, grid: ParallelGrid, device) -> torch.Tensor:
@@ -43,3 +44,109 @@ def global_loss(loss: torch.Tensor, grid: ParallelGrid) -> float:
     total = loss.detach().clone()
     if grid.mesh is not None: dist.all_reduce(total)
     return total.item()
+
+# %% ../../nbs/02_sequence_parallel/04_sp_loss.ipynb #ae9a1cb1
+def _targets(labels: torch.Tensor, ignore_index: int):
+    "Flat targets, the trained-token mask and the targets made safe for `gather` (ignored ones point at class 0)."
+    labels = labels.reshape(-1)
+    keep = labels != ignore_index
+    return keep, torch.where(keep, labels, 0)
+
+def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, rows: int):
+    "`acc += a @ b`, `rows` rows at a time: each product in the dtype of `a` and `b`, the sum in `acc`'s dtype."
+    for s in range(0, acc.shape[0], rows):
+        acc[s:s + rows].add_(a[s:s + rows] @ b)
+
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    "Logits of a chunk of hidden states, computed in the model dtype and upcast to at least fp32 (never downcast)."
+    logits = hidden @ weight.t()
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+class TiledCrossEntropy(torch.autograd.Function):
+    "Sum of token cross-entropies over sequence chunks; logits recomputed chunk by chunk in backward."
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, chunk_size: int, ignore_index: int):
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        keep, safe = _targets(labels, ignore_index)
+        lse = torch.empty(flat.shape[0], dtype=torch.promote_types(hidden.dtype, torch.float32), device=hidden.device)
+        total = lse.new_zeros(())
+        for s in range(0, flat.shape[0], chunk_size):
+            sl = slice(s, s + chunk_size)
+            logits = _chunk_logits(flat[sl], weight)
+            target = logits.gather(1, safe[sl, None])[:, 0]
+            top = logits.amax(-1, keepdim=True)
+            lse[sl] = logits.sub_(top).exp_().sum(-1).log_() + top[:, 0]  # logsumexp, in place on the chunk
+            total += torch.where(keep[sl], lse[sl] - target, 0).sum()  # no boolean indexing: no host sync
+            del logits  # free this chunk before the next one is computed
+        ctx.save_for_backward(hidden, weight, labels, lse)
+        ctx.chunk_size, ctx.ignore_index = chunk_size, ignore_index
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        hidden, weight, labels, lse = ctx.saved_tensors
+        shape, flat = hidden.shape, hidden.reshape(-1, hidden.shape[-1])
+        keep, safe = _targets(labels, ctx.ignore_index)
+        grad_hidden = torch.empty_like(flat) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(weight, dtype=lse.dtype) if ctx.needs_input_grad[1] else None
+        rows = max(1, min(ctx.chunk_size, len(flat)) * len(weight) // (2 * flat.shape[1]))  # half a chunk's values
+        for s in range(0, flat.shape[0], ctx.chunk_size):
+            sl = slice(s, s + ctx.chunk_size)
+            g = _chunk_logits(flat[sl], weight).sub_(lse[sl, None]).exp_()  # softmax, in place
+            g[torch.arange(len(g), device=g.device), safe[sl]] -= 1         # minus the one-hot target
+            g.mul_((grad_total * keep[sl])[:, None])                        # ignored tokens get no gradient
+            gm = g.to(flat.dtype)                                           # the model dtype: tensor-core matmuls
+            if grad_hidden is not None: grad_hidden[sl] = gm @ weight
+            del g  # the fp32 chunk is freed: the weight gradient's slabs of product fit in its place
+            if grad_weight is not None: _add_product(grad_weight, gm.t(), flat[sl], rows)  # in slabs of vocabulary rows
+            del gm  # free this chunk before the next one is computed
+        return (grad_hidden.view(shape) if grad_hidden is not None else None,
+                grad_weight.to(weight.dtype) if grad_weight is not None else None, None, None, None)
+
+# %% ../../nbs/02_sequence_parallel/04_sp_loss.ipynb #acd4b814
+def tiled_cross_entropy(hidden: torch.Tensor,        # final hidden states `[..., T, hidden]` (after the final norm)
+                        weight: torch.Tensor,        # the `lm_head` weight `[vocab, hidden]`
+                        labels: torch.Tensor | None = None,  # unshifted labels `[..., T]` (-100 = not trained)
+                        shift_labels: torch.Tensor | None = None,  # already-shifted targets (sequence parallelism)
+                        chunk_size: int | None = 1024,  # tokens per tile; None = the untiled reference computation
+                        ignore_index: int = IGNORE_INDEX,  # label value that is not trained
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    "Sum of causal-LM token losses and the number of trained tokens, the logits computed `chunk_size` tokens at a time."
+    if (labels is None) == (shift_labels is None):
+        raise ValueError("pass exactly one of `labels` (unshifted) or `shift_labels` (already shifted, as under "
+                         "sequence parallelism)")
+    targets = shift_labels if labels is None else _shift_labels(labels, ignore_index)
+    if targets.shape != hidden.shape[:-1]:
+        raise ValueError(f"labels {tuple(targets.shape)} do not match hidden states {tuple(hidden.shape[:-1])}: pass "
+                         f"the labels of the same (local) tokens")
+    if weight.shape[-1] != hidden.shape[-1]:
+        raise ValueError(f"lm_head weight {tuple(weight.shape)} does not match hidden size {hidden.shape[-1]}")
+    count = (targets != ignore_index).sum()
+    if chunk_size is None:
+        logits = _chunk_logits(hidden, weight).reshape(-1, weight.shape[0])
+        return F.cross_entropy(logits, targets.reshape(-1), ignore_index=ignore_index, reduction="sum"), count
+    if chunk_size < 1: raise ValueError(f"chunk_size must be a positive number of tokens, got {chunk_size}")
+    return TiledCrossEntropy.apply(hidden, weight, targets, int(chunk_size), ignore_index), count
+
+_shift_labels = shift_labels  # the argument `shift_labels` shadows the function inside `tiled_cross_entropy`
+
+# %% ../../nbs/02_sequence_parallel/04_sp_loss.ipynb #a70bf8be
+_HEAD_MODIFIERS = ("final_logit_softcapping", "logits_scaling", "logit_scale")  # config fields that change the logits
+_MODEL_INPUTS = ("input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+
+def causal_lm_loss_sum(model,                         # a transformers `*ForCausalLM` (decoder + plain lm_head)
+                       batch: dict,                   # a packed batch (the contract of `workbench.core`)
+                       chunk_size: int | None = 1024, # loss tile in tokens; None = untiled reference
+                       **model_kwargs,                # extra arguments for the decoder (e.g. attention settings)
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    "Sum of token losses and the trained-token count of a causal LM on `batch`, through `tiled_cross_entropy`."
+    head = model.get_output_embeddings()
+    scaled = [k for k in _HEAD_MODIFIERS if getattr(model.config, k, None) not in (None, 1, 1.0)]
+    if getattr(head, "bias", None) is not None or scaled:
+        raise ValueError(f"{type(model).__name__} has a biased, scaled or soft-capped lm_head ({scaled or 'bias'}); "
+                         f"the tiled loss supports plain `hidden @ W.T` heads only")
+    if "labels" not in batch and "shift_labels" not in batch: raise ValueError("the batch has no labels")
+    inputs = {k: batch[k] for k in _MODEL_INPUTS if k in batch}
+    hidden = model.base_model(**inputs, use_cache=False, **model_kwargs).last_hidden_state
+    return tiled_cross_entropy(hidden, head.weight, labels=batch.get("labels"), shift_labels=batch.get("shift_labels"),
+                               chunk_size=chunk_size)

@@ -11,9 +11,8 @@ import torch
 
 from .all_to_all import all_to_all
 from .grid import ParallelGrid, check_sp, kv_repeat
-from .loss import sp_loss, trained_tokens
+from .loss import causal_lm_loss_sum, sp_loss, trained_tokens
 from .shard import SHARD_KEYS
-from ..tiling import causal_lm_loss_sum
 
 # %% auto #0
 __all__ = ['sp_mask_function', 'to_head_shards', 'to_token_shards', 'ulysses_attention', 'no_mask', 'register_key',
