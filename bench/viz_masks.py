@@ -9,7 +9,8 @@ import statistics
 import time
 
 from workbench.masks import mask_report
-from workbench.viz import MaskExplorer, _sample, plot_mask, strategy_batch
+from workbench.explorer import MaskExplorer
+from workbench.viz import _sample, plot_mask, strategy_batch
 
 
 def median_ms(fn, repeats=7):

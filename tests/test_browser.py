@@ -41,7 +41,7 @@ FIGURE = """() => {
 }"""
 
 
-EXPLORER_TABLE = """([box, key]) => {  // an explorer table (`workbench.viz.html_table`): column -> values by rank or replica
+EXPLORER_TABLE = """([box, key]) => {  // an explorer table (`workbench.explorer.html_table`): column -> values by rank or replica
     const out = {};
     for (const td of document.querySelectorAll(`.${box} td[data-col]`)) {
         (out[td.dataset.col] ??= [])[Number(td.dataset[key])] = Number(td.textContent);

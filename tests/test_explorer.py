@@ -8,9 +8,9 @@ from workbench.core import load_sample, load_tokenizer, tiny_config
 from workbench.masks import attention_leakage, mask_report
 from workbench.packing import FlatteningCollator, NaiveConcatCollator, PaddingCollator
 from workbench.sp.ranks import rank_view
-from workbench.viz import (CATEGORIES, CATEGORY_COLORS, MASK_COLORSCALE, MaskExplorer, attention_kinds, clamp_range,
-                           explorer_data, explorer_model, explorer_tokenizer, mask_blocks, mask_traces, readable_tokens,
-                           view_edges)
+from workbench.explorer import MaskExplorer, attention_kinds, explorer_data, explorer_model, explorer_tokenizer
+from workbench.viz import (CATEGORIES, CATEGORY_COLORS, MASK_COLORSCALE, clamp_range, mask_blocks, mask_traces,
+                           readable_tokens, view_edges)
 
 TOK = load_tokenizer()
 FEATS = load_sample("flan_like", TOK, limit=40)

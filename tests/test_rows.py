@@ -116,7 +116,7 @@ def test_a_label_outside_the_vocabulary_is_refused():
 
 # --- the mask explorer reads a user's data as training does --------------------------------------------------------
 def test_the_explorer_reads_a_chat_file_as_training_does(tmp_path):
-    from workbench.viz import MaskExplorer, explorer_data
+    from workbench.explorer import MaskExplorer, explorer_data
     turn = lambda role, content: {"role": role, "content": content}
     convs = [[turn("system", "Be brief."), turn("user", "What is 2 + 2?"), turn("assistant", "4.")],
              [turn("user", "Name a colour."), turn("assistant", "Blue."), turn("user", "Another?"),
@@ -137,7 +137,7 @@ def test_the_explorer_reads_a_chat_file_as_training_does(tmp_path):
 
 
 def test_the_explorer_names_a_missing_tokenizer_for_text(tmp_path):
-    from workbench.viz import explorer_data
+    from workbench.explorer import explorer_data
     path = tmp_path / "t.jsonl"
     path.write_text('{"text": "hello"}\n')
     with pytest.raises(ValueError, match="holds text and no tokenizer was given: pass tokenizer="): explorer_data(path)
