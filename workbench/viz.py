@@ -17,8 +17,8 @@ import torch
 
 from .core import load_sample
 from .masks import MaskReport, eager_attentions, attention_leakage, example_grid, mask_report
-from .packing import (FlatteningCollator, NaiveConcatCollator, PackingReport, PaddingCollator, TokenBudgetSampler,
-                               plan_bins)
+from .packing import (FlatteningCollator, NaiveConcatCollator, PackingReport, PaddingCollator,
+                               TokenBudgetSampler, plan_bins)
 
 # %% auto #0
 __all__ = ['TEMPLATE', 'STRATEGIES', 'EXAMPLE_COLORS', 'PAD', 'UNUSED', 'PAD_COLOR', 'CATEGORIES', 'CATEGORY_COLORS',
@@ -419,7 +419,7 @@ MOVED = ("MaskExplorer", "explorer_data", "explorer_model", "explorer_tokenizer"
          "FAMILIES", "LAYOUTS", "REPLICAS")  # the names that left this module for `workbench.explorer`
 
 def __getattr__(name: str):
-    "A name that moved to `workbench.explorer` is refused with the import that works now; any other is missing as usual."
+    "A name that moved to `workbench.explorer` is refused with the import that works now; any other is missing."
     if name not in MOVED: raise AttributeError(f"module {__name__!r} has no attribute {name!r}", name=name)
     why = f"{name} moved from workbench.viz to workbench.explorer: write `from workbench.explorer import {name}`"
     caller = sys._getframe(1)  # the code asking: a `from ... import` statement, or an attribute access
