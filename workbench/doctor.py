@@ -20,8 +20,9 @@ from tqdm.auto import tqdm
 
 import workbench.attention  # registers "workbench_varlen"
 from .attention import KEY as VARLEN
-from .core import (IGNORE_INDEX, cu_seq_lens, example_ids, lengths_from_positions, load_sample, load_tokenizer,
-                            model_families, restart_positions, tiny_model, release)
+from .core import IGNORE_INDEX, cu_seq_lens, example_ids, lengths_from_positions, restart_positions
+from .samples import load_sample, load_tokenizer
+from .tiny_models import model_families, tiny_model, release
 from .packing import FlatteningCollator, PaddingCollator
 
 # %% auto #0
