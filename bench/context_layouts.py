@@ -28,7 +28,7 @@ def sent_bytes(count: CountComm) -> int:
 
 def rank_rounds(rows: list, rounds: int) -> list:
     "On each launched process, per row: every layout's seconds of each timed round, its bytes counted and by formula."
-    from workbench.core import tiny_model
+    from workbench.tiny_models import tiny_model
     from workbench.sp.grid import ParallelGrid
     from workbench.sp.layout import layout_of
     torch.set_num_threads(1)

@@ -35,7 +35,7 @@ import torch
 
 import workbench.attention  # registers "workbench_varlen"
 from workbench.attention import KEY as VARLEN, pick_kernel
-from workbench.core import tiny_config
+from workbench.tiny_models import tiny_config
 from workbench.packing import FlatteningCollator, PaddingCollator, packing_report, plan_bins, synthetic_lengths
 
 

@@ -409,7 +409,7 @@ def part_step_time(dry: bool, out: Path) -> dict:
     import numpy as np
     import gpu_long_context
     import gpu_packing
-    from workbench.core import tiny_config
+    from workbench.tiny_models import tiny_config
     from workbench.cost import (Efficiency, _run_record, _seconds, attention_work, calibrate, calibrate_run, check_run,
                                 cpu_device, gpu_name, predict_step, run_device)
     from workbench.memory import Levers, preset_config

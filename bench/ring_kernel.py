@@ -63,7 +63,8 @@ def block_pairs_table(lengths, rounds: int, heads: int = 4, head_dim: int = 64, 
 def step_times(layout, kernel: str, rows: list, lr: float = 1e-3) -> list:
     "Seconds of each optimizer step on this process (launched): None = one process; (u, r) = Ulysses u x ring r."
     import torch.nn.functional as F
-    from workbench.core import IGNORE_INDEX, tiny_model
+    from workbench.core import IGNORE_INDEX
+    from workbench.tiny_models import tiny_model
     from workbench.sp.balance import ring_batch
     from workbench.sp.grid import ParallelGrid
     from workbench.sp.ring import register_ring, ring_forward

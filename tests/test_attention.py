@@ -9,7 +9,8 @@ from transformers.masking_utils import AttentionMaskInterface
 
 import workbench.attention as wa
 from workbench.attention import KEY, register, reference_varlen, varlen_attention, varlen_attention_forward
-from workbench.core import load_sample, tiny_model
+from workbench.samples import load_sample
+from workbench.tiny_models import tiny_model
 from workbench.packing import FlatteningCollator, PaddingCollator, per_example_logits
 
 LENGTHS = [[1], [7, 1, 3], [16, 5, 33, 2, 9], [64, 64]]

@@ -125,7 +125,7 @@ def test_bad_groupings_are_refused_with_the_fix(lengths):
 
 
 def test_bad_balance_values_and_unmodelled_models_are_refused(tmp_path):
-    from workbench.core import tiny_config
+    from workbench.tiny_models import tiny_config
     from workbench.config import TrainConfig
     from workbench.train import cost_modelled, preflight_run
     with pytest.raises(ValueError, match="balance .--balance. 'flops' is not one of"): TrainConfig(balance="flops")
@@ -138,7 +138,7 @@ def test_bad_balance_values_and_unmodelled_models_are_refused(tmp_path):
 
 
 def test_a_cost_balanced_dp_run_trains_the_planned_groups_and_refuses_the_other_balance_on_resume(tmp_path):
-    from workbench.core import load_tokenizer
+    from workbench.samples import load_tokenizer
     from workbench.config import model_config, TrainConfig
     from workbench.data import load_features
     from workbench.train import plan_run, run
@@ -170,7 +170,8 @@ def test_packed_trainer_cost_balance_trains_the_plan_and_resumes_exactly(tmp_pat
     import torch
     from datasets import Dataset
     from transformers import TrainingArguments
-    from workbench.core import load_sample, tiny_model
+    from workbench.samples import load_sample
+    from workbench.tiny_models import tiny_model
     from workbench.hf import PackedTrainer
     ds = Dataset.from_list(load_sample("flan_like", limit=48))
     seen = []

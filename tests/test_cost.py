@@ -7,7 +7,8 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from workbench.attention import register as register_varlen
-from workbench.core import cu_seq_lens, restart_positions, tiny_config, tiny_model
+from workbench.core import cu_seq_lens, restart_positions
+from workbench.tiny_models import tiny_config, tiny_model
 from workbench.cost import (CPU_FLOP_FORMULAS, DEVICES, LAYOUT_LEVERS, MEASURED, RANK_THREADS, Dims, Efficiency,
                             HeldOut, attention_work, blog_source, calibrate, calibrate_run, check_run, cpu_device,
                             device, hf_blog_prediction, hf_blog_table, measured_flops, plan_balanced, plan_layout,

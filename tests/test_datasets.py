@@ -197,7 +197,8 @@ def test_plan_dataset_over_a_selected_dataset_with_1xT_rows():
 def test_hf_trainer_steps_through_a_packed_stream(tmp_path):
     "Trainer takes one packed row per step from a PackedStream (batch size 1, its collator unwraps the row), in stream order."
     from transformers import Trainer, TrainingArguments
-    from workbench.core import load_sample, tiny_model
+    from workbench.samples import load_sample
+    from workbench.tiny_models import tiny_model
     flan = load_sample("flan_like", limit=64)
     make = lambda: PackedStream(Dataset.from_list(flan).to_iterable_dataset(), 1024, buffer_size=16, overlong="split",
                                 collate_fn=FlatteningCollator())

@@ -4,7 +4,7 @@ import torch
 import transformers as tr
 
 from workbench.attention import KEY
-from workbench.core import tiny_model
+from workbench.tiny_models import tiny_model
 from workbench.doctor import DoctorReport, check_packing, matrix_examples
 from workbench.packing import FlatteningCollator
 

@@ -8,7 +8,8 @@ import torch
 import transformers as tr
 
 from workbench.attention import KEY
-from workbench.core import cu_seq_lens, tiny_model
+from workbench.core import cu_seq_lens
+from workbench.tiny_models import tiny_model
 from workbench.doctor import NOISE_FACTOR, check_packing, contamination_probe, leak_sources, matrix_examples, unwrap
 from workbench.packing import FlatteningCollator
 
@@ -219,7 +220,8 @@ def test_moe_routing_does_not_fake_a_leak(monkeypatch):
     Whether a CPU's kernels round by count depends on its BLAS (an AMD EPYC box's do not: the plain forwards were equal),
     so the experts' grouped matmul is replaced by one that does, through transformers' own dispatcher."""
     from transformers.integrations import moe
-    from workbench.core import example_ids, load_sample
+    from workbench.core import example_ids
+    from workbench.samples import load_sample
     from workbench.doctor import _perturbed  # the probe's own perturbation, to show what it avoids
     monkeypatch.setattr(moe, "_grouped_mm", _rounding_by_count(moe._grouped_mm))
     model = tiny_model("mixtral", num_hidden_layers=1)

@@ -254,7 +254,7 @@ def test_users_model_shrinks_the_same_from_a_directory_a_config_or_a_model(tmp_p
     "No launch: a directory, its config object and a model instance shrink to one tiny config; refusals come before any launch."
     from accelerate.parallelism_config import ParallelismConfig
     from transformers import AutoConfig, AutoModelForCausalLM
-    from workbench.core import shrink_config, model_families
+    from workbench.tiny_models import shrink_config, model_families
     from workbench.engine_proofs import prove_engine
     cfg = user_model_dir(tmp_path)
     assert cfg.model_type not in model_families() and "cohere2" not in model_families()

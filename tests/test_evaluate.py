@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def held_out():
     "Ten OrcaMath-like examples in rows of 512 tokens: an odd number of bins, so DP 2 repeats one (and must not count it twice)."
-    from workbench.core import load_tokenizer
+    from workbench.samples import load_tokenizer
     from workbench.data import load_features
     from workbench.packing import plan_bins
     features = load_features("orca_like", load_tokenizer())[-10:]
@@ -32,7 +32,7 @@ def held_out():
 def run_dir(tmp_path_factory, held_out) -> Path:
     """A 12-step Ulysses 2 run that evaluates the ten held-out examples (as a file of prompt + completion rows) after steps
     6 and 12 and keeps the checkpoints of both: a random model's argmax is never the label, so its accuracy proves nothing."""
-    from workbench.core import load_tokenizer
+    from workbench.samples import load_tokenizer
     from workbench.data import load_features
     from workbench.train import run
     out = tmp_path_factory.mktemp("trained")
@@ -127,7 +127,8 @@ def test_a_model_that_is_not_trained_weights_is_refused_or_named(tmp_path):
     at random and says so in one line."""
     import contextlib, io
     from workbench.checkpoint import commit_checkpoint
-    from workbench.core import load_tokenizer, tiny_config
+    from workbench.samples import load_tokenizer
+    from workbench.tiny_models import tiny_config
     from workbench.evaluate import eval_model, main
     bare = tmp_path / "bare"
     tiny_config("llama").save_pretrained(bare); load_tokenizer().save_pretrained(bare)
@@ -196,7 +197,7 @@ def test_a_qwen2_checkpoint_tokenizes_as_its_run_did(run_dir, trained, tmp_path)
     """A qwen2 run's checkpoint holds the shipped tokenizer (saved by the generic tokenizers backend): it loads back as
     that tokenizer, not as the Qwen2Tokenizer config.json's model_type would pick, so evaluating the checkpoint counts
     the trained tokens training counted on the same rows, and scores each as training's evaluation of that step did."""
-    from workbench.core import load_tokenizer
+    from workbench.samples import load_tokenizer
     from workbench.data import load_features, run_tokenizer
     from workbench.evaluate import main
     from workbench.tracking import EVALUATIONS, read_metrics

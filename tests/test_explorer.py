@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from workbench.core import load_sample, load_tokenizer, tiny_config
+from workbench.samples import load_sample, load_tokenizer
+from workbench.tiny_models import tiny_config
 from workbench.masks import attention_leakage, mask_report
 from workbench.packing import FlatteningCollator, NaiveConcatCollator, PaddingCollator
 from workbench.sp.ranks import rank_view

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from workbench.core import model_families, release
+from workbench.tiny_models import model_families, release
 from workbench.doctor import FORWARD_ONLY, KNOWN_LIMITS, MATRIX_IMPLS, family_row, matrix_examples
 
 ROOT = Path(__file__).resolve().parent.parent

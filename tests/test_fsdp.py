@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from workbench.core import tiny_model
+from workbench.tiny_models import tiny_model
 from workbench.launch import launch
 from workbench.fsdp import (full_parameters, full_state, is_sharded, load_full_state, reduce_gradients, shard_mesh, shard_model,
                             shard_units)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import workbench.sp.gather as gather_module
 import workbench.sp.shard as shard_module
-from workbench.core import tiny_model
+from workbench.tiny_models import tiny_model
 from workbench.launch import launch
 from workbench.sp.balance import plan_row, plan_window, ring_batch, zigzag_plan
 from workbench.sp.gather import (attend_row, attend_row_backward, gather_bytes, gather_elements, gather_forward,
@@ -256,7 +256,7 @@ def test_gather_trains_resumes_and_evaluates_through_the_loop(tmp_path, capsys):
     import json
     import numpy as np
     from workbench.config import TrainConfig, _config, _parser
-    from workbench.core import load_tokenizer
+    from workbench.samples import load_tokenizer
     from workbench.data import load_features
     from workbench.evaluate import each_alone, evaluate
     from workbench.train import run

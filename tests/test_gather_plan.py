@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
 from test_ring_plan import FUSED_ROWS, HEAD_DIM, LENGTHS, N_TOKENS, SHORT, _row, _shape
-from workbench.core import tiny_config, tiny_model
+from workbench.tiny_models import tiny_config, tiny_model
 from workbench.cost import CPU_FLOP_FORMULAS, LAYOUT_LEVERS, plan_layout, step_cost
 from workbench.launch import launch
 from workbench.memory import Levers, LiveBytes, estimate, gather_attention_bytes, preset_config

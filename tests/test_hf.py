@@ -10,7 +10,9 @@ from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
 from transformers import LlamaForCausalLM, Trainer, TrainingArguments
 from trl import SFTConfig, SFTTrainer
 
-from workbench.core import IGNORE_INDEX, load_sample, tiny_config, tiny_model
+from workbench.core import IGNORE_INDEX
+from workbench.samples import load_sample
+from workbench.tiny_models import tiny_config, tiny_model
 from workbench.hf import (LabelGuard, PackedSFTTrainer, PackedTrainer, check_trainer, fold_example, prepare_dataset,
                           split_packed)
 from workbench.launch import launch
@@ -101,7 +103,7 @@ def run(kind, raw, tmp_path, max_tokens=None, make=llama, **kw):
         d = ds.to_iterable_dataset() if kind.endswith("stream") else ds  # a stream is packed online (PackedStream)
         t = PackedTrainer(model=model, args=args(tmp_path, **kw), train_dataset=d, data_collator=rec, max_tokens=max_tokens)
     else:
-        from workbench.core import load_tokenizer
+        from workbench.samples import load_tokenizer
         t = PackedSFTTrainer(model=model, args=args(tmp_path, SFTConfig, **kw), train_dataset=ds, data_collator=rec,
                              processing_class=load_tokenizer(), max_tokens=max_tokens)
     t.train()
@@ -214,7 +216,7 @@ def _metrics(p):
 @pytest.mark.filterwarnings("ignore:`return_outputs=True`:FutureWarning")  # TRL's notice on the logits this test compares
 def test_packed_eval_split_equals_unpacked(flan, tmp_path, cls):
     "PackedSFTTrainer: TRL's prediction_step recomputes the logits its fused loss head does not build; split the same."
-    from workbench.core import load_tokenizer
+    from workbench.samples import load_tokenizer
     ev = prepare_dataset(Dataset.from_list(flan[N:N + 12]))  # eval batches of 8 and 4 (of different lengths)
     kw = dict(model=tiny_model("llama"), args=args(tmp_path), eval_dataset=ev, compute_metrics=_metrics)
     sft = dict(args=args(tmp_path, SFTConfig), train_dataset=ev, processing_class=load_tokenizer()) if cls is PackedSFTTrainer else {}
@@ -287,7 +289,7 @@ def _alst_predict_rank(train_rows, rows, out_dir, attention, guarded, trl):
     if not guarded: hf.check_parallelism_args = lambda args: None
     torch.manual_seed(0)
     model = tiny_model("llama", attn_implementation=attention)
-    from workbench.core import load_tokenizer
+    from workbench.samples import load_tokenizer
     a = args(Path(out_dir) / str(dist.get_rank()), SFTConfig if trl else TrainingArguments, per_device_train_batch_size=1, per_device_eval_batch_size=4,
              learning_rate=0.1, optim="sgd", use_cpu=False, remove_unused_columns=False, deepspeed=trainer_ds_config(),
              parallelism_config=alst_parallelism_config(2, attention), accelerator_config={"use_configured_state": True})
@@ -308,7 +310,7 @@ def test_packed_eval_under_alst_equals_one_process_unpacked(flan, tmp_path):
     logits. With sdpa as ALST's inner attention (refused by check_parallelism_args, let through here) the same comparison fails:
     evaluation attends across the documents of each packed row. Before accelerate 1.12 (the floors) there is no ALST
     through accelerate: the recipe's config refuses, naming the release."""
-    from workbench.core import release
+    from workbench.tiny_models import release
     from workbench.engines import alst_parallelism_config
     if release("accelerate") < (1, 12):
         with pytest.raises(ImportError, match=r"needs accelerate >= 1.12, installed"): alst_parallelism_config(2)
@@ -532,7 +534,7 @@ def test_overlong_and_streams(flan, tmp_path):
 
 def _raw_jsonl(tmp_path) -> str:
     "N FLAN-like prompt/completion rows as a JSON-lines file, untokenized."
-    from workbench.core import load_records
+    from workbench.samples import load_records
     path = tmp_path / "raw.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in load_records("flan_like")[:N]))
     return str(path)
@@ -562,7 +564,7 @@ def test_split_pieces_that_train_nothing_are_left_out(flan, tmp_path):
 
 def test_packed_trainer_on_raw_prompt_completion_rows_trains_the_masked_loss(tmp_path):
     "Raw JSONL rows and a tokenizer: tokenized by load_features' own code, and the masked loss trained (padded reference, 1e-5)."
-    from workbench.core import load_tokenizer
+    from workbench.samples import load_tokenizer
     path = _raw_jsonl(tmp_path)
     features = load_features(path)  # what `python -m workbench.train --data raw.jsonl` trains
     rec = Recorder()
@@ -579,7 +581,7 @@ def test_packed_trainer_on_raw_prompt_completion_rows_trains_the_masked_loss(tmp
 
 def test_sft_on_raw_rows_tokenizes_as_load_features(tmp_path):
     "PackedSFTTrainer: raw prompt/completion rows become load_features' features (not TRL's tokenization); the labels mask the prompt."
-    from workbench.core import load_tokenizer
+    from workbench.samples import load_tokenizer
     path = _raw_jsonl(tmp_path)
     t = PackedSFTTrainer(model=tiny_model("llama"), args=args(tmp_path, SFTConfig), train_dataset=Dataset.from_json(path),
                          processing_class=load_tokenizer(), max_tokens=1024)
@@ -597,7 +599,7 @@ def test_sft_on_raw_rows_tokenizes_as_load_features(tmp_path):
 
 
 def test_sft_padding_free_flag_is_refused_with_the_reason(flan, tmp_path):
-    from workbench.core import load_tokenizer
+    from workbench.samples import load_tokenizer
     for flag in (dict(padding_free=True), dict(packing=True)):
         with pytest.raises(ValueError, match="padding-free by itself"):
             PackedSFTTrainer(model=tiny_model("llama"), args=args(tmp_path, SFTConfig, **flag),
@@ -606,7 +608,7 @@ def test_sft_padding_free_flag_is_refused_with_the_reason(flan, tmp_path):
 
 def test_check_trainer_on_sft_and_padding_collators(flan, tmp_path):
     "A plain SFTTrainer with TRL's padding collator: the doctor is skipped with a warning that names the fix."
-    from workbench.core import load_tokenizer
+    from workbench.samples import load_tokenizer
     t = SFTTrainer(model=tiny_model("llama").train(), args=args(tmp_path, SFTConfig), train_dataset=Dataset.from_list(flan[:N]),
                    processing_class=load_tokenizer())
     r = check_trainer(t)
@@ -657,7 +659,7 @@ def test_check_trainer_needs_a_train_dataset(flan, tmp_path):
 def test_check_trainer_on_trls_own_padding_free(flan, tmp_path):
     """TRL's own padding_free collator packs cleanly, but by default (completion_only_loss=None on token data) TRL's labels
     ignore a completion_mask: check_trainer fails it, measured on the rows; completion_only_loss=True passes."""
-    from workbench.core import load_tokenizer
+    from workbench.samples import load_tokenizer
     mk = lambda **kw: SFTTrainer(model=llama(), train_dataset=Dataset.from_list(flan[:N]), processing_class=load_tokenizer(),
                                  args=args(tmp_path, SFTConfig, padding_free=True, max_length=None, per_device_train_batch_size=4, **kw))
     r = check_trainer(mk(), grads=False)
@@ -670,7 +672,7 @@ def test_check_trainer_on_trls_own_padding_free(flan, tmp_path):
 
 def test_check_trainer_on_trls_own_packing(flan, tmp_path):
     "TRL's packing=True drops completion_mask after building labels: without completion_only_loss every token trains (a warning)."
-    from workbench.core import load_tokenizer
+    from workbench.samples import load_tokenizer
     mk = lambda **kw: SFTTrainer(model=llama(), train_dataset=Dataset.from_list(flan[:N]), processing_class=load_tokenizer(),
                                  args=args(tmp_path, SFTConfig, packing=True, max_length=512, per_device_train_batch_size=2, **kw))
     r = check_trainer(mk(), grads=False)

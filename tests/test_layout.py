@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from workbench.config import TrainConfig, _config, _parser
-from workbench.core import load_sample, tiny_config
+from workbench.samples import load_sample
+from workbench.tiny_models import tiny_config
 from workbench.packing import FlatteningCollator
 from workbench.sp.grid import ParallelGrid, check_layout, check_sp
 from workbench.sp.layout import LAYOUTS, Layout, RingLayout, UlyssesLayout, layout_of, register_layout

@@ -5,7 +5,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import workbench.attention  # noqa: F401 (registers "workbench_varlen" with transformers)
-from workbench.core import load_sample, tiny_model
+from workbench.samples import load_sample
+from workbench.tiny_models import tiny_model
 from workbench.masks import (MaskSpec, attention_leakage, effective_mask, evaluate, mask_report, off_diagonal,
                              probe_mask)
 from workbench.packing import FlatteningCollator, NaiveConcatCollator, PaddingCollator

@@ -5,7 +5,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 from torch.utils.data import DataLoader
 
-from workbench.core import IGNORE_INDEX, check_packed_batch, load_sample, load_tokenizer, tiny_model
+from workbench.core import IGNORE_INDEX, check_packed_batch
+from workbench.samples import load_sample, load_tokenizer
+from workbench.tiny_models import tiny_model
 from workbench.packing import (FlatteningCollator, NaiveConcatCollator, PaddingCollator, ResumableLoader,
                                TokenBudgetSampler, flatten_features, per_example_logits, plan_bins)
 

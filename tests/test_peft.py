@@ -11,7 +11,7 @@ import torch
 peft = pytest.importorskip("peft")
 
 from workbench.attention import KEY as VARLEN
-from workbench.core import tiny_model
+from workbench.tiny_models import tiny_model
 from workbench.doctor import check_packing, contamination_probe, matrix_examples, padded_twin, prompt_learning, unwrap
 from workbench.packing import FlatteningCollator
 from workbench.sp_proofs import Case, prove_equivalence

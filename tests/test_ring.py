@@ -20,7 +20,8 @@ import pytest
 import torch
 from process_utils import end_tree, run_tree
 
-from workbench.core import shift_labels, tiny_config, tiny_model
+from workbench.core import shift_labels
+from workbench.tiny_models import tiny_config, tiny_model
 from workbench.launch import free_port, launch
 from workbench.sp.balance import balanced_plan, imbalance, plan_row, PLANS, token_work, unshard, zigzag_plan
 from workbench.sp.grid import check_layout, check_sp, choose_layout, ParallelGrid, sp_layouts

@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from workbench.core import load_tokenizer, tiny_config
+from workbench.samples import load_tokenizer
+from workbench.tiny_models import tiny_config
 from workbench.cost import plan_balanced, run_options
 from workbench.dashboard import COMM_TITLE, METRIC_KEYS, Dashboard
 from workbench.launch import launch
@@ -100,7 +101,7 @@ def test_dashboard_draws_the_all_to_all_and_the_ring_apart_and_old_rows_without_
 
 def test_tokens_balance_never_deals_the_cost_grouping_and_reads_the_same_imbalance(monkeypatch):
     import workbench.train as train
-    from workbench.core import load_tokenizer
+    from workbench.samples import load_tokenizer
     from workbench.data import load_features
     lengths = [len(f["input_ids"]) for f in load_features("flan_like", load_tokenizer())]
     for dp, accum in ((1, 1), (2, 1), (3, 2)):

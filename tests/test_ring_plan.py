@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
-from workbench.core import tiny_config, tiny_model
+from workbench.tiny_models import tiny_config, tiny_model
 from workbench.cost import (CPU_FLOP_FORMULAS, DEVICES, LAYOUT_LEVERS, interacting_blocks, plan_layout, predict_step,
                             ring_blocks, step_cost)
 from workbench.launch import launch

@@ -7,7 +7,7 @@ import pytest
 from datasets import Dataset
 
 from workbench.config import TrainConfig
-from workbench.core import load_tokenizer
+from workbench.samples import load_tokenizer
 from workbench.data import check_token_ids, load_features, run_examples, run_features
 from workbench.packing import FlatteningCollator, plan_bins
 

@@ -3,7 +3,8 @@ import json
 from pathlib import Path
 
 import workbench
-from workbench.core import data_dir, load_tokenizer, model_families, tiny_config
+from workbench.samples import data_dir, load_tokenizer
+from workbench.tiny_models import model_families, tiny_config
 
 
 def test_planted_data_samples_in_a_parent_dir_is_ignored(tmp_path, monkeypatch):

@@ -60,4 +60,4 @@ def test_a_wheel_carries_every_module(tmp_path):
     assert source <= names, sorted(source - names)
     data = {f"workbench/{p.relative_to(root).as_posix()}" for p in (root / "data_samples").rglob("*")
             if p.suffix in (".json", ".jsonl")}
-    assert data and data <= names, sorted(data - names)  # where core.data_dir looks in an installed wheel
+    assert data and data <= names, sorted(data - names)  # where samples.data_dir looks in an installed wheel

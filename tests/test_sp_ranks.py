@@ -3,7 +3,7 @@ and Ulysses 2 x ring 2 on gloo, every shard strategy, with and without a sliding
 the ring's own counters, trained targets against the shard, bytes against those counted on the wire."""
 from itertools import product
 
-from workbench.core import tiny_config
+from workbench.tiny_models import tiny_config
 from workbench.sp.balance import PLANS
 from workbench.sp.gather import _tiles, _whole_row, gather_bytes
 from workbench.sp_proofs import Case, case_rows, one_process, prove_ring

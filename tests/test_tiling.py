@@ -3,7 +3,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from workbench.core import load_sample, load_tokenizer, shift_labels, tiny_model
+from workbench.core import shift_labels
+from workbench.samples import load_sample, load_tokenizer
+from workbench.tiny_models import tiny_model
 from workbench.packing import FlatteningCollator
 from workbench.sp.loss import causal_lm_loss_sum, tiled_cross_entropy
 from workbench.tiling import checkpoint_layers, lean_kernels, tile_mlp

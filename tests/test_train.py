@@ -41,7 +41,7 @@ def test_cli_self_launch_torchrun_and_sharded_agree(cli_runs):
     assert len(a) == len(b) == len(c) == 2
     assert all(abs(x - y) <= 1e-6 for x, y in zip(a, b)), (a, b)
     assert all(abs(x - y) <= 1e-5 * abs(y) for x, y in zip(c, a)), (c, a)  # FSDP2-sharded states: the same steps
-    from workbench.core import tiny_config
+    from workbench.tiny_models import tiny_config
     for run in ("self", "torchrun"):  # SP=2 checkpoints load with from_pretrained (the sharded one: the test below)
         assert_loads_as_trained(tmp_path / run, tiny_config("qwen2"))
 
@@ -69,7 +69,7 @@ def assert_loads_as_trained(out: Path, config, fresh: Path | None = None) -> dic
     "The newest checkpoint's model directory: in its manifest, every weight equal to state.pt's, the same logits (in a fresh process when `fresh` is a scratch folder)."
     import torch
     from transformers import AutoModelForCausalLM
-    from workbench.core import load_tokenizer
+    from workbench.samples import load_tokenizer
     from workbench.checkpoint import latest_checkpoint, MODEL_DIR
     where, manifest = latest_checkpoint(out)
     model_dir = where / MODEL_DIR
@@ -98,13 +98,14 @@ def assert_loads_as_trained(out: Path, config, fresh: Path | None = None) -> dic
 
 def test_sp2_sharded_checkpoint_loads_with_from_pretrained_in_a_fresh_process(cli_runs, tmp_path):
     "The CLI's SP=2 FSDP2-sharded run (sp=2, shard, 2 steps, 256 tokens, orca_like, qwen2): its checkpoint loads elsewhere."
-    from workbench.core import tiny_config
+    from workbench.tiny_models import tiny_config
     assert_loads_as_trained(cli_runs / "sharded", tiny_config("qwen2"), fresh=tmp_path)
 
 
 def test_tied_embeddings_from_a_config_directory_save_one_head(tmp_path):
     from safetensors import safe_open
-    from workbench.core import load_tokenizer, tiny_config
+    from workbench.samples import load_tokenizer
+    from workbench.tiny_models import tiny_config
     from workbench.checkpoint import latest_checkpoint, MODEL_DIR
     from workbench.config import TrainConfig
     from workbench.train import train_rank

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from workbench.core import model_families
+from workbench.tiny_models import model_families
 from workbench.doctor import KNOWN_LIMITS
 from workbench.train import main
 
@@ -79,7 +79,7 @@ def test_gemma2_trains_with_the_attention_its_refusals_name(tmp_path, tiny_data)
 
 def test_a_chat_file_trains_only_its_assistant_turns(tmp_path):
     "--data chat.jsonl: messages rendered with the shipped chat template; the step's trained tokens are the assistant turns'."
-    from workbench.core import load_tokenizer
+    from workbench.samples import load_tokenizer
     from workbench.tracking import read_metrics
     turn = lambda role, content: {"role": role, "content": content}
     convs = [[turn("system", "Be brief."), turn("user", "What is 2 + 2?"), turn("assistant", "4.")],
@@ -147,7 +147,8 @@ def _word_tokenizer(rows: list[dict]):
 def test_a_model_directory_trains_with_its_own_tokenizer_and_saves_it(tmp_path):
     "--model DIR: DIR's tokenizer (a vocabulary unlike the shipped one) tokenizes the data and is the checkpoint's; a DIR without one is refused."
     from transformers import AutoTokenizer
-    from workbench.core import load_records, load_tokenizer, tiny_config, tokenize_records
+    from workbench.samples import load_records, load_tokenizer, tokenize_records
+    from workbench.tiny_models import tiny_config
     from workbench.checkpoint import latest_checkpoint, MODEL_DIR
     from workbench.config import _config, _parser
     from workbench.data import run_features
@@ -176,7 +177,7 @@ def test_a_model_directory_trains_with_its_own_tokenizer_and_saves_it(tmp_path):
 
 def test_a_model_directory_without_weights_trains_from_its_config_and_says_so(tmp_path, tiny_data, capsys):
     "--model DIR with a config.json and no weights: no error, one line naming the missing files and the random start."
-    from workbench.core import tiny_config
+    from workbench.tiny_models import tiny_config
     from workbench.config import TrainConfig
     from workbench.train import preflight_run
     tiny_config("llama").save_pretrained(tmp_path / "bare")

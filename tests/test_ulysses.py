@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from workbench.core import shift_labels, tiny_config, tiny_model
+from workbench.core import shift_labels
+from workbench.tiny_models import tiny_config, tiny_model
 from workbench.launch import launch
 from workbench.packing import FlatteningCollator
 from workbench.sp_proofs import Case, case_rows, prove_equivalence

@@ -16,7 +16,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from .config import _config, _parser, model_config
-from .core import tiny_config
+from .tiny_models import tiny_config
 from .cost import (FACTORS, Device, MeasuredStep, attention_kernel, attention_work, gpu_device, rows_of,
                             run_options, step_cost, step_terms)
 from .data import run_features
@@ -165,7 +165,8 @@ def _balance_rank(groupings: dict, lengths: np.ndarray, vocab: int) -> dict:
     "One DP rank: train every step of each grouping (interleaved); per step, this rank's compute and the synced step time."
     import torch
     import torch.distributed as dist
-    from workbench.core import tiny_model, restart_positions, cu_seq_lens
+    from workbench.core import restart_positions, cu_seq_lens
+    from workbench.tiny_models import tiny_model
     from workbench.attention import register
     torch.set_num_threads(1)
     rank = dist.get_rank()
@@ -194,7 +195,7 @@ def bench_balance(n_short: int = 600, n_long: int = 24, capacity: int = 4096, dp
                   seed: int = 0, deadline_s: float = 600) -> list[dict]:
     "Slowest-rank seconds per epoch on `dp` CPU ranks: bins grouped by tokens (the sampler) against by cost (`plan_balanced`)."
     from workbench.cost import plan_balanced
-    from workbench.core import tiny_config
+    from workbench.tiny_models import tiny_config
     from workbench.launch import launch
     rng = np.random.default_rng(seed)
     lengths = np.r_[synthetic_lengths("flan", n_short, seed), rng.integers(capacity // 4, capacity + 1, n_long)]

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .config import TrainConfig, flag
-from .core import no_hf_bars
+from .tiny_models import no_hf_bars
 from .fsdp import full_state, is_sharded, load_full_state
 from .sp.layout import LAYOUTS
 from .tracking import process_rank

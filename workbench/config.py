@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from fastcore.docments import docments
 
-from .core import model_families, tiny_config
+from .tiny_models import model_families, tiny_config
 from .sp.layout import LAYOUTS, layout_of
 from .sp.ring import KERNELS
 

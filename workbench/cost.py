@@ -23,7 +23,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, shape_wrapper
 
 from .config import BALANCES
-from .core import cu_seq_lens, layer_windows, lengths_from_positions, tiny_config
+from .core import cu_seq_lens, lengths_from_positions
+from .tiny_models import layer_windows, tiny_config
 from .memory import LEVER_LADDER, Levers, Shape, estimate, max_context, preset_config
 from .packing import Plan, TokenBudgetSampler, lengths_of, plan_bins
 from .tiling import decoder_layers
@@ -917,7 +918,7 @@ def reference_step_seconds(threads: int,   # threads of the process
     """Seconds of `REFERENCE_STEPS` training steps of a tiny model on one packed row at `threads` threads, as training
     runs them: the row cut into this process's Ulysses shard of `grid`, forward, backward, the gradients summed over
     the grid, an AdamW step."""
-    from workbench.core import tiny_model
+    from workbench.tiny_models import tiny_model
     from workbench.packing import FlatteningCollator
     before = torch.get_num_threads()
     torch.set_num_threads(threads)

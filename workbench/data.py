@@ -9,8 +9,9 @@ import re
 from pathlib import Path
 
 from .config import TrainConfig
-from .core import (IGNORE_INDEX, SAMPLES, bos_eos, data_dir, load_sample, load_tokenizer, model_families,
-                            no_hf_bars, tokenize_records)
+from .core import IGNORE_INDEX
+from .samples import SAMPLES, bos_eos, data_dir, load_sample, load_tokenizer, tokenize_records
+from .tiny_models import model_families, no_hf_bars
 from .packing import LOSS_MASKS
 
 # %% auto #0

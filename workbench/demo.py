@@ -22,7 +22,8 @@ import plotly.graph_objects as go
 import plotly.offline
 
 from . import __version__
-from .core import SAMPLES, load_sample, load_tokenizer, tiny_model
+from .samples import SAMPLES, load_sample, load_tokenizer
+from .tiny_models import tiny_model
 from .dashboard import Dashboard
 from .doctor import check_packing
 from .packing import FlatteningCollator, packing_report

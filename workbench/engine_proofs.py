@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .core import as_config, shrink_config, shrink_table, tiny_config
+from .tiny_models import as_config, shrink_config, shrink_table, tiny_config
 from .engines import ENGINES, Run, train_runs
 from .sp.grid import check_sp
 

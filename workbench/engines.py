@@ -14,7 +14,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import attention  # registers 'workbench_varlen' with transformers (the ALST fix)
-from .core import IGNORE_INDEX, load_records, load_tokenizer, tiny_config, release
+from .core import IGNORE_INDEX
+from .samples import load_records, load_tokenizer
+from .tiny_models import tiny_config, release
 from .launch import launch
 from .sp_proofs import Case, case_model, case_rows
 from .sp.balance import plan_window

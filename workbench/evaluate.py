@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 from .checkpoint import ADAPTER_DIR, CHECKPOINTS, MODEL_DIR, latest_checkpoint
 from .config import TrainConfig, _config, _parser, flag, model_config
-from .core import IGNORE_INDEX, model_families
+from .core import IGNORE_INDEX
+from .tiny_models import model_families
 from .data import run_examples, run_features
 from .launch import launch, progress
 from .packing import FlatteningCollator

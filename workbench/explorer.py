@@ -15,7 +15,8 @@ import plotly.graph_objects as go
 import torch
 
 from .config import BALANCES
-from .core import SAMPLES, load_tokenizer, tiny_config, tiny_model
+from .samples import SAMPLES, load_tokenizer
+from .tiny_models import tiny_config, tiny_model
 from .cost import Dims, attention_work, plan_balanced, served_steps
 from .data import read_features, row_kind, saved_tokenizer, tokenize_rows
 from .masks import IMPLEMENTATIONS, SDPA_LIKE, attention_leakage, mask_report

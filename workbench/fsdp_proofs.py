@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .core import tiny_model
+from .tiny_models import tiny_model
 from .fsdp import full_parameters, is_sharded, reduce_gradients, shard_model, state_bytes
 from .launch import launch
 from .sp.grid import ParallelGrid

@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .core import layer_windows
+from .tiny_models import layer_windows
 from .sp.ring import KERNELS, QUERY_TILE
 from .sp.loss import causal_lm_loss_sum
 from .tiling import checkpoint_layers, lean_kernels, tile_mlp

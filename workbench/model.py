@@ -13,7 +13,7 @@ import torch.distributed as dist
 from .attention import KEY as VARLEN_KEY
 from .checkpoint import latest_checkpoint
 from .config import DTYPES, TrainConfig, model_config
-from .core import model_families, no_hf_bars
+from .tiny_models import model_families, no_hf_bars
 from .fsdp import shard_model
 from .tiling import checkpoint_layers, lean_kernels, tile_mlp
 

@@ -9,7 +9,8 @@ import torch
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from .core import cu_seq_lens, tiny_config, tiny_model
+from .core import cu_seq_lens
+from .tiny_models import tiny_config, tiny_model
 from .launch import launch
 from .packing import plan_bins, synthetic_lengths
 from .sp.all_to_all import a2a_elements, simulate_all_to_all

@@ -10,7 +10,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .core import IGNORE_INDEX, load_records, load_tokenizer, tiny_model, tokenize_records
+from .core import IGNORE_INDEX
+from .samples import load_records, load_tokenizer, tokenize_records
+from .tiny_models import tiny_model
 from .launch import launch
 from .packing import FlatteningCollator
 from .sp.balance import plan_row, plan_window, ring_batch
