@@ -22,7 +22,8 @@ from playwright.sync_api import TimeoutError as PlaywrightTimeout
 from browser_utils import ARTIFACTS, BIN, ROOT, browser_page, free_port, jupyter_env, jupyterlab, open_notebook, \
     run_all_cells, server
 from workbench.core import load_tokenizer, tiny_config
-from workbench.cost import attention_work, plan_balanced
+from workbench.flops import attention_work
+from workbench.step_balance import plan_balanced
 from workbench.packing import FlatteningCollator
 from workbench.sp.ranks import rank_view
 from workbench.viz import readable_tokens
