@@ -410,8 +410,9 @@ def part_step_time(dry: bool, out: Path) -> dict:
     import gpu_long_context
     import gpu_packing
     from workbench.tiny_models import tiny_config
-    from workbench.cost import (Efficiency, _run_record, _seconds, attention_work, calibrate, calibrate_run, check_run,
-                                cpu_device, gpu_name, predict_step, run_device)
+    from workbench.cost import (Efficiency, _run_record, _seconds, calibrate, calibrate_run, check_run, cpu_device,
+                                gpu_name, predict_step, run_device)
+    from workbench.flops import attention_work
     from workbench.memory import Levers, preset_config
     not_run, points = [], []  # points: (source, terms, predicted_s, measured_s)
     if dry: dev = cpu_device(1)  # a dry part runs at one thread (OMP_NUM_THREADS=1)

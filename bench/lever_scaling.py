@@ -2,7 +2,7 @@
 
 All levers (`LEVER_LADDER["+ checkpoint offload"]`: checkpointing with the checkpoints offloaded, the tiled loss, the
 tiled MLP and the lean kernels, applied as `bench/gpu_long_context.py` applies them) on a small Qwen3-shaped model in
-bf16, one row of random tokens at each length. Beside each time: the FLOPs `workbench.cost.step_cost` counts for the
+bf16, one row of random tokens at each length. Beside each time: the FLOPs `workbench.flops.step_cost` counts for the
 same row and levers (forward, backward and recomputation), and the seconds per TFLOP. A term of the step that grows
 faster than its FLOPs shows as seconds per TFLOP rising with the length. At the largest length the step runs once
 more under torch.profiler and its top operators (self time) are printed.
@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))  # the sibling script gpu_long_context.py
 from gpu_long_context import build  # noqa: E402
 
-from workbench.cost import step_cost  # noqa: E402
+from workbench.flops import step_cost  # noqa: E402
 from workbench.memory import LEVER_LADDER, preset_config  # noqa: E402
 from workbench.sp.loss import causal_lm_loss_sum  # noqa: E402
 

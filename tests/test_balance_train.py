@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from workbench.cost import plan_balanced
+from workbench.step_balance import plan_balanced
 from workbench.packing import FlatteningCollator, TokenBudgetSampler, plan_bins, synthetic_lengths
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -23,7 +23,8 @@ from browser_utils import ARTIFACTS, BIN, ROOT, browser_page, free_port, jupyter
     run_all_cells, server
 from workbench.samples import load_tokenizer
 from workbench.tiny_models import tiny_config
-from workbench.cost import attention_work, plan_balanced
+from workbench.flops import attention_work
+from workbench.step_balance import plan_balanced
 from workbench.packing import FlatteningCollator
 from workbench.sp.ranks import rank_view
 from workbench.viz import readable_tokens

@@ -9,10 +9,12 @@ from torch.utils.flop_counter import FlopCounterMode
 from workbench.attention import register as register_varlen
 from workbench.core import cu_seq_lens, restart_positions
 from workbench.tiny_models import tiny_config, tiny_model
-from workbench.cost import (CPU_FLOP_FORMULAS, DEVICES, LAYOUT_LEVERS, MEASURED, RANK_THREADS, Dims, Efficiency,
-                            HeldOut, attention_work, blog_source, calibrate, calibrate_run, check_run, cpu_device,
-                            device, hf_blog_prediction, hf_blog_table, measured_flops, plan_balanced, plan_layout,
-                            predict_step, run_device, run_efficiency, run_source, step_cost)
+from workbench.cost import (DEVICES, MEASURED, RANK_THREADS, Efficiency, HeldOut, blog_source, calibrate, calibrate_run,
+                            check_run, cpu_device, device, hf_blog_prediction, hf_blog_table, predict_step, run_device,
+                            run_efficiency, run_source)
+from workbench.flops import CPU_FLOP_FORMULAS, Dims, attention_work, measured_flops, step_cost
+from workbench.layout_search import LAYOUT_LEVERS, plan_layout
+from workbench.step_balance import plan_balanced
 from workbench.memory import Levers, estimate, preset_config
 from workbench.packing import plan_bins, synthetic_lengths
 from workbench.tiling import checkpoint_layers, tile_mlp

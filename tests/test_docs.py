@@ -31,7 +31,7 @@ NOTEBOOKS = sorted(p for p in (ROOT / "nbs").rglob("*.ipynb") if ".ipynb_checkpo
 KERNELSPEC = {"display_name": "python3", "language": "python", "name": "python3"}
 # pages known to hold plotly figures, and the fewest each holds: those drawn from widgets' state count too (a dashboard's
 # six figures, an explorer's mask and layout)
-FIGURE_PAGES = {"nbs/01_packing/07_viz.html": 1, "nbs/03_runtime/14_dashboard.html": 6, "nbs/03_runtime/16_explorer.html": 2,
+FIGURE_PAGES = {"nbs/01_packing/07_viz.html": 1, "nbs/04_runtime/13_dashboard.html": 6, "nbs/04_runtime/15_explorer.html": 2,
                 "nbs/tutorials/launch_sp.html": 6, "nbs/tutorials/explore_masks.html": 2, "nbs/architecture.html": 1}
 
 

@@ -1,6 +1,6 @@
 """workbench.evaluate: per-example loss and token accuracy under Ulysses 2, ring 2 and DP 2 (fp32, within 1e-6 relative)
 and Ulysses 2 x ring 2 (fp64, within 1e-12) equal one process evaluating each example alone, unpacked (the fp32 2 x 2 is
-in nbs/03_runtime/15_evaluate.ipynb); so does evaluation during training (`--eval-data`, Ulysses 2) against each step's
+in nbs/04_runtime/14_evaluate.ipynb); so does evaluation during training (`--eval-data`, Ulysses 2) against each step's
 checkpoint; bad input is refused before any process starts; the command line writes eval.jsonl."""
 import json
 import subprocess

@@ -24,7 +24,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from test_ring_plan import FUSED_ROWS, HEAD_DIM, LENGTHS, N_TOKENS, SHORT, _row, _shape
 from workbench.tiny_models import tiny_config, tiny_model
-from workbench.cost import CPU_FLOP_FORMULAS, LAYOUT_LEVERS, plan_layout, step_cost
+from workbench.flops import CPU_FLOP_FORMULAS, step_cost
+from workbench.layout_search import LAYOUT_LEVERS, plan_layout
 from workbench.launch import launch
 from workbench.memory import Levers, LiveBytes, estimate, gather_attention_bytes, preset_config
 from workbench.packing import FlatteningCollator, synthetic_lengths

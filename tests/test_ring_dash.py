@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from workbench.samples import load_tokenizer
 from workbench.tiny_models import tiny_config
-from workbench.cost import plan_balanced, run_options
+from workbench.cost import run_options
+from workbench.step_balance import plan_balanced
 from workbench.dashboard import COMM_TITLE, METRIC_KEYS, Dashboard
 from workbench.launch import launch
 from workbench.sp_proofs import CountComm

@@ -22,8 +22,9 @@ import torch.distributed as dist
 from torch.utils.flop_counter import FlopCounterMode
 
 from workbench.tiny_models import tiny_config, tiny_model
-from workbench.cost import (CPU_FLOP_FORMULAS, DEVICES, LAYOUT_LEVERS, interacting_blocks, plan_layout, predict_step,
-                            ring_blocks, step_cost)
+from workbench.cost import DEVICES, predict_step
+from workbench.flops import CPU_FLOP_FORMULAS, interacting_blocks, ring_blocks, step_cost
+from workbench.layout_search import LAYOUT_LEVERS, plan_layout
 from workbench.launch import launch
 from workbench.memory import LiveBytes, Levers, Shape, estimate, max_context, preset_config, ring_attention_bytes
 from workbench.packing import FlatteningCollator, synthetic_lengths

@@ -1,6 +1,6 @@
 """What a run says about itself (issue 47, part "run"): a resume's readouts cover its own steps, its progress bar shows
 the loss, and a rank stuck in Python ends the CLI with its stack. The checkpoint digests and the float64 loss are
-asserted in their notebooks (05_checkpoint, 08_train)."""
+asserted in their notebooks (08_checkpoint, 12_train)."""
 import os
 import subprocess
 import sys

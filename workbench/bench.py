@@ -17,8 +17,8 @@ from tqdm.auto import tqdm
 
 from .config import _config, _parser, model_config
 from .tiny_models import tiny_config
-from .cost import (FACTORS, Device, MeasuredStep, attention_kernel, attention_work, gpu_device, rows_of,
-                            run_options, step_cost, step_terms)
+from .cost import FACTORS, Device, MeasuredStep, gpu_device, run_options, step_terms
+from .flops import attention_kernel, attention_work, rows_of, step_cost
 from .data import run_features
 from .packing import FlatteningCollator, PackedStream, plan_bins, synthetic_lengths
 from .train import plan_run
@@ -194,7 +194,7 @@ def _balance_rank(groupings: dict, lengths: np.ndarray, vocab: int) -> dict:
 def bench_balance(n_short: int = 600, n_long: int = 24, capacity: int = 4096, dp: int = 2, vocab: int = 512,
                   seed: int = 0, deadline_s: float = 600) -> list[dict]:
     "Slowest-rank seconds per epoch on `dp` CPU ranks: bins grouped by tokens (the sampler) against by cost (`plan_balanced`)."
-    from workbench.cost import plan_balanced
+    from workbench.step_balance import plan_balanced
     from workbench.tiny_models import tiny_config
     from workbench.launch import launch
     rng = np.random.default_rng(seed)

@@ -13,7 +13,8 @@ import numpy as np
 import torch
 
 from .core import IGNORE_INDEX, lengths_from_positions, restart_positions
-from .cost import attention_work, plan_balanced
+from .flops import attention_work
+from .step_balance import plan_balanced
 from .doctor import Finding, DoctorReport, check_packing, unwrap
 from .memory import Levers
 from .packing import LOSS_MASKS, FlatteningCollator, OVERLONG, PackedStream, TokenBudgetSampler, UNTRAINED, plan_bins
@@ -255,7 +256,7 @@ class PackedMixin:
                  max_tokens: int | None = None,  # token budget of one training step per rank; set, it rules and per_device_train_batch_size is unused in training (None: per_device_train_batch_size examples)
                  overlong: str = "error",        # examples over max_tokens: "error", "truncate", "split" or "drop"
                  buffer_size: int = 2000,        # a streamed train_dataset: examples held while packing it (`PackedStream`)
-                 balance: str = "tokens",        # with max_tokens: group each optimizer step's bins over ranks by tokens, or by predicted cost (`workbench.cost.plan_balanced`)
+                 balance: str = "tokens",        # with max_tokens: group each optimizer step's bins over ranks by tokens, or by predicted cost (`workbench.step_balance.plan_balanced`)
                  untrained: str = "drop",        # with max_tokens: a piece that trains no token (a prompt-only slice of a split example): "drop" (counted) or "keep"
                  **kwargs):
         check_parallelism_args(args)

@@ -633,7 +633,7 @@ class TokenBudgetSampler(torch.utils.data.Sampler):
     `set_epoch(e)` starts epoch `e` from its first step, unless the sampler is already in epoch `e` (for instance just
     restored), where it keeps its position.
 
-    `steps` serves a grouping made elsewhere (e.g. `workbench.cost.BalancedPlan.sampler`) exactly as given, one optimizer
+    `steps` serves a grouping made elsewhere (e.g. `workbench.step_balance.BalancedPlan.sampler`) exactly as given, one optimizer
     step per row; shuffling moves whole rows, never what is inside one."""
     def __init__(self, plan: Plan,
                  shuffle: bool = True,  # a new order of the steps every epoch (deterministic in `seed` and the epoch)

@@ -341,7 +341,7 @@ def plot_attention(model,                 # a transformers causal LM
     return fig
 
 # %% ../nbs/01_packing/07_viz.ipynb #b37cf448
-def mask_figures(sample: str = "flan_like",   # a shipped sample (workbench.core.SAMPLES)
+def mask_figures(sample: str = "flan_like",   # a shipped sample (workbench.samples.SAMPLES)
                  n_examples: int = 6,        # examples in the batch
                  attn_implementation: str = "sdpa",  # the implementation whose mask is drawn
                  max_cells: int = 128,       # blocks per side
