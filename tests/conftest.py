@@ -10,6 +10,9 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -23,11 +26,31 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+DURATIONS = Path(__file__).with_name("durations.json")  # seconds per group, from a run (`.ci/durations.py N FILE --save`)
+
+
+def order_group(item) -> str:
+    """The unit the suite is ordered by (`group` in .ci/durations.py): a test module, whose items share its fixtures and
+    so stay together, or one notebook, named without its folder and number."""
+    if item.name.startswith("test_notebook["):
+        return "notebook " + Path(item.name[len("test_notebook["):-1]).stem.lstrip("0123456789_")
+    return item.module.__name__.rsplit(".", 1)[-1]
+
+
 def pytest_collection_modifyitems(items):
-    """The site test first when it runs in the same session (a plain `pytest -n 2`; `make test` leaves it out and
-    `make test-site` runs it alone after): it builds the pages from every notebook's execution, and docs/build.py executes each
-    notebook once, whoever asks first (the site test or the notebook's own item; the other waits and reads the cache).
-    Started first, its long build overlaps the suite on the other worker; collected last it was the run's tail (a
-    fresh-clone run: 129 s with the other worker idle)."""
+    """The heaviest groups first (tests/durations.json; a new group counts as light), so that the two workers of
+    `pytest -n 2 --dist worksteal` end together on light items instead of one idling through another's long notebook:
+    worksteal deals each worker a contiguous half and the idle one steals from the end of the other's queue.
+
+    The site test goes before everything when it runs in the same session (a plain `pytest -n 2`; `make test` leaves it
+    out and `make test-site` runs it alone after): it builds the pages from every notebook's execution, and
+    docs/build.py executes each notebook once, whoever asks first (the site test or the notebook's own item; the other
+    waits and reads the cache). Started first, its long build overlaps the suite on the other worker."""
+    seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
     site = [item for item in items if item.name == "test_site_reads_offline_in_chromium"]
-    items[:] = site + [item for item in items if item not in site]
+    rest = [item for item in items if item not in site]
+    first_index = {}
+    for i, item in enumerate(rest):
+        first_index.setdefault(order_group(item), i)
+    heaviest_first = lambda item: (-seconds.get(order_group(item), 0.0), first_index[order_group(item)])
+    items[:] = site + sorted(rest, key=heaviest_first)  # a stable sort: a group's items keep their order
