@@ -58,7 +58,8 @@ class Patch:
     def __repr__(self): return f"Patch({self.name!r}, {len(self.modules)} modules)"
 
 def override_forward(name: str, modules: list, make) -> Patch:
-    "Give each module *instance* the forward `make(module, current_forward)`; the patch's `undo()` puts the old one back."
+    """Give each module *instance* the forward `make(module, current_forward)`; the patch's `undo()` puts the old one
+    back."""
     old = {id(m): m.__dict__.get("forward") for m in modules}
     for m in modules: m.forward = make(m, m.forward)
     def restore(m):
@@ -98,7 +99,8 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 class LeanRMSNorm(torch.autograd.Function):
-    "transformers' RMSNorm, `weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)` in fp32, saving only `x` and the per-row scale."
+    """transformers' RMSNorm, `weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)` in fp32, saving only `x` and the
+    per-row scale."""
     @staticmethod
     def forward(ctx, x, weight, eps: float):
         ct = _compute_dtype(x)
@@ -130,7 +132,8 @@ def _own(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() and not t.is_leaf and t._base is None else t.clone(memory_format=torch.contiguous_format)
 
 class LeanSiluMul(torch.autograd.Function):
-    "`silu(gate) * up` (SwiGLU's core) saving only `gate` and `up`, whose buffers the backward reuses for their gradients."
+    """`silu(gate) * up` (SwiGLU's core) saving only `gate` and `up`, whose buffers the backward reuses for their
+    gradients."""
     @staticmethod
     def forward(ctx, gate, up):
         ctx.save_for_backward(*(_own(t) if needs else t for t, needs in zip((gate, up), ctx.needs_input_grad)))
