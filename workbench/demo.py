@@ -37,7 +37,8 @@ __all__ = ['PLOT_CONFIG', 'slug', 'environment', 'HtmlReport', 'packing_section'
            'doctor_text', 'doctor_section', 'sp_section', 'run_demo', 'main']
 
 # %% ../nbs/06_demo_and_bench/01_demo.ipynb #c8a425b4
-PLOT_CONFIG = dict(displaylogo=False, showSendToCloud=False, modeBarButtonsToRemove=["sendDataToCloud"], responsive=True)
+PLOT_CONFIG = dict(displaylogo=False, showSendToCloud=False, modeBarButtonsToRemove=["sendDataToCloud"],
+                   responsive=True)
 _STYLE = """body{font-family:system-ui,sans-serif;max-width:1200px;margin:auto;padding:0 1em;color:#1f2328;line-height:1.45}
 th,td{text-align:left;padding:2px 1.2em 2px 0;vertical-align:top}p.why{color:#444;max-width:60em}
 nav ol{columns:2}.row{display:grid;grid-template-columns:repeat(auto-fit,minmax(480px,1fr));gap:8px}
@@ -79,7 +80,8 @@ def environment() -> list[tuple[str, str]]:
             ("machine", f"{platform.platform()} · Python {platform.python_version()} · {cores} CPU cores · GPU: {gpu}")]
 
 class HtmlReport:
-    "A self-contained HTML page: date, versions and machine, a table of contents, then sections of prose, tables and figures."
+    """A self-contained HTML page: date, versions and machine, a table of contents, then sections of prose, tables and
+    figures."""
     def __init__(self, title: str): self.title, self.sections, self.figs = title, [], []
     def section(self, heading: str,  # the section's title, also its entry in the table of contents
                 why: str):            # one or two sentences: what the section shows and why it matters
@@ -130,8 +132,9 @@ def packing_section(report: HtmlReport, name: str, batch_size: int = 8, tokenize
     rep = packing_report(lengths, batch_size=batch_size, name=name)
     print(rep, end="\n\n")
     report.section(f"Packing: {name}", f"A padded batch of {batch_size} computes on padding up to its longest example; "
-                   "padding-free packing computes only on real tokens. The table gives the padding share and the speedup "
-                   "bound it implies; left, the example lengths; right, the tokens each step holds.")
+                                       "padding-free packing computes only on real tokens. The table gives the padding "
+                                       "share and the speedup bound it implies; left, the example lengths; right, the "
+                                       "tokens each step holds.")
     report.table(rep.rows())
     report.figures(plot_lengths(rep), plot_step_tokens(rep))
     return rep
@@ -198,7 +201,8 @@ def sp_section(report: HtmlReport, out: Path, steps: int = 6):
     one, two = (run(c) for c in cfgs)
     checks = [check_run(c.out, record=False) for c in cfgs]  # each run's prediction against its own steps, one basis
     timing = [(c.name, f"{h.predicted_s:.3f}", f"{h.measured_s:.3f}", f"{h.predicted_s / h.measured_s:.2f}") for c, h in zip(cfgs, checks)]
-    print("step time, predicted (workbench.cost, at the one thread each rank runs) against measured (median past step 0):\n"
+    print("step time, predicted (workbench.cost, at the one thread each rank runs) against measured (median past step "
+          "0):\n"
           + "\n".join(f"  {n}: predicted {p} s/step, measured {m} s/step, predicted / measured {r}" for n, p, m, r in timing), end="\n\n")
     diff = max(abs(a - b) for a, b in zip(one, two))
     rows = [(i, f"{a:.6f}", f"{b:.6f}", f"{abs(a - b):.1e}") for i, (a, b) in enumerate(zip(one, two))]
@@ -222,7 +226,8 @@ def sp_section(report: HtmlReport, out: Path, steps: int = 6):
 
 def run_demo(out: Path = Path("reports"), batch_size: int = 8, sp_steps: int = 6) -> Path:
     "The whole tour: every section, printed and written to `out/demo.html` (run directories under `out/runs`)."
-    report, tok = HtmlReport("workbench demo: padding-free packing and sequence parallelism on the shipped data"), load_tokenizer()
+    report, tok = HtmlReport("workbench demo: padding-free packing and sequence parallelism on the shipped "
+                             "data"), load_tokenizer()
     for name in SAMPLES: packing_section(report, name, batch_size, tok)
     masks_section(report)
     doctor_section(report, tok)
