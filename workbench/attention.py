@@ -124,7 +124,8 @@ class _LastBoundaries:
     def __call__(self, position_ids: torch.Tensor, rows: int):
         if self.ref is None or self.ref() is not position_ids or self.rows != rows:
             # models often build [1, T] position ids for a [B, T] batch and broadcast them
-            pos = position_ids.expand(rows, -1) if position_ids.ndim == 2 and position_ids.shape[0] == 1 else position_ids
+            pos = (position_ids.expand(rows, -1) if position_ids.ndim == 2 and position_ids.shape[0] == 1
+                   else position_ids)
             self.value = positions_to_cu_seq_lens(pos)
             self.ref, self.rows = weakref.ref(position_ids), rows
         return self.value

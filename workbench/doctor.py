@@ -397,7 +397,8 @@ def boundaries_read(attn_implementation: str, batch: dict) -> str:
 def expected_position_start(model) -> int:
     "First position id the model expects: `padding_idx + 1` for RoBERTa-style position embeddings, else 0."
     for name, m in unwrap(model)[1].named_modules():
-        if isinstance(m, torch.nn.Embedding) and "position" in name and m.padding_idx is not None: return m.padding_idx + 1
+        if isinstance(m, torch.nn.Embedding) and "position" in name and m.padding_idx is not None:
+            return m.padding_idx + 1
     return 0
 
 def _error_reason(e: Exception, impl: str) -> str:
@@ -549,7 +550,8 @@ def _traps(inner, batch: dict, kwargs: dict, attn: str, lengths: np.ndarray) -> 
     use_cache = getattr(inner.config, "use_cache", False) if use_cache is None else use_cache
     traps.append(_Trap("cache off", bool(use_cache),
                        "a cache is active (use_cache is True in the config and the forward call does not pass "
-                       "use_cache=False): transformers then ignores the boundaries in position_ids" if use_cache else "use_cache=False",
+                       "use_cache=False): transformers then ignores the boundaries in position_ids" if use_cache
+                       else "use_cache=False",
                        "pass use_cache=False in every forward call of the training loop (or set model.config.use_cache "
                        "= False)",
                        lambda s: _with(s, kwargs={"use_cache": False})))
@@ -574,7 +576,8 @@ def _traps(inner, batch: dict, kwargs: dict, attn: str, lengths: np.ndarray) -> 
     wrong = firsts[firsts != start]
     traps.append(_Trap("position_ids start", len(wrong) > 0,
                        (f"examples start at position {int(wrong[0])}, the model expects {start}"
-                        + (f" (its position embedding reserves the ids up to padding_idx={start - 1})" if start else ""))
+                        + (f" (its position embedding reserves the ids up to padding_idx={start - 1})" if start
+                           else ""))
                        if len(wrong) else f"examples start at position {start}, as the model expects",
                        f"build batches with FlatteningCollator(position_ids_start={start})",
                        lambda s: _with(s, {"position_ids": new_pos(pos)}) if pos.ndim == 2 else s))
@@ -663,7 +666,8 @@ def check_packing(model,                        # a transformers causal LM, or a
             continue
         harmless = clean and not t.exact
         add(Finding(t.check, "warn" if harmless else "fail",
-                    f"{t.detail}; measured harmless with {attn!r} on this batch, but {t.exposed}" if harmless else t.detail,
+                    f"{t.detail}; measured harmless with {attn!r} on this batch, but {t.exposed}" if harmless
+                    else t.detail,
                     t.fix if cure is not None and t in cure[1] else ""))
     if not takes_pos:
         report["forward accepts position_ids"].fix = cure_text
@@ -725,7 +729,8 @@ def family_row(family: str, impl: str, examples: list[dict] | None = None, toler
         row.reason = _error_reason(e, impl)
         return row
     row.logits, row.loss, row.grads = eq.logits, eq.loss, eq.grads
-    worst = {k: v for k, v in (("logits", eq.logits), ("loss", eq.loss), ("gradients", eq.grads)) if v is not None and v > tolerance}
+    worst = {k: v for k, v in (("logits", eq.logits), ("loss", eq.loss), ("gradients", eq.grads))
+             if v is not None and v > tolerance}
     row.passed = not worst
     if worst: row.reason = "; ".join(f"{k} differ by {v:.2g}" for k, v in worst.items())
     return row

@@ -161,7 +161,8 @@ class MaskSpec:
     def count(self) -> int:
         "Allowed (query, key) pairs over the whole batch."
         T = self.shape[1]
-        return int(sum(self.block_counts(np.array([0, T]), np.array([0, T]), row).sum() for row in range(self.shape[0])))
+        return int(sum(self.block_counts(np.array([0, T]), np.array([0, T]), row).sum()
+                       for row in range(self.shape[0])))
 
 # %% ../nbs/01_packing/05_masks.ipynb #f5b51953
 SDPA_LIKE = ("sdpa", "eager", "flex_attention")  # masks built by masking_utils from position_ids / attention_mask
@@ -297,7 +298,8 @@ class MaskReport:
         "Per block, the fraction of pairs allowed within an example and the fraction leaked across examples."
         cells = np.outer(np.diff(edges_q), np.diff(edges_k))
         allowed = self.effective.block_counts(edges_q, edges_k, row)
-        leaked = self.real.block_counts(edges_q, edges_k, row) - (self.effective & self.intended).block_counts(edges_q, edges_k, row)
+        leaked = (self.real.block_counts(edges_q, edges_k, row)
+                  - (self.effective & self.intended).block_counts(edges_q, edges_k, row))
         return (allowed - leaked) / cells, leaked / cells
 
     def status(self) -> np.ndarray:

@@ -421,7 +421,8 @@ def _bfd(lengths: np.ndarray, capacity: int, rng: np.random.Generator) -> np.nda
 
     def put(room, bins, size):
         if not len(bins) or room == 0: return  # a full bin takes nothing more
-        if room not in buckets: buckets[room] = []; heapq.heappush(fit, room) if room >= size else heapq.heappush(short, -room)
+        if room not in buckets:
+            buckets[room] = []; heapq.heappush(fit, room) if room >= size else heapq.heappush(short, -room)
         buckets[room].append(bins)
 
     for start, end in zip(group_starts, group_ends):
@@ -506,7 +507,8 @@ def _piece_targets(data, lengths: np.ndarray, example: np.ndarray, offset: np.nd
         return length - 1  # every token trains (`FlatteningCollator` without labels or masks) but a piece's first
     t = (_arrow_targets(rows, lengths) if is_dataset and column == "input_ids" and
          not any(k in rows.column_names for k in _BOUNDARIES) else None)
-    if t is None: t = np.concatenate([_target_row(f, i, column) for i, f in enumerate(rows)]) if len(rows) else np.zeros(0, bool)
+    if t is None:
+        t = np.concatenate([_target_row(f, i, column) for i, f in enumerate(rows)]) if len(rows) else np.zeros(0, bool)
     cs = np.concatenate([[0], np.cumsum(t, dtype=np.int64)])
     start = np.concatenate([[0], np.cumsum(lengths)])[example] + offset
     return cs[start + length] - cs[start + np.minimum(length, 1)]
@@ -832,9 +834,11 @@ class PackingReport:
         w = max(len(k) for k, _ in self.rows())
         return "\n".join([f"Packing report: {self.name}", *(f"  {k:<{w}}  {v}" for k, v in self.rows())])
     def _repr_markdown_(self):
-        return f"**Packing report: {self.name}**\n\n| | |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in self.rows())
+        return (f"**Packing report: {self.name}**\n\n| | |\n|---|---|\n"
+                + "\n".join(f"| {k} | {v} |" for k, v in self.rows()))
 
-def packing_report(lengths, batch_size: int = 8, capacity: int | None = None, name: str = "dataset", seed: int = 0) -> PackingReport:
+def packing_report(lengths, batch_size: int = 8, capacity: int
+                   | None = None, name: str = "dataset", seed: int = 0) -> PackingReport:
     """Measure padded batching of `lengths` against a token-budget plan (default budget: `batch_size` mean-length
     examples)."""
     batch_size = _positive_int("batch_size", batch_size, "the examples of one padded batch, the baseline measured")

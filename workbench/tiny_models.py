@@ -51,7 +51,8 @@ def layer_windows(config) -> tuple[int, ...]:
     """Each decoder layer's sliding window (0: full attention): by `layer_types`, or `sliding_window` on every layer of
     a config without them."""
     window = getattr(config, "sliding_window", None) or 0
-    types = getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * config.num_hidden_layers
+    types = (getattr(config, "layer_types", None)
+             or ["sliding_attention" if window else "full_attention"] * config.num_hidden_layers)
     return tuple(window if t == "sliding_attention" else 0 for t in types)
 
 # %% ../nbs/01_packing/03_tiny_models.ipynb #c9b2bec8
@@ -167,7 +168,8 @@ def shrink_config(model,           # a model directory (config.json), a `Pretrai
             if d.get(k): new[k] = SHRINK[k]
         for k in ("n_group", "topk_group"):
             if d.get(k): new[k] = 1
-    if d.get("query_pre_attn_scalar") == config_sizes(cfg)["head_dim"]: new["query_pre_attn_scalar"] = SHRINK["head_dim"]
+    if d.get("query_pre_attn_scalar") == config_sizes(cfg)["head_dim"]:
+        new["query_pre_attn_scalar"] = SHRINK["head_dim"]
     if d.get("mlp_only_layers"): new["mlp_only_layers"] = [i for i in d["mlp_only_layers"] if i < layers]
     window = d.get("sliding_window") if d.get("use_sliding_window", True) is not False else None
     if window and window < (d.get("max_position_embeddings") or float("inf")):  # else no row reaches it: kept as it is

@@ -246,7 +246,8 @@ def _axis_labels(name, edges, ex, tokens):
     "Hover label of each block of one axis: its token (and text) when it is one token, else its range."
     span = lambda a, b: f"{a}" if a == b else f"{a}-{b}"
     return [f"{name} {a} {tokens[a - edges[0]]} (example {ex[a]})" if b - a == 1 and tokens else
-            f"{name} {a}-{b - 1} (example {span(ex[a], ex[b - 1])})" for a, b in zip(edges[:-1].tolist(), edges[1:].tolist())]
+            f"{name} {a}-{b - 1} (example {span(ex[a], ex[b - 1])})"
+            for a, b in zip(edges[:-1].tolist(), edges[1:].tolist())]
 
 def _axis(lo, hi, reverse, tokens, label_tokens):
     "An axis showing tokens [lo, hi): fixed range (queries run down), and the tokens' text as ticks when they are few."
@@ -367,7 +368,8 @@ def mask_figures(sample: str = "flan_like",   # a shipped sample (workbench.samp
     grid = lambda s, step=0: example_grid(*strategy_batch(feats, s,
                                                           n_examples if s != "token-budget packing" else budget, step))
     figs = {"batch layouts": plot_batch_layout({"padded": grid("padded"), "flattening": grid("flattening"),
-                                                "token-budget packing": layout_rows([grid("token-budget packing", s) for s in range(4)])},
+                                                "token-budget packing": layout_rows([grid("token-budget packing", s)
+                                                                                     for s in range(4)])},
                                                title=f"{sample}: {n_examples} examples per step, budget {budget} "
                                                      "tokens")}
     cases = {"correct packing": (batch, None, False), "naive concatenation": (naive, lengths, False),
