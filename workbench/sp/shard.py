@@ -78,7 +78,8 @@ def ring_shard(batch: dict,          # a packed batch (the contract), already of
                          "entries): pad the row with pad_for_sp(batch, multiple) first and build the plan on the "
                          "padded row")
     shift, idx = shift_labels(batch["labels"]), plan[sp_rank]
-    per_token = {k: v[:, idx] for k, v in batch.items() if torch.is_tensor(v) and v.shape == shift.shape and k != "labels"}
+    per_token = {k: v[:, idx] for k, v in batch.items()
+                 if torch.is_tensor(v) and v.shape == shift.shape and k != "labels"}
     cu = torch.from_numpy(cu_seq_lens(lengths))
     return {**per_token, "shift_labels": shift[:, idx], "token_index": idx,
             "ring_index": plan.reshape(p // ulysses, -1),

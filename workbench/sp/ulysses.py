@@ -27,8 +27,11 @@ def sp_mask_function(cu_seq_lens: torch.Tensor,          # global example bounda
     from transformers import masking_utils as mu
     example = torch.repeat_interleave(torch.arange(len(cu_seq_lens) - 1, device=cu_seq_lens.device),
                                       cu_seq_lens.diff().long())[None]  # [1, N]: example index of every token
-    if causal: base = mu.sliding_window_causal_mask_function(sliding_window) if sliding_window else mu.causal_mask_function
-    else: base = mu.sliding_window_bidirectional_mask_function(sliding_window) if sliding_window else mu.bidirectional_mask_function
+    if causal:
+        base = mu.sliding_window_causal_mask_function(sliding_window) if sliding_window else mu.causal_mask_function
+    else:
+        base = (mu.sliding_window_bidirectional_mask_function(sliding_window) if sliding_window
+                else mu.bidirectional_mask_function)
     return mu.and_masks(base, mu.packed_sequence_mask_function(example))
 
 def _inner_function(inner: str, module):
@@ -43,7 +46,8 @@ def _inner_function(inner: str, module):
 class _LocalHeads:
     """The attention module as the inner function must see it after the exchange: every attribute, but the local GQA
     ratio."""
-    def __init__(self, module, num_key_value_groups: int): self._module, self.num_key_value_groups = module, num_key_value_groups
+    def __init__(self, module, num_key_value_groups: int):
+        self._module, self.num_key_value_groups = module, num_key_value_groups
     def __getattr__(self, name): return getattr(self._module, name)
 
 def to_head_shards(module,                # the attention module (its config names the heads in an error)
