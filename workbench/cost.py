@@ -308,7 +308,8 @@ def step_terms(cost: StepCost, dev: Device, ulysses: int, ring: int, dp: int) ->
     return {"matmul": (cost.total - attn) / dev.flops, "attention": kernels.pop("attention"),
             "comm": cost.bytes["all-to-all"] / link(ulysses) + cost.bytes["ring"] / link(ulysses * ring)
                     + cost.bytes["gradient reduction"] / link(ulysses * ring * dp),
-            "memory": cost.bytes["optimizer (device)"] / dev.hbm + cost.bytes["optimizer (host)"] * host_ranks / dev.host
+            "memory": cost.bytes["optimizer (device)"] / dev.hbm
+                      + cost.bytes["optimizer (host)"] * host_ranks / dev.host
                       + cost.bytes["host transfers"] / dev.pcie,
             "overhead": 1.0, **kernels}
 

@@ -341,7 +341,8 @@ def step_cost(config,                    # a transformers config or a preset nam
               "optimizer (device)": 0 if optimizer_offload else opt,
               "optimizer (host)": opt if optimizer_offload else 0,
               "host transfers": (2 * dtype_bytes * d.params // shard if optimizer_offload else 0)
-                                + (2 * d.layers * tokens // (sp * ring) * d.hidden * dtype_bytes if lv.offload_checkpoints else 0)}
+                                + (2 * d.layers * tokens // (sp * ring) * d.hidden * dtype_bytes
+                                   if lv.offload_checkpoints else 0)}
     return StepCost(flops, bytes_, tokens // (sp * ring), kernel)
 
 # %% ../nbs/03_planning/03_flops.ipynb #1aae9700

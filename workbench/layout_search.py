@@ -52,7 +52,8 @@ def _pareto(df) -> np.ndarray:
 def layout_name(ulysses: int, ring: int, dp: int, context: str = "ring") -> str:
     """A layout in words: \"DP 8\", \"SP 4 x DP 2\" (Ulysses), \"ring 4\", \"SP 2 x gather 2 x DP 2\" (`context` names
     the kind of degree `ring`)."""
-    parts = ([f"SP {ulysses}"] if ulysses > 1 else []) + ([f"{context} {ring}"] if ring > 1 else []) + ([f"DP {dp}"] if dp > 1 else [])
+    parts = (([f"SP {ulysses}"] if ulysses > 1 else []) + ([f"{context} {ring}"] if ring > 1 else [])
+             + ([f"DP {dp}"] if dp > 1 else []))
     return " x ".join(parts) or "1 GPU"
 
 @dataclass

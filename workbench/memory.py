@@ -403,7 +403,8 @@ def gather_attention_bytes(config,              # a transformers config or a `Sh
         return {**held, "fp32 working copies": 3 * a * Q + a * L, "expanded row": 2 * a * gather * Q,
                 "row scores": max(scores, b * gather * Q if grouped else 0)}
     plans = plans if plans is not None else _bound_plans(m, gather, s.window)
-    steps = [largest for largest in _largest_calls(plans, gather, "gather", m, a, heads * s.head_dim) if largest is not None]
+    steps = [largest for largest in _largest_calls(plans, gather, "gather", m, a, heads * s.head_dim)
+             if largest is not None]
     pair = max(steps[0], a * K if grouped else 0)  # the first computed step
     best = {"expanded blocks": 4 * a * Q, "pair working set": pair}
     for largest in steps[1:]:  # a later step: its k, v expanded beside the last step's four, then its own work

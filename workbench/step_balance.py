@@ -82,7 +82,8 @@ class BalancedPlan:
                          "predicted FLOPs": float(self.costs[mine].sum()),
                          "attention FLOPs": float(self.attention[mine].sum())})
         table = pd.DataFrame(rows)
-        for column in ("tokens", "predicted FLOPs", "attention FLOPs"): table[f"{column} / mean"] = table[column] / table[column].mean()
+        for column in ("tokens", "predicted FLOPs", "attention FLOPs"):
+            table[f"{column} / mean"] = table[column] / table[column].mean()
         return table
     def __repr__(self): return "\n".join(f"{k}: {v}" for k, v in self.rows())
     def _repr_markdown_(self): return "\n".join(["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in self.rows()])

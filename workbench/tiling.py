@@ -118,7 +118,8 @@ class LeanRMSNorm(torch.autograd.Function):
         x, weight, rstd = ctx.saved_tensors
         ct = _compute_dtype(x)
         grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros(weight.shape, dtype=_compute_dtype(weight), device=x.device) if ctx.needs_input_grad[1] else None
+        grad_w = (torch.zeros(weight.shape, dtype=_compute_dtype(weight), device=x.device) if ctx.needs_input_grad[1]
+                  else None)
         for xc, gc, rc, *dxc in _row_chunks(x, grad_out, rstd, *([grad_x] if grad_x is not None else [])):
             xf = xc.to(ct)
             if grad_w is not None: grad_w += (gc * (xf * rc).to(x.dtype)).to(grad_w.dtype).sum(0)
@@ -129,7 +130,8 @@ class LeanRMSNorm(torch.autograd.Function):
 
 def _own(t: torch.Tensor) -> torch.Tensor:
     "`t` if a backward may overwrite it (a contiguous intermediate, not a view), else a private contiguous copy."
-    return t if t.is_contiguous() and not t.is_leaf and t._base is None else t.clone(memory_format=torch.contiguous_format)
+    return (t if t.is_contiguous() and not t.is_leaf and t._base is None
+            else t.clone(memory_format=torch.contiguous_format))
 
 class LeanSiluMul(torch.autograd.Function):
     """`silu(gate) * up` (SwiGLU's core) saving only `gate` and `up`, whose buffers the backward reuses for their
