@@ -225,7 +225,8 @@ def save_checkpoint(out: Path, step: int, model, opt, sampler, cfg: TrainConfig,
     `tokenizer`), as one checkpoint written by rank 0 (a collective)."""
     mine = {"sampler": sampler.state_dict(), "rng": _rng_state()}  # this rank's data position and generators
     ranks = [mine]
-    if dist.is_initialized(): ranks = [None] * dist.get_world_size(); dist.all_gather_object(ranks, mine, group=wait_group)
+    if dist.is_initialized():
+        ranks = [None] * dist.get_world_size(); dist.all_gather_object(ranks, mine, group=wait_group)
     state = full_state(model, opt) if is_sharded(model) else {"model": model.state_dict(), "opt": opt.state_dict()}
     if process_rank() == 0:
         manifest = {"config": _identity(cfg), "layout": _layout(cfg), "plan": plan}

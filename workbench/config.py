@@ -140,7 +140,8 @@ class TrainConfig:
             raise ValueError(f"stall_s (--stall-s) must be a number of seconds >= 0 (0: no limit), got "
                              f"{self.stall_s!r}")
         if self.dtype not in ("auto", *DTYPES):
-            why = " (float16 training needs loss scaling, which this loop does not do: use bfloat16)" if self.dtype == "float16" else ""
+            why = (" (float16 training needs loss scaling, which this loop does not do: use bfloat16)"
+                   if self.dtype == "float16" else "")
             raise ValueError(f"dtype (--dtype) {self.dtype!r} is not one of {['auto', *DTYPES]}{why}")
         if self.balance not in BALANCES:
             raise ValueError(f"balance (--balance) {self.balance!r} is not one of {BALANCES}: tokens groups bins of "

@@ -52,7 +52,8 @@ class MetricsReader:
         with f:
             st = os.fstat(f.fileno())
             identity = (st.st_dev, st.st_ino)
-            if self.offset and (identity != self._identity or st.st_size < self.offset or f.read(len(self._head)) != self._head):
+            if self.offset and (identity != self._identity or st.st_size < self.offset
+                                or f.read(len(self._head)) != self._head):
                 # a new run in a reused directory: replaced (new inode), truncated, or rewritten in place
                 self._restart()
             self._identity, start = identity, self.offset
@@ -390,7 +391,8 @@ class Dashboard:
         annotated = self._annotate()
         if changed or annotated: self._show()
         if any(f is self.step_time or f is self.mfu for f in self.figures()): self._cost.layout.display = None
-        uneven = [f"<b>{html.escape(l)}</b>: {html.escape(str(b), quote=False)}" for l, b in zip(labels, self._balances) if b is not None]
+        uneven = [f"<b>{html.escape(l)}</b>: {html.escape(str(b), quote=False)}"
+                  for l, b in zip(labels, self._balances) if b is not None]
         self.ranks_text.value = "<br>".join(uneven)
         self._ranks.layout.display = None if uneven else "none"
         self.runs = [run_progress(l, rd.rows, t, s) for l, rd, t, s in zip(labels, self.readers, self.totals, starts)]

@@ -131,7 +131,8 @@ def _check_rows(data: str, records: list[dict], first: int = 1) -> str:
             raise ValueError(f"{data} row {i}: input_ids is the text {r['input_ids'][:30]!r}, not a list of token ids "
                              f"(a CSV cell holds text only): write token-id rows as JSON lines, JSON or Parquet")
         if kind == "input_ids" and not (isinstance(r["input_ids"], list) and r["input_ids"]
-                                        and all(isinstance(x, int) and not isinstance(x, bool) for x in r["input_ids"])):
+                                        and all(isinstance(x, int) and not isinstance(x, bool)
+                                                for x in r["input_ids"])):
             raise ValueError(f"{data} row {i}: input_ids must be a non-empty list of integer token ids")
         if kind == "input_ids": _check_masks(data, i, r, masks)
         if kind == "messages": _check_messages(data, i, r["messages"])
@@ -174,7 +175,8 @@ def chat_features(conversations: list[list[dict]], tokenizer) -> list[dict]:
                          "endgeneration %} (as data_samples/tokenizer/tokenizer_config.json does)")
     out = tokenizer.apply_chat_template(conversations, tokenize=True, return_dict=True,
                                         return_assistant_tokens_mask=True)
-    return [{"input_ids": list(ids), "assistant_masks": list(m)} for ids, m in zip(out["input_ids"], out["assistant_masks"])]
+    return [{"input_ids": list(ids), "assistant_masks": list(m)}
+            for ids, m in zip(out["input_ids"], out["assistant_masks"])]
 
 def _tokenize(records: list[dict], kind: str, tokenizer) -> list[dict]:
     "Token features of rows already checked to be of one `kind` (`_check_rows`)."

@@ -125,8 +125,10 @@ def attention_kinds(config) -> dict[str, int | None]:
     "The masks a model's layers use, named: `full attention` (window None) and/or `sliding window W`."
     window = getattr(config, "sliding_window", None)
     types = getattr(config, "layer_types", None) or [
-        "sliding_attention" if window and getattr(config, "use_sliding_window", True) is not False else "full_attention"]
-    kinds = {"full attention" if t == "full_attention" else f"sliding window {window}": None if t == "full_attention" else window
+        "sliding_attention" if window and getattr(config, "use_sliding_window", True) is not False
+        else "full_attention"]
+    kinds = {"full attention" if t == "full_attention" else f"sliding window {window}": None if t == "full_attention"
+             else window
              for t in dict.fromkeys(types) if t in ("full_attention", "sliding_attention")}
     if not kinds: raise ValueError(f"the model's layers are {sorted(set(types))}: the explorer draws full and "
                                    "sliding-window attention only")
@@ -168,7 +170,8 @@ def html_table(table,   # a `pandas.DataFrame`, one row per rank (None: no table
 def _vocab(tokenizer=None, config=None) -> int | None:
     "The smallest vocabulary ids must fit: the tokenizer's and the model's (its text config's)."
     sizes = [len(tokenizer)] if tokenizer is not None else []
-    if config is not None and getattr(config.get_text_config(), "vocab_size", None): sizes.append(config.get_text_config().vocab_size)
+    if config is not None and getattr(config.get_text_config(), "vocab_size", None):
+        sizes.append(config.get_text_config().vocab_size)
     return min(sizes) if sizes else None
 
 @lru_cache(maxsize=None)
@@ -210,14 +213,16 @@ class MaskExplorer:
         self._view = None  # (q0, q1, k0, k1) shown, None for the whole row
         self._models_by_label, self._loaders = {}, {f: (lambda f=f: tiny_model(f)) for f in FAMILIES}
         for f in FAMILIES:
-            for kind, window in attention_kinds(tiny_config(f)).items(): self._models_by_label[f"{f} ({kind})"] = (f, window)
+            for kind, window in attention_kinds(tiny_config(f)).items():
+                self._models_by_label[f"{f} ({kind})"] = (f, window)
         user_config, self._user_model = None, None
         self._configs = {f: tiny_config(f) for f in FAMILIES}  # heads and window of each model: what a layout may split
         if model is not None:
             name, user_config, load = explorer_model(model)
             name = f"{name} (yours)" if name in FAMILIES else name
             self._user_model, self._loaders[name], self._configs[name] = name, load, user_config
-            self._models_by_label = {f"{name} ({k})": (name, w) for k, w in attention_kinds(user_config).items()} | self._models_by_label
+            self._models_by_label = ({f"{name} ({k})": (name, w) for k, w in attention_kinds(user_config).items()}
+                                     | self._models_by_label)
         tok = explorer_tokenizer(tokenizer, model)
         # name -> (data or None for shipped, tokenizer getter)
         self._sources = {s: (None, _shipped_tokenizer) for s in SAMPLES}
@@ -408,7 +413,8 @@ class MaskExplorer:
                 ("view", f"queries {y[0]}-{y[-1] - 1}, keys {x[0]}-{x[-1] - 1}: {len(y) - 1} x {len(x) - 1} cells"),
                 ("last update", f"{self.compute_ms:.0f} ms to compute")]
         self.stats.value = ("<table class='wb-stats-table'>" +
-                            "".join(f"<tr><td><b>{k}</b></td><td data-stat='{k}'>{v}</td></tr>" for k, v in rows) + "</table>")
+                            "".join(f"<tr><td><b>{k}</b></td><td data-stat='{k}'>{v}</td></tr>" for k, v in rows)
+                            + "</table>")
 
     def _draw_mask(self):
         heat, lines, title, axes = self._traces()

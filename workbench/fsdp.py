@@ -76,7 +76,8 @@ def reduce_gradients(model, grid: ParallelGrid):
 # %% ../nbs/04_runtime/07_fsdp.ipynb #ee83f0a8
 def full_parameters(model) -> dict[str, torch.Tensor]:
     "Every parameter as a full, plain tensor on the CPU (gathers sharded ones: call on every process)."
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu() for n, p in model.named_parameters()}
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
+            for n, p in model.named_parameters()}
 
 def _local(t) -> torch.Tensor: return t.to_local() if hasattr(t, "to_local") else t
 

@@ -47,7 +47,8 @@ class RankError(RuntimeError):
         self.rank, self.world_size, self.cause, self.worker_traceback = rank, world_size, cause, tb
         self.exc_type, self.exitcode = exc_type, exitcode
         kind = "traceback" if exc_type else "Python stack"
-        super().__init__(f"rank {rank} of {world_size} {cause}" + (f"\n\n--- {kind} of rank {rank} ---\n{tb}" if tb else ""))
+        super().__init__(f"rank {rank} of {world_size} {cause}"
+                         + (f"\n\n--- {kind} of rank {rank} ---\n{tb}" if tb else ""))
 
 # %% ../nbs/04_runtime/01_launch.ipynb #c41507e7
 class ProcessWorld:
@@ -68,7 +69,8 @@ class ProcessWorld:
 
     def __repr__(self):
         where = "CUDA GPUs (nccl)" if self.cuda else "CPU processes (gloo)"
-        return f"{self.num_processes} {where}, DP={self.dp_size} x SP={self.sp_size}" + (f" x ring={self.ring}" if self.ring > 1 else "")
+        return (f"{self.num_processes} {where}, DP={self.dp_size} x SP={self.sp_size}"
+                + (f" x ring={self.ring}" if self.ring > 1 else ""))
 
 # its name before `workbench.sp.layout.Layout` (a sequence-parallel kind) took it: kept for code importing it
 Layout = ProcessWorld
@@ -321,7 +323,8 @@ def _watch(ranks: list, exchange: Path, deadline_s: float | None, stall_s: float
     while running:
         ready = mp.connection.wait([p.sentinel for p in running.values()], WAKE_S)
         if not ready:
-            if end is not None and time.monotonic() >= end: return _past_deadline(running, exchange, deadline_s, len(ranks))
+            if end is not None and time.monotonic() >= end:
+                return _past_deadline(running, exchange, deadline_s, len(ranks))
             if stall_s is not None and (stall := _stalled(running, exchange, stall_s, beats, started, len(ranks))):
                 return stall
             continue

@@ -118,7 +118,8 @@ def memory_comparison(rows: list[dict],       # the run's metrics rows (`read_me
     peak = {}
     for row in rows: peak[row["rank"]] = max(peak.get(row["rank"], 0), row["peak_mem_bytes"])
     what = "max allocated" if device_type == "cuda" else "peak resident memory of the process"
-    measured = f"measured per-rank peak ({what}): " + ", ".join(f"rank {r} {peak[r] / 2**30:.3f} GiB" for r in sorted(peak))
+    measured = (f"measured per-rank peak ({what}): "
+                + ", ".join(f"rank {r} {peak[r] / 2**30:.3f} GiB" for r in sorted(peak)))
     if device_type != "cuda":
         return (f"{measured}\n  not compared with the planner: a CPU process's resident memory also holds the Python "
                 "runtime, the libraries, the dataset and the allocator's caches; the planner counts device tensor "

@@ -118,7 +118,8 @@ def memory_table(case: Case = Case(packed=False, tokens=1024),  # the row: one 1
         rows.append(dict(sp=p, other=sum(v for k, v in r["parts"].items() if k != attention),
                          attention=r["parts"].get(attention, 0), a2a=r["a2a"],
                          a2a_formula=a2a_elements(tiny_config(case.family), case.tokens, p)))
-    for r in rows: r["other_vs_sp1"], r["attention_vs_sp1"] = r["other"] / rows[0]["other"], r["attention"] / rows[0]["attention"]
+    for r in rows:
+        r["other_vs_sp1"], r["attention_vs_sp1"] = r["other"] / rows[0]["other"], r["attention"] / rows[0]["attention"]
     return rows
 
 def memory_markdown(rows: list) -> str:

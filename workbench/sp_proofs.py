@@ -168,7 +168,8 @@ class CountComm(torch.utils._python_dispatch.TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.name()
         if name == "c10d::send":
-            self.p2p += sum(t.numel() for t in args[0]); self.p2p_bytes += sum(t.numel() * t.element_size() for t in args[0])
+            self.p2p += sum(t.numel() for t in args[0]); self.p2p_bytes += sum(t.numel() * t.element_size()
+                                                                               for t in args[0])
         elif name.startswith("c10d::alltoall"): self.a2a += args[1].numel()  # the input: every piece, own one included
         elif name == "c10d::_allgather_base_":  # (output, input, group, ...)
             sent = args[0].numel() - args[1].numel()
@@ -233,7 +234,8 @@ def check_ring(cases: list,                # the `workbench.sp_proofs.Case`s to 
                                   getattr(cfg, "sliding_window", None))
             results.append(dict(case=case, ulysses=u, ring=r, dp=grid.dp_size, strategy=strategy, kernel=kernel,
                                 rank=dist.get_rank() if grid.mesh else 0,
-                                logits=_rel(logits[0, real].detach(), ref["logits"][grid.rank("dp")][0, idx[real]]) if real.any() else 0.0,
+                                logits=_rel(logits[0, real].detach(), ref["logits"][grid.rank("dp")][0, idx[real]])
+                                if real.any() else 0.0,
                                 loss=abs(global_loss(loss, grid) - ref["loss"]) / abs(ref["loss"]),
                                 grads=_grad_error(model, ref["grads"]),
                                 n_params=sum(p.grad is not None for p in model.parameters()),

@@ -80,7 +80,8 @@ def open_trackers(cfg: TrainConfig,  # the run: `cfg.report_to` names the tracke
         # hides the old events of the steps trained again
         extra = {"purge_step": start} if name == "tensorboard" and start else {}
         try:
-            t = cls(PROJECT, str(Path(cfg.out) / name), **extra) if cls.requires_logging_directory else cls(PROJECT, **extra)
+            t = (cls(PROJECT, str(Path(cfg.out) / name), **extra) if cls.requires_logging_directory
+                 else cls(PROJECT, **extra))
             t.main_process_only = False  # this is rank 0 already: accelerate's state (one process on CPU) has no say
             t.start(); started.append(t)
             t.store_init_configuration(hparams(cfg))
@@ -99,7 +100,8 @@ class TrackerSink:
 
     def log(self, row: dict, prefix: str = "train"):
         "Log the scalars of one `write_metrics` row (`train/<key>`; an evaluation's: `eval/<key>`) at its step."
-        values = {f"{prefix}/{k}": v for k, v in row.items() if k not in ("step", "rank") and isinstance(v, (int, float))}
+        values = {f"{prefix}/{k}": v for k, v in row.items()
+                  if k not in ("step", "rank") and isinstance(v, (int, float))}
         for t in self.trackers:
             try: t.log(values, step=row["step"])
             except Exception as e:

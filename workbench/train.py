@@ -163,7 +163,8 @@ def setup_rank(cfg: TrainConfig,
     # each bin's predicted work and its attention part, by its pieces:
     # the per-rank view sets a rank's measured time beside them
     bin_flops = None
-    if costs is not None: bin_flops = {tuple(b.tolist()): (float(c), float(a)) for b, c, a in zip(plan.bins, costs, attention)}
+    if costs is not None:
+        bin_flops = {tuple(b.tolist()): (float(c), float(a)) for b, c, a in zip(plan.bins, costs, attention)}
     collate = FlatteningCollator(pad_to_multiple_of=cfg.sp, train_all_tokens=True)  # load_features decided the masks
     trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
     opt = torch.optim.AdamW(trainable, lr=cfg.lr)
