@@ -64,7 +64,8 @@ def compare(result: dict, golden: dict) -> dict:
     return dict(loss=losses[0], curve=max(losses), grads=float((g - g0).abs().max() / top), grad_scale=scale,
                 grads_rescaled=float((g / round(scale) - g0).abs().max() / top) if round(scale) >= 1 else float("nan"),
                 grad_norm_ratio=result["steps"][0]["grad_norm"] / golden["steps"][0]["grad_norm"],
-                fingerprint=max(abs(a["fingerprint"] - b["fingerprint"]) for a, b in zip(result["steps"], golden["steps"])),
+                fingerprint=max(abs(a["fingerprint"] - b["fingerprint"])
+                                for a, b in zip(result["steps"], golden["steps"])),
                 ranks_agree=all(r == ranks[0] for r in ranks),
                 same_rows=[s["rows"] for s in result["steps"]] == [s["rows"] for s in golden["steps"]])
 
@@ -118,9 +119,9 @@ def judge(run: Run, result: dict, golden: dict, leaky: dict | None = None) -> Ve
                        f"equals plain causal attention over the whole row (difference {leak:.2g}) and differs from the "
                        f"model's own mask by {d['loss']:.2g}; gradients {d['grads_rescaled']:.2g} off after dividing by their scale "
                        f"{round(d['grad_scale'])}", ENGINES[run.engine].leak_fix or "use attn_implementation='workbench_varlen'", leak)
-    return Verdict(run, d, "differs", f"step-1 loss {d['loss']:.2g}, gradients {d['grads']:.2g} from one process (tolerances "
-                   f"{tol_loss:g}, {tol_grad:g})", "compare the engine's data path and loss with "
-                                                   "workbench.sp.ulysses", leak)
+    return Verdict(run, d, "differs", f"step-1 loss {d['loss']:.2g}, gradients {d['grads']:.2g} from one process "
+                                      f"(tolerances {tol_loss:g}, {tol_grad:g})",
+                   "compare the engine's data path and loss with workbench.sp.ulysses", leak)
 
 # %% ../nbs/05_ecosystem/04_engine_proofs.ipynb #49480058
 def _row(v: Verdict) -> dict:
@@ -153,7 +154,8 @@ class EngineReport:
         return (f"Engine proof: {len(self.verdicts)} runs against one process, {bad} not exact ({self.seconds:.0f} s)")
     def _shrunk(self) -> str:
         if not self.shrunk: return ""
-        kept = ", ".join(f"{k} {a} → {b}" if a != b else f"{k} {a}" for k, (a, b) in self.shrunk.items() if a is not None)
+        kept = ", ".join(f"{k} {a} → {b}" if a != b else f"{k} {a}"
+                         for k, (a, b) in self.shrunk.items() if a is not None)
         return f"Your model, shrunk to a tiny copy of the same architecture (original → tiny): {kept}"
     def __str__(self):
         lines = [self._title(), *([self._shrunk()] if self.shrunk else [])]
@@ -218,7 +220,8 @@ def prove_engine(engines=("workbench", "alst"),   # engines to prove (keys of `E
     loss = {"alst": "hf_sp", "alst_accelerate": "hf_sp", "trl_alst": "hf_sp", **(loss or {})}
     steps = math.lcm(*sp_sizes)  # ALST's adapter serves a step from every SP rank in turn
     runs = [Run(engine=e, sp=p, packed=k, attention=attention, family=family, dtype=dtype, steps=steps,
-                loss=loss.get(e, "exact"), max_grad_norm=max_grad_norm) for e in engines for p in sp_sizes for k in packed]
+                loss=loss.get(e, "exact"), max_grad_norm=max_grad_norm)
+            for e in engines for p in sp_sizes for k in packed]
     if fix and attention != "workbench_varlen":
         runs += [replace(r, attention="workbench_varlen") for r in runs if r.packed and ENGINES[r.engine].leak_fix]
     results = train_runs([*references(runs), *runs], deadline_s)

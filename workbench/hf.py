@@ -107,7 +107,8 @@ def prepare_dataset(ds,                      # a datasets.Dataset / IterableData
         if "input_ids" not in cols or ("labels" in cols and not set(LOSS_MASKS) & set(cols)
                                       and ("seq_lengths" not in cols or "position_ids" in cols)): return ds
         drop = [c for c in LOSS_MASKS if c in cols]
-        kw = dict(num_proc=num_proc, desc="workbench: loss masks into labels") if isinstance(ds, datasets.Dataset) else {}
+        kw = (dict(num_proc=num_proc, desc="workbench: loss masks into labels") if isinstance(ds, datasets.Dataset)
+              else {})
         return ds.map(_fold_batch, batched=True, with_indices=True, remove_columns=drop, **kw)
     if isinstance(ds, FoldedDataset): return ds
     if isinstance(ds, torch.utils.data.IterableDataset):
@@ -141,7 +142,8 @@ class LabelGuard:
 
 def _collator_of(c):
     "The collator inside Trainer's and our wrappers."
-    while hasattr(c, "data_collator") or isinstance(c, LabelGuard): c = c.collator if isinstance(c, LabelGuard) else c.data_collator
+    while hasattr(c, "data_collator") or isinstance(c, LabelGuard):
+        c = c.collator if isinstance(c, LabelGuard) else c.data_collator
     return c
 
 def _is_stream(ds) -> bool:
@@ -221,7 +223,8 @@ def tokenize_dataset(ds,                        # a datasets.Dataset / IterableD
 def checkpointing(args) -> tuple[bool, bool]:
     """Whether `TrainingArguments` turn activation checkpointing on, and whether it recomputes reentrantly (transformers
     5.24 renamed gradient_checkpointing; the 5.23 floor has only the old names)."""
-    if hasattr(args, "activation_checkpointing"): on, kwargs = args.activation_checkpointing, args.activation_checkpointing_kwargs
+    if hasattr(args, "activation_checkpointing"):
+        on, kwargs = args.activation_checkpointing, args.activation_checkpointing_kwargs
     else: on, kwargs = args.gradient_checkpointing, args.gradient_checkpointing_kwargs
     return bool(on), (kwargs or {}).get("use_reentrant", False)
 
@@ -308,7 +311,8 @@ class PackedMixin:
                                  "tokenize the rows into input_ids yourself (every token then trains)")
             train_dataset = tokenize_dataset(train_dataset, tokenizer, "train_dataset")
             eval_dataset = tokenize_dataset(eval_dataset, tokenizer, "eval_dataset")
-        prep = lambda d: None if d is None else {k: prepare_dataset(v) for k, v in d.items()} if isinstance(d, dict) else prepare_dataset(d)
+        prep = (lambda d: None if d is None else {k: prepare_dataset(v) for k, v in d.items()} if isinstance(d, dict)
+                else prepare_dataset(d))
         super().__init__(model, args, data_collator or FlatteningCollator(train_all_tokens=True), prep(train_dataset),
                          prep(eval_dataset), *rest, **kwargs)
         packed = self.train_dataset is not None and "seq_lengths" in _dataset_columns(self.train_dataset)
@@ -325,7 +329,9 @@ class PackedMixin:
             # its predicted max/mean rank cost: repr(trainer.balanced)
             if balance == "cost": self.balanced = self._plan_balanced()
             if self.balanced: self.plan = self.balanced.plan
-            elif not _is_stream(self.train_dataset): self.plan = plan_bins(self.train_dataset, max_tokens, overlong=overlong, seed=self.args.seed, untrained=untrained)
+            elif not _is_stream(self.train_dataset):
+                self.plan = plan_bins(self.train_dataset, max_tokens, overlong=overlong, seed=self.args.seed,
+                                      untrained=untrained)
             elif self.args.dataloader_num_workers:
                 warnings.warn(f"dataloader_num_workers={self.args.dataloader_num_workers} is not used for a streamed "
                               f"train_dataset with max_tokens: PackedStream packs it in the main process (each worker "
@@ -386,7 +392,8 @@ class PackedMixin:
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
         b = inputs.get("cu_seq_lens_q", inputs.get("position_ids"))
-        if prediction_loss_only or logits is None or b is None or inputs["input_ids"].shape[0] != 1: return loss, logits, labels
+        if prediction_loss_only or logits is None or b is None or inputs["input_ids"].shape[0] != 1:
+            return loss, logits, labels
         if getattr(_collator_of(self.data_collator), "pad_to_multiple_of", None):
             raise ValueError("the eval collator pads the row with a dummy example (pad_to_multiple_of): predictions "
                              "would gain a row per batch; evaluate with FlatteningCollator() without "
@@ -417,7 +424,8 @@ class TrainerReport:
     @property
     def verdict(self) -> str:
         fails, warns = (sum(f.status == s for f in self.all_findings) for s in ("fail", "warn"))
-        return f"NOT CLEAN ({fails} failed, {warns} warnings)" if fails else f"clean ({warns} warnings)" if warns else "clean"
+        return (f"NOT CLEAN ({fails} failed, {warns} warnings)" if fails else f"clean ({warns} warnings)" if warns
+                else "clean")
     def __getitem__(self, check: str) -> Finding:
         for f in self.all_findings:
             if f.check == check: return f
@@ -557,7 +565,8 @@ def check_trainer(trainer,            # a configured transformers Trainer or TRL
                 f"activation_checkpointing={gc}" + (f", use_reentrant={reentrant}" if gc else "")
                 + (": reentrant recomputation with frozen input embeddings (PEFT) lets no gradient reach the layers"
                    if risky else "; checkpointed layers see the same packed boundaries" if gc else ""),
-                "activation_checkpointing_kwargs={'use_reentrant': False} (the default since transformers 5)" if risky else ""))
+                "activation_checkpointing_kwargs={'use_reentrant': False} (the default since transformers 5)" if risky
+                else ""))
     if args.label_smoothing_factor:
         add(Finding("label smoothing", "pass", f"label_smoothing_factor={args.label_smoothing_factor}: LabelSmoother "
                                                "skips labels -100 (each example's first label in a packed row), so no "
