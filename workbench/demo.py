@@ -110,7 +110,8 @@ class HtmlReport:
         "The whole page as HTML."
         env = "".join(f"<tr><th>{k}</th><td>{html.escape(v)}</td></tr>" for k, v in environment())
         toc = "".join(f"<li><a href='#{s}'>{html.escape(h)}</a></li>" for s, h, _ in self.sections)
-        body = "".join(f"<section id='{s}'><h2>{html.escape(h)}</h2>{''.join(parts)}</section>" for s, h, parts in self.sections)
+        body = "".join(f"<section id='{s}'><h2>{html.escape(h)}</h2>{''.join(parts)}</section>"
+                       for s, h, parts in self.sections)
         data = (f"<script type='application/json' id='plot-config'>{json.dumps(PLOT_CONFIG)}</script>"
                 f"<script type='text/plain' id='plotly-js'>{_packed(plotly.offline.get_plotlyjs())}</script>"
                 f"<script type='text/plain' id='figures-json'>{_packed('[' + ','.join(self.figs) + ']')}</script>")
@@ -170,7 +171,8 @@ def doctor_table(verdicts: dict) -> str:
                      for fix, c in doctor_fixes(verdicts).items())
     verified = {v.verified_with for v in verdicts.values() if v.verified_with}
     return (f"<table><tr><th>check</th>{summary}</tr>{rows}</table>"
-            + (f"<p><b>Fix</b>, measured to work ({html.escape('; '.join(verified))}):</p><ul>{listed}</ul>" if listed else ""))
+            + (f"<p><b>Fix</b>, measured to work ({html.escape('; '.join(verified))}):</p><ul>{listed}</ul>" if listed
+               else ""))
 
 def doctor_text(verdicts: dict) -> str:
     "The same for a terminal: each verdict, the checks that did not pass, each fix once."
@@ -197,13 +199,16 @@ def doctor_section(report: HtmlReport, tokenizer=None):
 def sp_section(report: HtmlReport, out: Path, steps: int = 6):
     "Train the same data on one process and with SP=2 over two processes; add the loss comparison and the run figures."
     for sp in (1, 2): shutil.rmtree(out / f"sp{sp}", ignore_errors=True)  # the demo's own runs start afresh each time
-    cfgs = [TrainConfig(sp=sp, steps=steps, max_tokens=1024, out=str(out / f"sp{sp}"), name=f"SP={sp}") for sp in (1, 2)]
+    cfgs = [TrainConfig(sp=sp, steps=steps, max_tokens=1024, out=str(out / f"sp{sp}"), name=f"SP={sp}")
+            for sp in (1, 2)]
     one, two = (run(c) for c in cfgs)
     checks = [check_run(c.out, record=False) for c in cfgs]  # each run's prediction against its own steps, one basis
-    timing = [(c.name, f"{h.predicted_s:.3f}", f"{h.measured_s:.3f}", f"{h.predicted_s / h.measured_s:.2f}") for c, h in zip(cfgs, checks)]
+    timing = [(c.name, f"{h.predicted_s:.3f}", f"{h.measured_s:.3f}", f"{h.predicted_s / h.measured_s:.2f}")
+              for c, h in zip(cfgs, checks)]
     print("step time, predicted (workbench.cost, at the one thread each rank runs) against measured (median past step "
           "0):\n"
-          + "\n".join(f"  {n}: predicted {p} s/step, measured {m} s/step, predicted / measured {r}" for n, p, m, r in timing), end="\n\n")
+          + "\n".join(f"  {n}: predicted {p} s/step, measured {m} s/step, predicted / measured {r}"
+                      for n, p, m, r in timing), end="\n\n")
     diff = max(abs(a - b) for a, b in zip(one, two))
     rows = [(i, f"{a:.6f}", f"{b:.6f}", f"{abs(a - b):.1e}") for i, (a, b) in enumerate(zip(one, two))]
     print("loss, one process against sequence parallelism over two:\n"
