@@ -182,7 +182,8 @@ def _balance_rank(groupings: dict, lengths: np.ndarray, vocab: int) -> dict:
         ids = torch.randint(0, vocab, (1, int(sum(docs))), generator=g)
         cu = torch.tensor(cu_seq_lens(docs))
         model(input_ids=ids, labels=ids, position_ids=torch.tensor(restart_positions(docs))[None], use_cache=False,
-              cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=int(max(docs)), max_length_k=int(max(docs))).loss.backward()
+              cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=int(max(docs)),
+              max_length_k=int(max(docs))).loss.backward()
         compute = time.perf_counter() - t0
         flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
         dist.all_reduce(flat)  # the gradient reduction every rank waits at

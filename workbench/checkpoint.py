@@ -246,8 +246,8 @@ def load_checkpoint(out: Path, model, opt, sampler, cfg: TrainConfig, plan: str)
     else: model.load_state_dict(state["model"]); opt.load_state_dict(state["opt"])
     saved_layout = manifest.get("layout", _layout(cfg))
     moved = saved_layout != _layout(cfg)
-    # another layout: every rank takes rank 0's sampler position (all stand at the same step) and generators (a run seeds
-    # every rank alike, and without dropout none draws from them)
+    # another layout: every rank takes rank 0's sampler position (all stand at the same step) and generators
+    # (a run seeds every rank alike, and without dropout none draws from them)
     mine = state["ranks"][0 if moved else process_rank()]
     sampler.load_state_dict(mine["sampler"]); _set_rng_state(mine["rng"])
     if moved and process_rank() == 0:

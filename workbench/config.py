@@ -33,7 +33,8 @@ def flag(name: str) -> str:
 
 def tracker_names(report_to: str | list | tuple | None) -> tuple[str, ...]:
     """The accelerate trackers `report_to` names, as `TrainingArguments.report_to` reads it: names (a list or one
-    comma-separated string), "all" for every one installed, "none" (or None, or nothing) for none; or an error naming the fix."""
+    comma-separated string), "all" for every one installed, "none" (or None, or nothing) for none; or an error
+    naming the fix."""
     names = [n.strip() for n in report_to.split(",")] if isinstance(report_to, str) else list(report_to or ())
     if any(not isinstance(n, str) for n in names):
         raise ValueError(f"report_to (--report-to) must be tracker names (strings), got {report_to!r}")
@@ -190,7 +191,8 @@ def model_config(cfg: TrainConfig):
 # %% ../nbs/04_runtime/02_config.ipynb #533e86e6
 def _parser(names: tuple[str, ...] | None = None,  # the fields that get a flag (None: every field, and --preset)
            ) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m workbench.train", description="DP x SP training with padding-free packing")
+    p = argparse.ArgumentParser(prog="python -m workbench.train",
+                                description="DP x SP training with padding-free packing")
     if names is None: p.add_argument("--preset", choices=sorted(PRESETS), help="start from a named configuration")
     p.add_argument("--nproc", type=int, help="processes to launch here (dp defaults to nproc / sp); omit under "
                                              "torchrun")

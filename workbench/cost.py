@@ -153,7 +153,7 @@ def _measured_rates(threads: int, processes: int) -> tuple[float, float]:
 
 @functools.lru_cache(maxsize=None)
 def cpu_device(threads: int | None = None,  # threads of the process to model (None: this process's, now)
-               processes: int = 1,           # processes computing at once (a run's ranks), each measured while the others run
+               processes: int = 1,           # processes at once (a run's ranks), each measured while the others run
               ) -> Device:
     """This machine's CPU as a `Device` for one of `processes` processes of `threads` threads each: FLOP/s and memory
     bandwidth measured that way (`processes` > 1: as many forked processes, as `workbench.launch` forks ranks, measuring
@@ -333,7 +333,8 @@ def predict_step(config,                  # a transformers config or a preset na
                  batch,                   # this replica's rows of one optimizer step (as `step_cost` reads them)
                  device="H100 SXM",       # a `DEVICES` name, "cpu", or a `Device`
                  efficiency: Efficiency = Efficiency(),  # the factors (fit them with `calibrate`)
-                 **options,               # `step_cost`'s: sp, ring, dp, attention, levers, zero_stage, optimizer_offload, dtype_bytes
+                 # `step_cost`'s: sp, ring, dp, attention, levers, zero_stage, optimizer_offload, dtype_bytes
+                 **options,
                 ) -> Prediction:
     """Predicted seconds, throughput and MFU of one step (a roofline over `step_cost` with the named `efficiency`
     factors), with the error measured on the points those factors were not fitted on (`held_out`)."""
@@ -618,9 +619,11 @@ def unmodelled(cfg, config) -> str | None:
     except ValueError as e: return f"workbench.cost does not model this architecture ({e})"
     return None
 
-def run_prediction(cfg, config, plan: Plan, efficiency: Efficiency | None = None, steps: int = 64,  # efficiency None: `run_efficiency()`
-                   sampler: TokenBudgetSampler | None = None) -> Prediction | None:  # sampler: the run's (None:
-                                                                                     # the token-balanced one)
+def run_prediction(cfg, config, plan: Plan,
+                   efficiency: Efficiency | None = None,  # None: `run_efficiency()`
+                   steps: int = 64,
+                   sampler: TokenBudgetSampler | None = None,  # the run's (None: the token-balanced one)
+                   ) -> Prediction | None:
     """A run's predicted step: its first `steps` optimizer steps as the sampler serves them, each at its slowest rank,
     averaged (None where `unmodelled` says why: training goes on without)."""
     if unmodelled(cfg, config): return None  # not modelled, so no MFU claimed either

@@ -39,7 +39,8 @@ __all__ = ['PLOT_CONFIG', 'slug', 'environment', 'HtmlReport', 'packing_section'
 # %% ../nbs/06_demo_and_bench/01_demo.ipynb #c8a425b4
 PLOT_CONFIG = dict(displaylogo=False, showSendToCloud=False, modeBarButtonsToRemove=["sendDataToCloud"],
                    responsive=True)
-_STYLE = """body{font-family:system-ui,sans-serif;max-width:1200px;margin:auto;padding:0 1em;color:#1f2328;line-height:1.45}
+_STYLE = """\
+body{font-family:system-ui,sans-serif;max-width:1200px;margin:auto;padding:0 1em;color:#1f2328;line-height:1.45}
 th,td{text-align:left;padding:2px 1.2em 2px 0;vertical-align:top}p.why{color:#444;max-width:60em}
 nav ol{columns:2}.row{display:grid;grid-template-columns:repeat(auto-fit,minmax(480px,1fr));gap:8px}
 .pass{color:#1a7f37;font-weight:bold}.fail{color:#cf222e;font-weight:bold}.warn{color:#9a6700;font-weight:bold}
@@ -50,8 +51,10 @@ _LOADER = """<script>
     const bytes = Uint8Array.from(atob(document.getElementById(id).textContent), c => c.charCodeAt(0));
     return await new Response(new Blob([bytes]).stream().pipeThrough(new DecompressionStream("gzip"))).text();
   };
-  const lib = document.createElement("script"); lib.textContent = await unzip("plotly-js"); document.head.appendChild(lib);
-  const figures = JSON.parse(await unzip("figures-json")), config = JSON.parse(document.getElementById("plot-config").textContent);
+  const lib = document.createElement("script"); lib.textContent = await unzip("plotly-js"); \
+document.head.appendChild(lib);
+  const figures = JSON.parse(await unzip("figures-json")), \
+config = JSON.parse(document.getElementById("plot-config").textContent);
   for (const [i, fig] of figures.entries()) await Plotly.newPlot("figure-" + i, fig.data, fig.layout, config);
   document.getElementById("nojs").remove();
   document.body.dataset.rendered = figures.length;

@@ -119,7 +119,8 @@ def boundary_fields(batch: dict) -> dict:
     for k in ("cu_seq_lens_q", "cu_seq_lens_k"):
         if batch.get(k) is not None: out[k] = np.diff(np.asarray(torch.as_tensor(batch[k]).cpu())).astype(np.int64)
     if batch.get("seq_idx") is not None:
-        out["seq_idx"] = np.concatenate([_runs(r) for r in torch.as_tensor(batch["seq_idx"]).cpu().reshape(-1, batch["seq_idx"].shape[-1])])
+        out["seq_idx"] = np.concatenate(
+            [_runs(r) for r in torch.as_tensor(batch["seq_idx"]).cpu().reshape(-1, batch["seq_idx"].shape[-1])])
     return out
 
 def batch_lengths(batch: dict) -> np.ndarray:
@@ -543,7 +544,8 @@ def _traps(inner, batch: dict, kwargs: dict, attn: str, lengths: np.ndarray) -> 
                        f"token: the previous example's last token is trained to predict it" if trained else
                        f"every example's first label is {IGNORE_INDEX}: no target is predicted from another example",
                        f"set labels to {IGNORE_INDEX} at every example's first token (FlatteningCollator does)",
-                       lambda s: _with(s, {"labels": s.batch["labels"].reshape(-1).index_fill(0, starts, IGNORE_INDEX).reshape(ids.shape)}),
+                       lambda s: _with(s, {"labels": s.batch["labels"].reshape(-1)
+                                                     .index_fill(0, starts, IGNORE_INDEX).reshape(ids.shape)}),
                        exact=True))
     use_cache = kwargs.get("use_cache")
     # transformers' None: the config's
@@ -586,7 +588,7 @@ def _traps(inner, batch: dict, kwargs: dict, attn: str, lengths: np.ndarray) -> 
 def check_packing(model,                        # a transformers causal LM, or any wrapper
                                                 # around one (torch.compile, PEFT, DDP...)
                   batch: dict,                  # a packed batch, exactly as the training loop passes it
-                  forward_kwargs: dict | None = None,  # extra keyword arguments of the loop's forward call, e.g. {"use_cache": False}
+                  forward_kwargs: dict | None = None,  # the loop's other forward arguments, e.g. {"use_cache": False}
                   # largest packed vs padded difference counted as equal (default: `rounding_tolerance`)
                   tolerance: float | None = None,
                   grads: bool = True,           # also compare gradients (set False when backward is unavailable)

@@ -81,7 +81,8 @@ class Verdict:
     "One run against its golden run: the measured differences, a status and, unless exact, the cause and the fix."
     run: Run
     diff: dict                 # `compare` against the golden run
-    status: str                # "exact", "scaled" (gradients P×, else equal), "leaks" (attends across documents), "differs"
+    # "exact", "scaled" (gradients P×, else equal), "leaks" (attends across documents), "differs"
+    status: str
     cause: str = ""
     fix: str = ""
     leak_diff: float | None = None  # step-1 loss difference against the no-mask (leaky) reference
@@ -114,11 +115,14 @@ def judge(run: Run, result: dict, golden: dict, leaky: dict | None = None) -> Ve
                                              "grad_norm", leak)
     if leak is not None and leak <= tol_loss < d["loss"]:
         beyond = " and ".join(([] if not run.packed else ["across the documents of the packed row"]) +
-                              ([] if not getattr(tiny_config(run.family), "sliding_window", None) else ["beyond the model's sliding window"]))
-        return Verdict(run, d, "leaks", f"{run.engine} with {run.attention!r} drops the mask and attends {beyond}: its loss "
-                       f"equals plain causal attention over the whole row (difference {leak:.2g}) and differs from the "
-                       f"model's own mask by {d['loss']:.2g}; gradients {d['grads_rescaled']:.2g} off after dividing by their scale "
-                       f"{round(d['grad_scale'])}", ENGINES[run.engine].leak_fix or "use attn_implementation='workbench_varlen'", leak)
+                              ([] if not getattr(tiny_config(run.family), "sliding_window", None)
+                               else ["beyond the model's sliding window"]))
+        return Verdict(run, d, "leaks",
+                       f"{run.engine} with {run.attention!r} drops the mask and attends {beyond}: its loss equals "
+                       f"plain causal attention over the whole row (difference {leak:.2g}) and differs from the "
+                       f"model's own mask by {d['loss']:.2g}; gradients {d['grads_rescaled']:.2g} off after dividing "
+                       f"by their scale {round(d['grad_scale'])}",
+                       ENGINES[run.engine].leak_fix or "use attn_implementation='workbench_varlen'", leak)
     return Verdict(run, d, "differs", f"step-1 loss {d['loss']:.2g}, gradients {d['grads']:.2g} from one process "
                                       f"(tolerances {tol_loss:g}, {tol_grad:g})",
                    "compare the engine's data path and loss with workbench.sp.ulysses", leak)
@@ -136,7 +140,7 @@ class EngineReport:
     verdicts: list                           # `Verdict`s in the order run
     seconds: float = 0.0                     # wall time of the proof
     results: list = field(default_factory=list, repr=False)  # every trained run (golden runs included): the ledger
-    shrunk: dict | None = None               # the user's model against its tiny copy (`shrink_table`), when one was shrunk
+    shrunk: dict | None = None               # the user's model against its tiny copy (`shrink_table`), if shrunk
 
     def __getitem__(self, i) -> Verdict: return self.verdicts[i]
     def find(self, **match) -> Verdict:
@@ -190,13 +194,15 @@ def prove_engine(engines=("workbench", "alst"),   # engines to prove (keys of `E
                  packed=(False, True),            # row layouts
                  attention: str = "sdpa",         # the attention users load the model with
                  fix: bool = True,                # also run the engines that leak with attention 'workbench_varlen'
-                 family: str | None = None,       # shipped tiny config (default 'llama'; llama3: 2 kv heads, so kv < SP at SP 4)
+                 # shipped tiny config (default 'llama'; llama3: 2 kv heads, so kv < SP at SP 4)
+                 family: str | None = None,
                  dtype: str = "float32",
                  loss: dict | None = None,        # loss formula per engine (default: ALST as users run it, 'hf_sp')
                  max_grad_norm: float | None = None,  # clip every run (and its golden run) to this gradient norm
                  deadline_s: float = 600,         # limit of each launch
-                 model=None,                      # your model instead of `family`: a model directory, a config or a model
-                                                  # instance, proven as a tiny random-weight copy of its architecture (`shrink_config`)
+                 # your model instead of `family`: a model directory, a config or a model instance, proven as a tiny
+                 # random-weight copy of its architecture (`shrink_config`)
+                 model=None,
                 ) -> EngineReport:
     "Train the same tiny model on the same rows through every engine and SP size, and judge each against one process."
     import math, time

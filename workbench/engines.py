@@ -228,7 +228,8 @@ def train_no_mask(run: Run, rows: list) -> dict: return _train_here(run, rows, n
 
 # %% ../nbs/05_ecosystem/03_engines.ipynb #e48aff0c
 # Up to transformers 5.24, HF's SP loss (`deepspeed_sp_compute_loss`) backpropagates the whole row's mean on every SP
-# rank, and DeepSpeed sums the SP ranks' gradients: P times the one-process gradient. 5.25 backpropagates each rank's share.
+# rank, and DeepSpeed sums the SP ranks' gradients: P times the one-process gradient. 5.25 backpropagates each
+# rank's share.
 HF_SP_LOSS_SUMS = release() < (5, 25)
 
 def hf_sp_loss(logits: torch.Tensor, shift_labels: torch.Tensor, group) -> torch.Tensor:
@@ -293,9 +294,10 @@ def _release_alst(key: str, original):
     parallel_state_sp._release_sequence_parallel_groups()  # private: its only reset ("already initialized" otherwise)
 
 def _probe_ops_quietly():
-    """DeepSpeed's op probe, with the compiler's stderr dropped: its CPU comm setup asks which ops can be built, linking a
-    test program per op (`-laio` for async_io). DeepSpeed silences that through sys.stderr, which in a Jupyter kernel (or
-    under pytest) is not fd 2, so the linker's errors reached the cell. The result is cached in deepspeed.ops: probed once."""
+    """DeepSpeed's op probe, with the compiler's stderr dropped: its CPU comm setup asks which ops can be built,
+    linking a test program per op (`-laio` for async_io). DeepSpeed silences that through sys.stderr, which in a
+    Jupyter kernel (or under pytest) is not fd 2, so the linker's errors reached the cell. The result is cached in
+    deepspeed.ops: probed once."""
     import deepspeed.ops
     if "__compatible_ops__" in vars(deepspeed.ops): return
     sys.stderr.flush(); saved = os.dup(2)
@@ -439,8 +441,9 @@ def _train_through_trainer(run: Run, rows: list, trainer_cls, args_cls, args_ext
     original = ALL_ATTENTION_FUNCTIONS.get(run.attention)
     rec = Recorder(run, model)
     tokens = [sum(_trained(r) for r in s) for s in rows]
-    # accelerate's state over the launch's gloo group: on CPU its DeepSpeed state otherwise has no backend and counts one
-    # process, so a metric gather (TRL's token accuracy) fails; the Trainer then uses this state (use_configured_state)
+    # accelerate's state over the launch's gloo group: on CPU its DeepSpeed state otherwise has no backend and counts
+    # one process, so a metric gather (TRL's token accuracy) fails; the Trainer then uses this state
+    # (use_configured_state)
     PartialState(backend="gloo")
 
     # ALST's adapter gathers one batch from every SP rank and trains them in rank order (step s: SP rank s mod P's

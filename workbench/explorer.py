@@ -156,7 +156,7 @@ LAYOUTS = {"one process": {}, "Ulysses 2": dict(ulysses=2), "ring 2": dict(ring=
 REPLICAS = (1, 2, 4)  # the explorer's data-parallel degrees
 
 def html_table(table,   # a `pandas.DataFrame`, one row per rank (None: no table)
-               key: str, # the column that names a row's rank: each cell carries it as `data-<key>`, and its column as `data-col`
+               key: str, # the column naming a row's rank: a cell carries it as `data-<key>`, its column as `data-col`
                ) -> str:
     "`table` as an HTML table whose cells a page (or a test) can read back by rank and column ('' for None)."
     if table is None or table.empty: return ""
@@ -271,7 +271,8 @@ class MaskExplorer:
         self.ranks_fig = go.Figure()
         self.ranks_view = PlotView(self.ranks_fig)
         self.ranks_box = W.VBox([self.ranks_note, W.Box([self.ranks_view]).add_class("wb-ranks"), self.ranks_table])
-        self.replicas_note, self.replicas_table = W.HTML().add_class("wb-replicas-note"), W.HTML().add_class("wb-replicas-table")
+        self.replicas_note, self.replicas_table = (W.HTML().add_class("wb-replicas-note"),
+                                                   W.HTML().add_class("wb-replicas-table"))
         self.replicas_box = W.VBox([self.replicas_note, self.replicas_table])
         self._draw_replicas()
         self._draw_ranks()

@@ -207,9 +207,9 @@ def fused_pairs(ring_index,         # [ring, m] global token indices of every ri
                 cu,                 # the row's document boundaries
                 window: int = 0,    # sliding window (0: none)
                ) -> np.ndarray:
-    """Query-key pairs the fused kernel's calls compute per ring rank `[ring]`: each call's rows x keys, from `ring_plans`
-    (the kernel's own plan). A causal call is counted whole, as the CPU kernel's counter counts it (CUDA's causal varlen
-    call computes about half of it)."""
+    """Query-key pairs the fused kernel's calls compute per ring rank `[ring]`: each call's rows x keys, from
+    `ring_plans` (the kernel's own plan). A causal call is counted whole, as the CPU kernel's counter counts it (CUDA's
+    causal varlen call computes about half of it)."""
     doc = documents(torch.as_tensor(cu))
     blocks = torch.as_tensor(ring_index)
     work = np.zeros(len(blocks), dtype=np.int64)

@@ -17,7 +17,8 @@ from .flops import attention_work
 from .step_balance import plan_balanced
 from .doctor import Finding, DoctorReport, check_packing, unwrap
 from .memory import Levers
-from .packing import LOSS_MASKS, FlatteningCollator, OVERLONG, PackedStream, TokenBudgetSampler, UNTRAINED, plan_bins
+from .packing import (LOSS_MASKS, FlatteningCollator, OVERLONG, PackedStream, TokenBudgetSampler, UNTRAINED,
+                               plan_bins)
 from .data import row_kind, ROW_KINDS, tokenize_rows
 from transformers import Trainer
 from trl import SFTTrainer
@@ -288,7 +289,7 @@ class PackedMixin:
                                                  # held while packing it (`PackedStream`)
                  balance: str = "tokens",        # with max_tokens: group each optimizer step's bins over ranks by
                                                  # tokens, or by predicted cost (`workbench.step_balance.plan_balanced`)
-                 untrained: str = "drop",        # with max_tokens: a piece that trains no token (a prompt-only slice of a split example): "drop" (counted) or "keep"
+                 untrained: str = "drop",        # with max_tokens, pieces training no token: "drop" (counted) or "keep"
                  **kwargs):
         check_parallelism_args(args)
         if overlong not in OVERLONG: raise ValueError(f"overlong must be one of {OVERLONG}, got {overlong!r}")
@@ -305,7 +306,8 @@ class PackedMixin:
         # raw rows tokenized as workbench.train does (with one, TRL formats them)
         if kwargs.get("formatting_func") is None:
             tokenizer = kwargs.get("processing_class", rest[0] if rest else None)
-            if getattr(args, "completion_only_loss", None) is False and raw_kind(train_dataset) == "prompt + completion":
+            if (getattr(args, "completion_only_loss", None) is False
+                    and raw_kind(train_dataset) == "prompt + completion"):
                 raise ValueError("completion_only_loss=False asks to train the prompts too, but raw prompt/completion "
                                  "rows are tokenized as workbench.train does, completions trained: leave it unset, or "
                                  "tokenize the rows into input_ids yourself (every token then trains)")
@@ -317,7 +319,8 @@ class PackedMixin:
                          prep(eval_dataset), *rest, **kwargs)
         packed = self.train_dataset is not None and "seq_lengths" in _dataset_columns(self.train_dataset)
         self.data_collator = LabelGuard(self.data_collator, packed=packed)
-        self.max_tokens, self.overlong, self.buffer_size, self.plan, self.balanced = max_tokens, overlong, buffer_size, None, None
+        (self.max_tokens, self.overlong, self.buffer_size,
+         self.plan, self.balanced) = max_tokens, overlong, buffer_size, None, None
         self.untrained = untrained
         if max_tokens is not None:
             if self.args.train_sampling_strategy != "random":
@@ -362,7 +365,8 @@ class PackedMixin:
         return super().compute_loss(model, {**inputs, "use_cache": False}, *args, **kwargs)
 
     def get_eval_dataloader(self, eval_dataset=None):
-        # a dataset handed to evaluate() later is prepared like the ones given at construction (a str names one of those)
+        # a dataset handed to evaluate() later is prepared like the ones given at construction
+        # (a str names one of those)
         return super().get_eval_dataloader(eval_dataset if eval_dataset is None or isinstance(eval_dataset, str)
                                            else prepare_dataset(eval_dataset))
 
@@ -556,8 +560,9 @@ def check_trainer(trainer,            # a configured transformers Trainer or TRL
     for what, fix in parallelism_problems(args, packed): add(Finding("parallelism", "fail", what, fix))
     extra = [k for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k") if k in batch]
     if extra and not _takes_kwargs(inner) and not all(k in inspect.signature(inner.forward).parameters for k in extra):
-        add(Finding("forward takes the varlen keys", "fail", f"the batch carries {extra} but {type(inner).__name__}.forward "
-                    "has no **kwargs: it raises", "FlatteningCollator(return_flash_attn_kwargs=False)"))
+        add(Finding("forward takes the varlen keys", "fail",
+                    f"the batch carries {extra} but {type(inner).__name__}.forward has no **kwargs: it raises",
+                    "FlatteningCollator(return_flash_attn_kwargs=False)"))
     gc, reentrant = checkpointing(args)
     frozen = not inner.get_input_embeddings().weight.requires_grad
     risky = gc and reentrant and frozen

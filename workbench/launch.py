@@ -394,7 +394,8 @@ def launch(fn,                                # what every rank runs; a function
                         f"deadline {'none' if deadline_s is None else f'{deadline_s:g} s'}, "
                         f"stall limit {'none' if stall_s is None else f'{stall_s:g} s'}, rendezvous 127.0.0.1:{port}")
     ranks, store, env = [], None, _rank_env(layout, port, mixed_precision)
-    with tempfile.TemporaryDirectory(prefix="workbench-launch-") as d, socket.create_server(("127.0.0.1", port)) as listener:
+    with (tempfile.TemporaryDirectory(prefix="workbench-launch-") as d,
+          socket.create_server(("127.0.0.1", port)) as listener):
         exchange = Path(d)
         beats = mp.get_context("fork").RawArray("d", [started := time.monotonic()] * num_processes)  # for `progress()`
         try:

@@ -90,7 +90,8 @@ class Layouts:
         more = len(self.frontier) - 10
         return "\n".join([head + ":", self.summary().to_string(),
                           *([f"... {more} more in .frontier"] if more > 0 else []), self.trust])
-    def _repr_html_(self): return f"<p>{repr(self).splitlines()[0]}</p>" + self.summary().to_html() + f"<p>{self.trust}</p>"
+    def _repr_html_(self):
+        return f"<p>{repr(self).splitlines()[0]}</p>" + self.summary().to_html() + f"<p>{self.trust}</p>"
     def figure(self, title: str = "Layouts: predicted step time against peak memory"):
         "Plotly figure: every layout, the frontier marked, each lever rung joined to the one before it."
         import plotly.graph_objects as go
@@ -100,7 +101,8 @@ class Layouts:
                                     yaxis=dict(title="peak memory per GPU (GiB)")))
         for (u, r, kind, off), g in t.groupby(["ulysses", "ring", "context", "optimizer_offload"], sort=False):
             name = f"SP={u}" if r == 1 else f"Ulysses {u} x {kind} {r}"
-            fig.add_scatter(x=g.step_s, y=g.peak_gib, mode="lines+markers", name=f"{name}{', optimizer offload' if off else ''}",
+            fig.add_scatter(x=g.step_s, y=g.peak_gib, mode="lines+markers",
+                            name=f"{name}{', optimizer offload' if off else ''}",
                             text=[f"{r.levers}<br>max context {r.max_context:,}<br>lever: +{r.time_cost_s:.3g} s for "
                                   f"-{r.memory_saved_gib:.3g} GiB" for r in g.itertuples()], hovertemplate="%{text}")
         f = self.frontier
@@ -124,7 +126,7 @@ def plan_layout(model,                     # a transformers config or a preset n
                 host_gib: float | None = None,  # host memory per GPU for the offloads (None: not checked)
                 efficiency: Efficiency = Efficiency(),  # the predictor's factors
                 attention: str = "causal", # an `ATTENTION_WORK` key
-                rank_by: str = "tokens_per_s",  # the `RANK_BY` column the frontier is ranked by (all layouts use `gpus`)
+                rank_by: str = "tokens_per_s",  # the `RANK_BY` column ranking the frontier (all layouts use `gpus`)
                ) -> Layouts:
     """Search the (Ulysses, ring or gather) split, DP, checkpointing, offload and memory levers; keep what the memory
     planner and the preflight accept."""

@@ -197,7 +197,8 @@ def effective_spec(batch: dict,                    # a collated batch: input_ids
                    use_cache: bool | None = False, # whether the forward builds a cache; None: as
                                                    # transformers, the config's (default True!)
                    sliding_window: int | None = None,  # the model's sliding window (config.sliding_window), if any
-                   config=None,                    # the model's config, read for use_cache=None (without one: True, transformers' default)
+                   # the model's config, read for use_cache=None (without one: True, transformers' default)
+                   config=None,
                    ) -> MaskSpec:
     "The mask a transformers 5.x causal LM applies to `batch`, as a `MaskSpec` whose `path` says why."
     # what the model's forward does with None
@@ -305,7 +306,8 @@ class MaskReport:
     def status(self) -> np.ndarray:
         "Dense `[B, T, T]` codes: 0 forbidden, 1 allowed, 2 leak (allowed across examples). Short rows only."
         B, T = self.examples.shape
-        eff, leak = evaluate(self.effective.function, B, T), evaluate(and_masks(self.effective.function, cross_example(self.examples)), B, T)
+        eff, leak = (evaluate(self.effective.function, B, T),
+                     evaluate(and_masks(self.effective.function, cross_example(self.examples)), B, T))
         return eff.astype(np.int8) + leak.astype(np.int8)
 
     @property

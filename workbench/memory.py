@@ -280,8 +280,10 @@ def local_tokens(config, seq_len: int, sp: int = 1, ring: int = 1) -> int:
                          f"can be neither split nor replicated evenly")
     if seq_len % (sp * ring):
         what = f"sp={sp}" if ring == 1 else f"sp x ring = {sp} x {ring} = {sp * ring}"
-        raise ValueError(f"seq_len={seq_len} is not a multiple of {what}: pad the row to a multiple of {sp * ring} "
-                         f"({'FlatteningCollator(pad_to_multiple_of=...)' if ring == 1 else 'workbench.sp.balance.plan_row pads it'})")
+        raise ValueError(
+            f"seq_len={seq_len} is not a multiple of {what}: pad the row to a multiple of {sp * ring} ("
+            f"{'FlatteningCollator(pad_to_multiple_of=...)' if ring == 1 else 'workbench.sp.balance.plan_row pads it'}"
+            ")")
     return seq_len // (sp * ring)
 
 # %% ../nbs/03_planning/02_memory.ipynb #e4ca9bad
@@ -294,7 +296,7 @@ def ring_attention_bytes(config,              # a transformers config or a `Shap
                                                   # (`ring_attend`'s tile; the plain kernel's)
                          kernel: str = "plain",   # the block-pair kernel (`workbench.sp.ring.KERNELS`);
                                                   # "fused": its CPU path
-                         plans: list | None = None,  # fused: this rank's calls per ring step (`ring_plans`); None: the largest calls any row makes (`_bound_plans`)
+                         plans: list | None = None,  # fused: calls per ring step (`ring_plans`); None: `_bound_plans`
                         ) -> dict:
     """Bytes one `ring_attend` call holds on a rank at its peak, by part: the plain kernel's at the backward of its
     second computed block pair, the fused kernel's at the step that holds the most."""
@@ -333,7 +335,8 @@ def _tile_bytes(s: Shape, heads: int, m: int, keys: int, Q: int, K: int, a: int,
 
 def _bound_plans(m: int, ring: int, window: int | None) -> list:
     """The fused kernel's calls at their largest, at every step: a whole-block call, and under a window a call of
-    `min(m, max(window, QUERY_TILE))` rows (a diagonal chunk, or a trimmed whole call) against the whole block with a causal band."""
+    `min(m, max(window, QUERY_TILE))` rows (a diagonal chunk, or a trimmed whole call) against the whole block with a
+    causal band."""
     calls = [(slice(0, m), slice(0, m), False, None)]
     if window: calls.append((slice(0, min(m, max(window, QUERY_TILE))), slice(0, m), False, (0, window, True)))
     return [calls] * ring
@@ -389,7 +392,7 @@ def gather_attention_bytes(config,              # a transformers config or a `Sh
                            tile: int = QUERY_TILE,  # query rows computed at once (the plain kernel's)
                            kernel: str = "plain",   # the block-pair kernel (`workbench.sp.ring.KERNELS`);
                                                     # "fused": its CPU path
-                           plans: list | None = None,  # fused: this rank's calls per block (`ring_plans`); None: the largest calls any row makes
+                           plans: list | None = None,  # fused: calls per block (`ring_plans`); None: `_bound_plans`
                           ) -> dict:
     "Bytes one `gather_attend` call holds on a rank at its peak (in its backward), by part."
     s, b, a, m, heads, Q, K, L = _context_sizes(config, n, sp, "gather", gather, dtype_bytes, kernel)

@@ -130,7 +130,8 @@ class Flat:
     carried: dict         # other per-token columns, each [T]
 
 def _flatten_any(features: list[dict], max_tokens: int | None = None) -> Flat:
-    """Validate `features` and concatenate them; raise `ValueError` naming the example, the column and the fix on bad input.
+    """Validate `features` and concatenate them; raise `ValueError` naming the example, the column and the fix on
+    bad input.
 
     Every example is read: the per-token columns are the union over the batch. An example without `labels` is
     labelled by its own `input_ids`; an example without a loss mask (`completion_mask`, `assistant_masks`, or `None`
@@ -203,8 +204,9 @@ def _flatten_any(features: list[dict], max_tokens: int | None = None) -> Flat:
     return Flat(np.array(docs, dtype=np.int64) if docs is not sizes else lengths, input_ids, labels, carried)
 
 def flatten_features(features: list[dict], max_tokens: int | None = None) -> Flat:
-    """Validate `features` and concatenate them; raise `ValueError` naming the example, the column and the fix on bad input.
-    The rules are `_flatten_any`'s; a batch of dicts with the same flat integer lists takes `_flatten_lists`, its fast path."""
+    """Validate `features` and concatenate them; raise `ValueError` naming the example, the column and the fix on
+    bad input. The rules are `_flatten_any`'s; a batch of dicts with the same flat integer lists takes
+    `_flatten_lists`, its fast path."""
     fast = _flatten_lists(features, max_tokens)  # None for any batch the fast path does not cover
     if fast is not None: return fast
     return _flatten_any(features, max_tokens)
@@ -385,7 +387,8 @@ def lengths_of(data, column: str = "input_ids") -> np.ndarray:
         if isinstance(data, datasets.Dataset): return _arrow_lengths(data, column)
         if isinstance(data, datasets.arrow_dataset.Column): return _arrow_lengths(data.source, data.column_name)
     if isinstance(data, (np.ndarray, torch.Tensor)) and data.ndim == 1:
-        if data.dtype.is_floating_point if isinstance(data, torch.Tensor) else not np.issubdtype(data.dtype, np.integer):
+        if (data.dtype.is_floating_point if isinstance(data, torch.Tensor)
+                else not np.issubdtype(data.dtype, np.integer)):
             raise TypeError(f"lengths must be integers, got {data.dtype}")
         return np.asarray(data, dtype=np.int64)
     data = list(data)
@@ -496,7 +499,8 @@ def _arrow_targets(ds, lengths: np.ndarray) -> np.ndarray | None:
 def _piece_targets(data, lengths: np.ndarray, example: np.ndarray, offset: np.ndarray, length: np.ndarray,
                    column: str = "input_ids") -> np.ndarray | None:
     """Trained targets of every piece (`lengths[e]` tokens of example `e`, piece `[offset, offset + length)`): the
-    targets of its tokens but its first, whose label a packed row clears. None for bare lengths, which carry no labels."""
+    targets of its tokens but its first, whose label a packed row clears. None for bare lengths, which carry no
+    labels."""
     datasets = _imported_datasets()
     is_dataset = datasets is not None and isinstance(data, datasets.Dataset)
     if is_dataset: rows = data.select_columns([c for c in (column, *_TARGET_KEYS) if c in data.column_names])
@@ -556,7 +560,8 @@ class Plan:
 
 def plan_bins(lengths,  # per-example token counts, or anything `lengths_of` reads (a `Dataset`, feature dicts)
               capacity: int, overlong: str = "error", seed: int = 0,
-              untrained: str = "drop",  # a piece that trains no token (feature dicts or a Dataset only): "drop" (counted) or "keep"
+              # a piece that trains no token (feature dicts or a Dataset only): "drop" (counted) or "keep"
+              untrained: str = "drop",
              ) -> Plan:
     "Pack examples of `lengths` into bins of at most `capacity` tokens with global best-fit decreasing."
     if overlong not in OVERLONG: raise ValueError(f"overlong must be one of {OVERLONG}, got {overlong!r}")
@@ -665,8 +670,8 @@ class TokenBudgetSampler(torch.utils.data.Sampler):
     `set_epoch(e)` starts epoch `e` from its first step, unless the sampler is already in epoch `e` (for instance just
     restored), where it keeps its position.
 
-    `steps` serves a grouping made elsewhere (e.g. `workbench.step_balance.BalancedPlan.sampler`) exactly as given, one optimizer
-    step per row; shuffling moves whole rows, never what is inside one."""
+    `steps` serves a grouping made elsewhere (e.g. `workbench.step_balance.BalancedPlan.sampler`) exactly as given,
+    one optimizer step per row; shuffling moves whole rows, never what is inside one."""
     def __init__(self, plan: Plan,
                  shuffle: bool = True,  # a new order of the steps every epoch (deterministic in `seed` and the epoch)
                  seed: int = 0,         # the seed of that order; the same on every rank
@@ -815,7 +820,8 @@ class PackingReport:
     def speedup_bound(self) -> float: return float(self.padded_steps[:, 1].sum() / self.padded_steps[:, 0].sum())
     @property
     def attention_bound(self) -> float:
-        return float((self.padded_steps[:, 1].astype(float) ** 2 / self.batch_size).sum() / (self.lengths.astype(float) ** 2).sum())
+        return float((self.padded_steps[:, 1].astype(float) ** 2 / self.batch_size).sum()
+                     / (self.lengths.astype(float) ** 2).sum())
 
     def rows(self) -> list[tuple[str, str]]:
         st = lambda a: f"mean {a.mean():,.0f} / min {a.min():,} / max {a.max():,}"
@@ -947,13 +953,13 @@ class PackedStream(torch.utils.data.IterableDataset):
     """Bins of at most `capacity` tokens packed as a stream of feature dicts is read (`OnlineBestFit` over a buffer of
     `buffer_size` examples), each bin a list of features for `FlatteningCollator` (or `collate_fn(bin)`).
 
-    Every token is kept once unless `overlong` or `untrained` says otherwise, and the report counts it. Under data parallelism every
-    rank packs the whole stream (the same bins on every rank, no communication) and serves every `num_replicas`-th bin;
-    when the bins do not divide evenly, the ranks short of one at the end repeat a bin of the last round (counted in
-    `report.repeated`), so all ranks take the same number of steps. One pass over the source is one epoch.
-    `state_dict()` after a step resumes exactly at the next one: it holds the position in the source, a fingerprint
-    of the examples read (a resume over another source is refused) and the buffer as plain numbers (JSON and
-    `torch.load(weights_only=True)` read it back), each piece by its example and first token."""
+    Every token is kept once unless `overlong` or `untrained` says otherwise, and the report counts it. Under data
+    parallelism every rank packs the whole stream (the same bins on every rank, no communication) and serves every
+    `num_replicas`-th bin; when the bins do not divide evenly, the ranks short of one at the end repeat a bin of the
+    last round (counted in `report.repeated`), so all ranks take the same number of steps. One pass over the source is
+    one epoch. `state_dict()` after a step resumes exactly at the next one: it holds the position in the source, a
+    fingerprint of the examples read (a resume over another source is refused) and the buffer as plain numbers (JSON
+    and `torch.load(weights_only=True)` read it back), each piece by its example and first token."""
     def __init__(self, source,             # re-iterable feature dicts: an IterableDataset, a Dataset, a list...
                  capacity: int,            # token budget of one bin
                  buffer_size: int = 2000,  # examples held while packing (memory is bounded by them)
@@ -970,7 +976,8 @@ class PackedStream(torch.utils.data.IterableDataset):
         if num_replicas < 1 or not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} is outside num_replicas={num_replicas}: need 0 <= rank < num_replicas")
         OnlineBestFit(capacity, buffer_size)  # refuses a bad capacity or buffer before any data is read
-        self.source, self.capacity, self.buffer_size, self.overlong, self.column = source, capacity, buffer_size, overlong, column
+        (self.source, self.capacity, self.buffer_size,
+         self.overlong, self.column) = source, capacity, buffer_size, overlong, column
         self.collate_fn, self.num_replicas, self.rank, self.untrained = collate_fn, num_replicas, rank, untrained
         self.epoch, self._saved, self._live, self._passes = 0, None, None, 0
         self.report = StreamReport(capacity, buffer_size)
@@ -1003,7 +1010,8 @@ class PackedStream(torch.utils.data.IterableDataset):
                 cs = np.concatenate([[0], np.cumsum(_target_row(f, i, self.column), dtype=np.int64)])
                 kept = [(lo, k) for lo, k in spans if cs[lo + k] - cs[lo + 1] > 0]
             else: kept = [(lo, k) for lo, k in spans if k > 1]  # every token trains but a piece's first
-            r.untrained += len(spans) - len(kept); r.untrained_tokens += sum(k for _, k in spans) - sum(k for _, k in kept)
+            r.untrained += len(spans) - len(kept)
+            r.untrained_tokens += sum(k for _, k in spans) - sum(k for _, k in kept)
             spans = kept
         return [_piece(f, i, lo, k, n) for lo, k in spans]
 

@@ -108,7 +108,8 @@ def balance_readout(cfg: TrainConfig, imbalance: dict | None) -> str:
     line = (f"balance: {cfg.balance}; predicted max/mean rank cost per optimizer step: token-balanced "
             f"{imbalance['tokens']:.3f}")
     if "cost" in imbalance: return f"{line}, cost-balanced {imbalance['cost']:.3f}"
-    return line + (" (--balance cost groups each step's bins by predicted cost)" if cfg.dp > 1 else " (one data-parallel rank)")
+    return line + (" (--balance cost groups each step's bins by predicted cost)" if cfg.dp > 1
+                   else " (one data-parallel rank)")
 
 def memory_comparison(rows: list[dict],       # the run's metrics rows (`read_metrics`)
                       planned: int | None,    # the planner's per-rank peak in the run's dtype (`memory_readout`)

@@ -66,7 +66,8 @@ def case_rows(case: Case, n_rows: int = 1) -> list:
     tok = load_tokenizer()
     if not case.packed:
         docs = load_records("long_docs")
-        return [FlatteningCollator(train_all_tokens=True)([{"input_ids": tok(docs[r]["text"][: 8 * case.tokens])["input_ids"][: case.tokens]}])
+        return [FlatteningCollator(train_all_tokens=True)(
+                    [{"input_ids": tok(docs[r]["text"][: 8 * case.tokens])["input_ids"][: case.tokens]}])
                 for r in range(n_rows)]
     records, rows = load_records("flan_like"), []
     for r in range(n_rows):

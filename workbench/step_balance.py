@@ -122,7 +122,8 @@ def plan_balanced(lengths,                 # per-example token counts (or anythi
                   levers: Levers = Levers(checkpointing=False),  # checkpointing and the levers that change work
                   overlong: str = "error", # as `plan_bins`
                   seed: int = 0,           # as `plan_bins` and `TokenBudgetSampler`
-                  untrained: str = "drop", # as `plan_bins`: a piece that trains no token (features only) is left out, counted in `plan.untrained`
+                  # as `plan_bins`: a piece training no token (features only) is left out, counted in `plan.untrained`
+                  untrained: str = "drop",
                  ) -> BalancedPlan:
     """The bins of `plan_bins`, grouped into optimizer steps so that every rank's predicted cost is close (and, for
     comparison, as the token-balanced sampler groups them)."""

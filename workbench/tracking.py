@@ -123,7 +123,8 @@ class TrackerSink:
 @contextlib.contextmanager
 def reporting(cfg: TrainConfig, start: int = 0):
     """A `TrackerSink` of `open_trackers(cfg, start)`, finished however the block ends: success, error, or SIGTERM (how
-    `launch` and torchrun end a rank after Ctrl-C), which ends the run as `SystemExit` once the row in progress is logged."""
+    `launch` and torchrun end a rank after Ctrl-C), which ends the run as `SystemExit` once the row in progress is
+    logged."""
     sink = TrackerSink(open_trackers(cfg, start))
     handle = bool(sink.trackers) and threading.current_thread() is threading.main_thread()  # only it may set handlers
     # raised here, it could cut a tracker off mid-write (then finish hangs)

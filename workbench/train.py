@@ -63,7 +63,7 @@ def token_imbalance(cfg: TrainConfig, plan, costs) -> float:
     return BalancedPlan.imbalance(costs[served].sum(1))
 
 def plan_run(cfg: TrainConfig, config,
-             lengths,  # the run's features (their masks say which pieces train: those that train nothing are left out), or bare lengths
+             lengths,  # the run's features (a piece whose masks train nothing is left out), or bare lengths
              rank: int = 0):
     """The run's plan, `rank`'s sampler grouped as `cfg.balance` says, the predicted max/mean rank cost of the groupings
     computed (`tokens`, both with `balance='cost'`), every bin's predicted FLOPs and their attention part (all three
@@ -137,7 +137,8 @@ def read_run_data(cfg: TrainConfig, config) -> tuple[list[dict], object, list[di
     return features, tokenizer, eval_features
 
 def setup_rank(cfg: TrainConfig,
-               prepared: tuple | None = None,  # `(features, tokenizer, eval_features)` as `preflight_run` returned them (None: read the data here)
+               # `(features, tokenizer, eval_features)` as `preflight_run` returned them (None: read the data here)
+               prepared: tuple | None = None,
               ) -> RankRun:
     "Everything this process needs before its first step; rank 0 prints the plan, the balance and the step prediction."
     world = check_world(cfg)
@@ -204,7 +205,7 @@ def step_shards(bins: list,       # this replica's plan bins of one optimizer st
                 collate,          # the collator that packs a bin's pieces into one row
                 grid,             # the `ParallelGrid` of this process
                 cfg: TrainConfig,
-                window: int | None = None,  # the sliding window the ring's document-aware plan balances by (`plan_window`)
+                window: int | None = None,  # the sliding window the ring's document-aware plan uses (`plan_window`)
                ) -> list[dict]:
     "Each micro-step's packed row, cut into this process's shard (labels shifted over the whole row first)."
     layout, shards = cfg.layout, []
@@ -329,7 +330,8 @@ def progressing(every_s: float = 1.0):  # seconds between two `progress()` calls
     finally: done.set(); beating.join()
 
 def train_rank(cfg: TrainConfig,
-               prepared: tuple | None = None,  # `(features, tokenizer, eval_features)` as `preflight_run` returned them (None: read the data here)
+               # `(features, tokenizer, eval_features)` as `preflight_run` returned them (None: read the data here)
+               prepared: tuple | None = None,
               ) -> list[float]:
     "Train on this process as one rank of the `cfg.dp` x `cfg.sp` grid; return the loss of every step it trained."
     rank_run = setup_rank(cfg, prepared)
@@ -368,7 +370,8 @@ def preflight_run(cfg: TrainConfig) -> tuple[list[dict], object, list[dict] | No
     """Refuse, before any process starts, a run that would fail inside one: model, attention, run directory, data;
     return the run's `(features, tokenizer, eval_features)`, read once for every rank it forks."""
     device = rank_device().type
-    if cfg.block_kernel == "fused" and device == "cuda" and run_dtype(cfg, device) not in (torch.float16, torch.bfloat16):
+    if (cfg.block_kernel == "fused" and device == "cuda"
+            and run_dtype(cfg, device) not in (torch.float16, torch.bfloat16)):
         raise ValueError("ring_kernel (--ring-kernel) 'fused' runs CUDA's flash attention, which computes in bfloat16, "
                          f"and this run trains in {cfg.dtype}: use --dtype bfloat16 or --ring-kernel plain (exact in "
                          "any dtype)")
@@ -431,7 +434,8 @@ def main(argv=None) -> list[float]:
     except BaseException as e:
         if not _interrupted(e): raise
         found = latest_checkpoint(Path(cfg.out), say=lambda _: None)
-        where = f"the last complete checkpoint is {found[0]}; --resume continues from it" if found else "no checkpoint was written yet"
+        where = (f"the last complete checkpoint is {found[0]}; --resume continues from it" if found
+                 else "no checkpoint was written yet")
         print(f"interrupted: {where}", file=sys.stderr)
         raise SystemExit(130) from None
     if int(os.environ.get("RANK", 0)) == 0: print(json.dumps({"out": cfg.out, "losses": losses}))

@@ -345,7 +345,8 @@ def plot_attention(model,                 # a transformers causal LM
     leaked = attention_leakage(model, batch, lengths, use_cache)[layer, head]
     starts = np.flatnonzero(np.diff(ex) != 0) + 1
     fig = go.Figure(go.Heatmap(z=att, x=np.arange(T + 1) - 0.5, y=np.arange(T + 1) - 0.5, colorscale="Viridis",
-                               colorbar=dict(title="p"), hovertemplate="query %{y} · key %{x}: p = %{z:.3f}<extra></extra>"),
+                               colorbar=dict(title="p"),
+                               hovertemplate="query %{y} · key %{x}: p = %{z:.3f}<extra></extra>"),
                     layout=mask_layout(f"layer {layer}, head {head}: attention probabilities; mass on other examples "
                                        f"{leaked:.1%} (mean over real queries)"))
     for s in starts:

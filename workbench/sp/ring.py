@@ -492,7 +492,8 @@ def ring_attend(q: torch.Tensor,            # [B, H, m, D] this process's querie
                 causal: bool = True,        # causal (else bidirectional) attention
                 stats: RingStats | None = None,  # counts block pairs met and skipped
                 tile: int = QUERY_TILE,     # query rows computed at once: a block pair's scores are [heads, tile, m]
-                kernel: str = "plain",      # "plain" (masked products in tiles) or "fused" (flash calls: per document stretch on CPU, varlen on CUDA)
+                # "plain" (masked products in tiles) or "fused" (flash: per document stretch on CPU, varlen on CUDA)
+                kernel: str = "plain",
                ) -> torch.Tensor:
     "Exact attention of this ring block's queries over every block's keys: `[B, H, m, D]`, differentiable."
     # shorter: scores smaller than a gradient product
