@@ -20,9 +20,9 @@ __all__ = ['KERNELS', 'KEY', 'positions_to_cu_seq_lens', 'pick_kernel', 'referen
 def positions_to_cu_seq_lens(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     "Cumulative lengths (int32, over the flattened `[B*T]` tokens) and the longest example, from `[B, T]` position ids."
     if position_ids.ndim != 2:
-        raise ValueError(f"position_ids must be [batch, T], got shape {tuple(position_ids.shape)}: 3-D (mRoPE) position "
-                         "ids cannot mark example boundaries; pass cu_seq_lens_q/k and max_length_q/k (FlatteningCollator "
-                         "returns them)")
+        raise ValueError(f"position_ids must be [batch, T], got shape {tuple(position_ids.shape)}: 3-D (mRoPE) "
+                         "position ids cannot mark example boundaries; pass cu_seq_lens_q/k and max_length_q/k "
+                         "(FlatteningCollator returns them)")
     starts = torch.ones_like(position_ids, dtype=torch.bool)
     starts[:, 1:] = position_ids.diff(dim=1) != 1
     idx = torch.nonzero(starts.reshape(-1)).reshape(-1)
@@ -45,7 +45,8 @@ def _torch_varlen():
     return varlen_attn
 
 def pick_kernel(q: torch.Tensor, dropout: float = 0.0, window: int | None = None) -> str:
-    "The kernel `varlen_attention` runs for queries `q` (see `KERNELS`): the fastest one that computes this case exactly."
+    """The kernel `varlen_attention` runs for queries `q` (see `KERNELS`): the fastest one that computes this case
+    exactly."""
     if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16): return "reference"
     if _flash_attn_varlen() is not None: return "flash_attn"
     fn = _torch_varlen()
@@ -65,11 +66,13 @@ def _band_mask(n: int, window: int, device) -> torch.Tensor:
     return (d >= 0) & (d < window)
 
 def reference_varlen(q, k, v, cu_seq_lens, scale=None, causal=True, window=None, dropout=0.0) -> torch.Tensor:
-    "Exact varlen attention on any device: one `scaled_dot_product_attention` per example (`[T, H, D]` in and out; on CPU each is PyTorch's fused flash kernel)."
+    """Exact varlen attention on any device: one `scaled_dot_product_attention` per example (`[T, H, D]` in and out; on
+    CPU each is PyTorch's fused flash kernel)."""
     gqa = q.shape[1] != k.shape[1]
     outs = []
     for s, e in pairwise(cu_seq_lens.tolist()):
-        qi, ki, vi = (x[s:e].transpose(0, 1)[None] for x in (q, k, v))  # [1, H, l, D]: with a batch axis the CPU flash kernel runs (without, the math one)
+        # [1, H, l, D]: with a batch axis the CPU flash kernel runs (without, the math one)
+        qi, ki, vi = (x[s:e].transpose(0, 1)[None] for x in (q, k, v))
         mask = _band_mask(e - s, window, q.device) if causal and window is not None and e - s > window else None
         o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, dropout_p=dropout, scale=scale,
                                            is_causal=causal and mask is None, enable_gqa=gqa)
@@ -121,7 +124,8 @@ class _LastBoundaries:
     def __call__(self, position_ids: torch.Tensor, rows: int):
         if self.ref is None or self.ref() is not position_ids or self.rows != rows:
             # models often build [1, T] position ids for a [B, T] batch and broadcast them
-            pos = position_ids.expand(rows, -1) if position_ids.ndim == 2 and position_ids.shape[0] == 1 else position_ids
+            pos = (position_ids.expand(rows, -1) if position_ids.ndim == 2 and position_ids.shape[0] == 1
+                   else position_ids)
             self.value = positions_to_cu_seq_lens(pos)
             self.ref, self.rows = weakref.ref(position_ids), rows
         return self.value
@@ -152,7 +156,8 @@ def varlen_attention_forward(module: torch.nn.Module,  # the attention module ca
                              query: torch.Tensor,       # [B, heads, T, head_dim]
                              key: torch.Tensor,         # [B, kv_heads, T, head_dim]
                              value: torch.Tensor,       # [B, kv_heads, T, v_head_dim]
-                             attention_mask: torch.Tensor | None,  # None, or a 2-D [B, T] padding mask from `varlen_mask`
+                             attention_mask: torch.Tensor | None,  # None, or a 2-D [B, T] padding
+                                                                   # mask from `varlen_mask`
                              dropout: float = 0.0,      # the module's attention dropout (0 in eval mode)
                              scaling: float | None = None,  # softmax scale
                              sliding_window: int | None = None,  # this layer's sliding window, if any
@@ -205,7 +210,8 @@ def register(key: str = KEY) -> str:
         owner = registry._global_mapping.get(key)
         if (owner is not None and getattr(owner, "__qualname__", None) != fn.__qualname__) or key == "eager":
             raise ValueError(f"{registry.__name__} already maps {key!r} to "
-                             f"{getattr(owner, '__qualname__', 'the built-in eager attention')}: register under another key")
+                             f"{getattr(owner, '__qualname__', 'the built-in eager attention')}: register under "
+                             "another key")
     for registry, fn in pairs: registry.register(key, fn)
     return key
 

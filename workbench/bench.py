@@ -29,7 +29,8 @@ __all__ = ['H200_RESULTS', 'best_times', 'print_table', 'flan_batches', 'time_co
 
 # %% ../nbs/06_demo_and_bench/02_bench.ipynb #2ac6290c
 def best_times(fns: list, repeats: int = 5) -> list[float]:
-    "Best of `repeats` rounds for each of `fns`, each round running every function once in turn; each call returns its own seconds."
+    """Best of `repeats` rounds for each of `fns`, each round running every function once in turn; each call returns its
+    own seconds."""
     best = [float("inf")] * len(fns)
     for _ in range(repeats):
         for i, fn in enumerate(fns): best[i] = min(best[i], fn())
@@ -56,7 +57,8 @@ def _features(batch: list[np.ndarray]) -> list[dict]:
     return [{"input_ids": x.tolist()} for x in batch]
 
 def time_collator(collator, batches: list[list[np.ndarray]], features=_features) -> float:
-    "Seconds `collator` spends on `batches`, each made into fresh feature dicts by `features` (making them is not timed)."
+    """Seconds `collator` spends on `batches`, each made into fresh feature dicts by `features` (making them is not
+    timed)."""
     total = 0.0
     for b in batches:
         feats = features(b)
@@ -138,7 +140,8 @@ def bench_plan_capacity(capacities=(8192, 65536, 1_000_000, 50_000_000, 1_000_00
 # %% ../nbs/06_demo_and_bench/02_bench.ipynb #6957130a
 def bench_streaming(n: int = 200_000, capacities=(2048, 8192), buffer_sizes=(1, 10, 100, 1000, 5000),
                     trl: bool = True, seed: int = 0) -> list[dict]:
-    "Fill of `PackedStream` against `plan_bins` on the same FLAN-like lengths by buffer size, with TRL's windowed BFD beside it."
+    """Fill of `PackedStream` against `plan_bins` on the same FLAN-like lengths by buffer size, with TRL's windowed BFD
+    beside it."""
     lengths = synthetic_lengths("flan", n, seed)
     ids = np.arange(lengths.max())
     feats = [{"input_ids": ids[:k]} for k in lengths.tolist()]
@@ -152,7 +155,8 @@ def bench_streaming(n: int = 200_000, capacities=(2048, 8192), buffer_sizes=(1, 
             r = stream.report
             assert (r.examples, r.tokens, r.bins) == (n, int(lengths.sum()), steps), "the stream lost a token"
             row = {"capacity": capacity, "buffer": b, "global fill": best, "stream fill": r.fill,
-                   "stream/global": r.fill / best, "us/example": seconds / n * 1e6, "TRL window fill": "-", "TRL/global": "-"}
+                   "stream/global": r.fill / best, "us/example": seconds / n * 1e6, "TRL window fill": "-",
+                   "TRL/global": "-"}
             if trl and b >= 10:  # a window of 1 is one map call per example: minutes, and the fill of no packing
                 from trl import pack_dataset
                 fill = float(lengths.sum()) / (len(pack_dataset(ds, capacity, map_kwargs={"batch_size": b})) * capacity)
@@ -162,7 +166,8 @@ def bench_streaming(n: int = 200_000, capacities=(2048, 8192), buffer_sizes=(1, 
 
 # %% ../nbs/06_demo_and_bench/02_bench.ipynb #b643fdcf
 def _balance_rank(groupings: dict, lengths: np.ndarray, vocab: int) -> dict:
-    "One DP rank: train every step of each grouping (interleaved); per step, this rank's compute and the synced step time."
+    """One DP rank: train every step of each grouping (interleaved); per step, this rank's compute and the synced step
+    time."""
     import torch
     import torch.distributed as dist
     from workbench.core import restart_positions, cu_seq_lens
@@ -177,7 +182,8 @@ def _balance_rank(groupings: dict, lengths: np.ndarray, vocab: int) -> dict:
         ids = torch.randint(0, vocab, (1, int(sum(docs))), generator=g)
         cu = torch.tensor(cu_seq_lens(docs))
         model(input_ids=ids, labels=ids, position_ids=torch.tensor(restart_positions(docs))[None], use_cache=False,
-              cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=int(max(docs)), max_length_k=int(max(docs))).loss.backward()
+              cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=int(max(docs)),
+              max_length_k=int(max(docs))).loss.backward()
         compute = time.perf_counter() - t0
         flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
         dist.all_reduce(flat)  # the gradient reduction every rank waits at
@@ -193,7 +199,8 @@ def _balance_rank(groupings: dict, lengths: np.ndarray, vocab: int) -> dict:
 
 def bench_balance(n_short: int = 600, n_long: int = 24, capacity: int = 4096, dp: int = 2, vocab: int = 512,
                   seed: int = 0, deadline_s: float = 600) -> list[dict]:
-    "Slowest-rank seconds per epoch on `dp` CPU ranks: bins grouped by tokens (the sampler) against by cost (`plan_balanced`)."
+    """Slowest-rank seconds per epoch on `dp` CPU ranks: bins grouped by tokens (the sampler) against by cost
+    (`plan_balanced`)."""
     from workbench.step_balance import plan_balanced
     from workbench.tiny_models import tiny_config
     from workbench.launch import launch
@@ -320,11 +327,15 @@ def main(argv=None):
     p.add_argument("--no-trl", action="store_true", help="skip TRL's pack_dataset (about 30 s at 1M examples)")
     p.add_argument("--repeats", type=int, default=9, help="interleaved rounds of the collation benchmark (best kept)")
     a = p.parse_args(argv)
-    print_table(bench_collation(repeats=a.repeats), f"Collation: FLAN-like batches, tokens/s (best of {a.repeats} interleaved rounds)")
+    print_table(bench_collation(repeats=a.repeats), f"Collation: FLAN-like batches, tokens/s (best of {a.repeats} "
+                                                    "interleaved rounds)")
     print_table(bench_planning(a.examples, a.capacity, trl=not a.no_trl), "Planning: FLAN-like lengths")
-    print_table(bench_plan_capacity(n=a.examples), "Planning by capacity: FLAN-like lengths, each capacity in a fresh process")
-    print_table(bench_streaming(trl=not a.no_trl), "Streaming: PackedStream fill vs the global plan by buffer size (TRL windows of the same size)")
-    print_table(bench_balance(), "Cost-balanced planning: slowest-rank seconds per epoch on 2 CPU ranks, token- vs cost-balanced bins")
+    print_table(bench_plan_capacity(n=a.examples), "Planning by capacity: FLAN-like lengths, each capacity in a fresh "
+                                                   "process")
+    print_table(bench_streaming(trl=not a.no_trl), "Streaming: PackedStream fill vs the global plan by buffer size "
+                                                   "(TRL windows of the same size)")
+    print_table(bench_balance(), "Cost-balanced planning: slowest-rank seconds per epoch on 2 CPU ranks, token- vs "
+                                 "cost-balanced bins")
 
 # %% ../nbs/06_demo_and_bench/02_bench.ipynb #ef514dc7
 #| eval: false

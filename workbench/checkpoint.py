@@ -32,7 +32,8 @@ __all__ = ['CHECKPOINTS', 'MODEL_DIR', 'ADAPTER_DIR', 'LAYOUT', 'SAVE_WAIT', 'DI
 # %% ../nbs/04_runtime/08_checkpoint.ipynb #1c20deb6
 CHECKPOINTS = "checkpoints"  # out/checkpoints/step-000012/{state.pt, model/, manifest.json}
 MODEL_DIR = "model"          # inside a checkpoint: the directory `AutoModelForCausalLM.from_pretrained` loads
-ADAPTER_DIR = "adapter"      # inside a checkpoint of a LoRA run: the adapter `PeftModel.from_pretrained` loads onto model/
+# inside a checkpoint of a LoRA run: the adapter `PeftModel.from_pretrained` loads onto model/
+ADAPTER_DIR = "adapter"
 # what a resumed run may change
 _MAY_CHANGE = ("steps", "save_every", "keep", "timeout_s", "stall_s", "resume", "out", "name", "report_to", "eval_data",
                "eval_every")
@@ -94,12 +95,15 @@ def save_model_dir(model,                 # the trained model (plain, Ulysses or
                    where: Path,           # the checkpoint directory being written
                    tokenizer=None,        # saved beside the model when given
                   ) -> Path:
-    "Write `weights` as `where/model`, a transformers directory `from_pretrained` loads; a LoRA model's adapter as `where/adapter`, its frozen base as `where/model`."
+    """Write `weights` as `where/model`, a transformers directory `from_pretrained` loads; a LoRA model's adapter as
+    `where/adapter`, its frozen base as `where/model`."""
     from transformers import AutoModelForCausalLM
-    config = copy.deepcopy(model.config)  # from_config keeps the object it is given: the trained model's stays untouched
+    # from_config keeps the object it is given: the trained model's stays untouched
+    config = copy.deepcopy(model.config)
     lora = getattr(model, "peft_config", {}).get("default")  # peft sets it on the model it injected adapters into
     with torch.device("meta"):  # no memory: the weights are assigned below
-        clean = AutoModelForCausalLM.from_config(config, dtype=next(iter(weights.values())).dtype, attn_implementation="eager")
+        clean = AutoModelForCausalLM.from_config(config, dtype=next(iter(weights.values())).dtype,
+                                                 attn_implementation="eager")
         if lora is not None:
             from peft import get_peft_model
             clean = get_peft_model(clean, copy.deepcopy(lora))
@@ -148,7 +152,8 @@ def latest_checkpoint(out: Path, say=print,
     return None
 
 def commit_checkpoint(out: Path, step: int, state: dict, manifest: dict, keep: int, write_model=None) -> Path:
-    "Write checkpoint `step` as one unit: files into a temporary directory, flushed, renamed into place; keep the newest `keep`."
+    """Write checkpoint `step` as one unit: files into a temporary directory, flushed, renamed into place; keep the
+    newest `keep`."""
     # write_model(dir): writes the loadable model files into the checkpoint directory `dir` (None: none)
     root = Path(out) / CHECKPOINTS; root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".tmp-*"): shutil.rmtree(stale)  # left by a save that was killed
@@ -167,38 +172,40 @@ def commit_checkpoint(out: Path, step: int, state: dict, manifest: dict, keep: i
     return final
 
 def check_resume(cfg: TrainConfig, manifest: dict, where: Path, plan: str | None = None,
-                 config=None):  # the model's config: a layout change is refused for a model with dropout (None: not checked)
+                 config=None):  # the model's config: a layout change is refused
+                                # for a model with dropout (None: not checked)
     """Refuse to continue from a checkpoint of another run: name every field that differs, another global batch, a
     layout change that cannot be exact, or a step count below it."""
     diff = [k for k, v in manifest["config"].items() if getattr(cfg, k, None) != v]
     if diff:
         was = ", ".join(f"{k}={manifest['config'][k]!r} ({flag(k)}; this run has {getattr(cfg, k)!r})" for k in diff)
-        raise ValueError(f"cannot resume from {where}: it was written with {was}. Pass the same values to continue that "
-                         f"run, or a new --out to start another")
+        raise ValueError(f"cannot resume from {where}: it was written with {was}. Pass the same values to continue "
+                         "that run, or a new --out to start another")
     layout = manifest.get("layout")  # absent: written before a run could change its layout (its config holds it)
     if layout is not None and layout["dp"] * layout["grad_accum"] != cfg.global_batch:
         was = layout["dp"] * layout["grad_accum"]
         raise ValueError(f"cannot resume from {where}: it trained {was} bins per optimizer step (dp x grad_accum = "
                          f"{layout['dp']} x {layout['grad_accum']}) and this run has {cfg.dp} x {cfg.grad_accum} = "
-                         f"{cfg.global_batch} (--dp, --grad-accum): keep dp x grad_accum = {was} (any --sp, --ring and split "
-                         f"of it) to continue that run, or a new --out to start another")
+                         f"{cfg.global_batch} (--dp, --grad-accum): keep dp x grad_accum = {was} (any --sp, --ring and "
+                         "split of it) to continue that run, or a new --out to start another")
     dropout = dropout_of(config) if config is not None and layout not in (None, _layout(cfg)) else {}
     if dropout:
-        raise ValueError(f"cannot resume from {where} on another layout: the model draws dropout ({dropout}) and each rank "
-                         f"draws its masks for its own shard of a row, so the steps would not be the saved run's: resume "
-                         f"with {_layout_flags(layout)}, or train without dropout")
+        raise ValueError(f"cannot resume from {where} on another layout: the model draws dropout ({dropout}) and each "
+                         "rank draws its masks for its own shard of a row, so the steps would not be the saved run's: "
+                         f"resume with {_layout_flags(layout)}, or train without dropout")
     if plan is not None and manifest["plan"] != plan:
-        raise ValueError(f"cannot resume from {where}: the data {cfg.data!r} packs differently from when it was written "
-                         f"(the file changed?): restore the data or start a new --out")
+        raise ValueError(f"cannot resume from {where}: the data {cfg.data!r} packs differently from when it was "
+                         "written (the file changed?): restore the data or start a new --out")
     if cfg.steps < manifest["step"]:
-        raise ValueError(f"cannot resume from {where}: it is at step {manifest['step']} and steps (--steps) is {cfg.steps}: "
-                         f"pass --steps {manifest['step']} or more (more continues the run)")
+        raise ValueError(f"cannot resume from {where}: it is at step {manifest['step']} and steps (--steps) is "
+                         f"{cfg.steps}: pass --steps {manifest['step']} or more (more continues the run)")
 
 def check_out(cfg: TrainConfig,
               config=None):  # the model's config (`check_resume`)
     "Refuse a run directory that is a file, a new run over another run's checkpoints, or a resume from another config."
     out = Path(cfg.out)
-    if out.exists() and not out.is_dir(): raise ValueError(f"out (--out) {cfg.out!r} is a file: pass a directory for the run")
+    if out.exists() and not out.is_dir(): raise ValueError(f"out (--out) {cfg.out!r} is a file: pass a directory for "
+                                                           "the run")
     found = latest_checkpoint(out, say=lambda _: None)
     if found and not cfg.resume:
         raise ValueError(f"out (--out) {cfg.out!r} holds a checkpoint of step {found[1]['step']}: pass --resume to "
@@ -214,10 +221,12 @@ def _set_rng_state(s: dict):
 
 def save_checkpoint(out: Path, step: int, model, opt, sampler, cfg: TrainConfig, plan: str, wait_group=None,
                     tokenizer=None):
-    "Save everything needed to continue after `step` steps, and the model as `from_pretrained` loads it (with `tokenizer`), as one checkpoint written by rank 0 (a collective)."
+    """Save everything needed to continue after `step` steps, and the model as `from_pretrained` loads it (with
+    `tokenizer`), as one checkpoint written by rank 0 (a collective)."""
     mine = {"sampler": sampler.state_dict(), "rng": _rng_state()}  # this rank's data position and generators
     ranks = [mine]
-    if dist.is_initialized(): ranks = [None] * dist.get_world_size(); dist.all_gather_object(ranks, mine, group=wait_group)
+    if dist.is_initialized():
+        ranks = [None] * dist.get_world_size(); dist.all_gather_object(ranks, mine, group=wait_group)
     state = full_state(model, opt) if is_sharded(model) else {"model": model.state_dict(), "opt": opt.state_dict()}
     if process_rank() == 0:
         manifest = {"config": _identity(cfg), "layout": _layout(cfg), "plan": plan}
@@ -237,8 +246,8 @@ def load_checkpoint(out: Path, model, opt, sampler, cfg: TrainConfig, plan: str)
     else: model.load_state_dict(state["model"]); opt.load_state_dict(state["opt"])
     saved_layout = manifest.get("layout", _layout(cfg))
     moved = saved_layout != _layout(cfg)
-    # another layout: every rank takes rank 0's sampler position (all stand at the same step) and generators (a run seeds
-    # every rank alike, and without dropout none draws from them)
+    # another layout: every rank takes rank 0's sampler position (all stand at the same step) and generators
+    # (a run seeds every rank alike, and without dropout none draws from them)
     mine = state["ranks"][0 if moved else process_rank()]
     sampler.load_state_dict(mine["sampler"]); _set_rng_state(mine["rng"])
     if moved and process_rank() == 0:

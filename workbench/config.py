@@ -24,8 +24,8 @@ __all__ = ['DTYPES', 'PRESETS', 'flag', 'tracker_names', 'auto_ring_kernel', 'Tr
 # %% ../nbs/04_runtime/02_config.ipynb #61c29e36
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}  # besides "auto"
 
-_AT_LEAST = dict(sp=1, **{kind: 1 for kind in LAYOUTS}, dp=1, steps=1, max_tokens=1, grad_accum=1, seed=0, loss_chunk=0, mlp_chunk=0, save_every=0, keep=1, lora_r=0,
-                 eval_every=0)
+_AT_LEAST = dict(sp=1, **{kind: 1 for kind in LAYOUTS}, dp=1, steps=1, max_tokens=1, grad_accum=1, seed=0, loss_chunk=0,
+                 mlp_chunk=0, save_every=0, keep=1, lora_r=0, eval_every=0)
 
 def flag(name: str) -> str:
     "The command-line flag of a `TrainConfig` field."
@@ -33,13 +33,15 @@ def flag(name: str) -> str:
 
 def tracker_names(report_to: str | list | tuple | None) -> tuple[str, ...]:
     """The accelerate trackers `report_to` names, as `TrainingArguments.report_to` reads it: names (a list or one
-    comma-separated string), "all" for every one installed, "none" (or None, or nothing) for none; or an error naming the fix."""
+    comma-separated string), "all" for every one installed, "none" (or None, or nothing) for none; or an error
+    naming the fix."""
     names = [n.strip() for n in report_to.split(",")] if isinstance(report_to, str) else list(report_to or ())
     if any(not isinstance(n, str) for n in names):
         raise ValueError(f"report_to (--report-to) must be tracker names (strings), got {report_to!r}")
     names = [n for n in names if n]
     if names == ["none"] or not names: return ()  # no import: a run without trackers never loads accelerate.tracking
-    if "none" in names: raise ValueError(f"report_to (--report-to) {','.join(names)}: 'none' means no tracker; drop it or the others")
+    if "none" in names: raise ValueError(f"report_to (--report-to) {','.join(names)}: 'none' means no tracker; drop it "
+                                         "or the others")
     from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers
     from accelerate.utils import LoggerType
     installed = [str(t) for t in get_available_trackers()]
@@ -62,17 +64,24 @@ def auto_ring_kernel(ring: int) -> str:
 class TrainConfig:
     "Everything one training run needs."
     model: str = "llama"        # a shipped tiny family (data_samples/configs) or a local checkpoint directory
-    data: str = "flan_like"     # a shipped sample (flan_like, orca_like, long_docs) or a local .jsonl/.json/.parquet/.csv file
-    tokenizer: str = ""         # the tokenizer of the data and the checkpoints ('': the model directory's own; the shipped one for a shipped family)
+    data: str = "flan_like"     # a shipped sample (flan_like, orca_like, long_docs)
+                                # or a local .jsonl/.json/.parquet/.csv file
+    tokenizer: str = ""         # the tokenizer of the data and the checkpoints ('': the model
+                                # directory's own; the shipped one for a shipped family)
     sp: int = 1                 # processes sharing one sequence (Ulysses)
-    ring: int = 1               # ring attention degree: a row is split over sp x ring processes (Ulysses inside a node, the ring across)
-    gather: int = 1             # all-gather context parallelism degree: a row is split over sp x gather processes whose keys and values are gathered every layer (`workbench.sp.gather`)
-    ring_kernel: str = "auto"   # the ring's block-pair kernel: auto (fused on CPU, plain on CUDA: `auto_ring_kernel`), plain (masked products, any device) or fused (flash attention per document stretch: CPU, or CUDA in bf16)
+    ring: int = 1               # ring attention degree: a row is split over sp x ring
+                                # processes (Ulysses inside a node, the ring across)
+    gather: int = 1             # all-gather context parallelism degree: a row is split over sp x gather processes
+                                # whose keys and values are gathered every layer (`workbench.sp.gather`)
+    ring_kernel: str = "auto"   # the ring's block-pair kernel: auto (fused on CPU, plain on CUDA:
+                                # `auto_ring_kernel`), plain (masked products, any device) or fused
+                                # (flash attention per document stretch: CPU, or CUDA in bf16)
     dp: int = 1                 # data-parallel replicas
     steps: int = 10             # optimizer steps (a resumed run continues up to this step)
     max_tokens: int = 2048      # tokens per packed row (one row per micro-step per DP replica, cut into `sp` shards)
     grad_accum: int = 1         # micro-steps per optimizer step (the loss is token-weighted over all of them)
-    balance: str = "tokens"     # group each step's bins over ranks by tokens, or by predicted cost (workbench.step_balance): tokens / cost
+    balance: str = "tokens"     # group each step's bins over ranks by tokens, or by
+                                # predicted cost (workbench.step_balance): tokens / cost
     lr: float = 1e-3            # AdamW learning rate
     seed: int = 0               # model init, data order
     attn: str = "sdpa"          # inner attention: eager, sdpa or workbench_varlen
@@ -81,7 +90,8 @@ class TrainConfig:
     loss_chunk: int = 0         # tiled loss in tiles of this many tokens, never the full logits (0: off)
     mlp_chunk: int = 0          # tiled MLP in tiles of this many tokens (0: off)
     lean_kernels: bool = False  # RMSNorm and SwiGLU that save only their inputs (the memory of fused kernels), exact
-    lora_r: int = 0             # LoRA rank (peft): train only adapters on every linear layer but the head (0: every weight)
+    lora_r: int = 0             # LoRA rank (peft): train only adapters on every
+                                # linear layer but the head (0: every weight)
     shard: bool = False         # shard parameters, gradients and optimizer states over all sp*dp processes (FSDP2)
     cpu_offload: bool = False   # with shard: keep the sharded states and the optimizer step in host memory
     dtype: str = "auto"         # auto: bf16 on CUDA, fp32 on CPU; or float32 / bfloat16 / float64
@@ -92,25 +102,31 @@ class TrainConfig:
     resume: bool = False        # continue from the newest complete checkpoint in `out` if there is one
     out: str = "runs/latest"    # run directory: config.json, metrics.jsonl, checkpoints/
     name: str = ""              # label of the run in dashboards
-    report_to: tuple[str, ...] = ()  # trackers also fed every metrics row, on rank 0: tensorboard,wandb,mlflow,... or all / none
-    eval_data: str = ""         # held-out examples evaluated during training, per example, under the run's layout (as --data; '': none)
-    eval_every: int = 0         # evaluate --eval-data after every this many steps and after the last (0: after the last only)
+    report_to: tuple[str, ...] = ()  # trackers also fed every metrics row, on rank
+                                     # 0: tensorboard,wandb,mlflow,... or all / none
+    eval_data: str = ""         # held-out examples evaluated during training, per
+                                # example, under the run's layout (as --data; '': none)
+    eval_every: int = 0         # evaluate --eval-data after every this many steps
+                                # and after the last (0: after the last only)
 
     @property
     def world(self) -> int: return self.layout.sp_size * self.dp
     @property
     def block_kernel(self) -> str:
-        "The ring's block-pair kernel this run trains with: `ring_kernel`, with 'auto' settled by `auto_ring_kernel` (a run records this one)."
+        """The ring's block-pair kernel this run trains with: `ring_kernel`, with 'auto' settled by `auto_ring_kernel`
+        (a run records this one)."""
         context = max(getattr(self, kind) for kind in LAYOUTS)  # the context degree of whichever kind splits it
         return auto_ring_kernel(context) if self.ring_kernel == "auto" else self.ring_kernel
     @property
     def layout(self):
-        "The run's sequence-parallel layout (`workbench.sp.layout.layout_of`): `sp` and every registered kind's degree field."
+        """The run's sequence-parallel layout (`workbench.sp.layout.layout_of`): `sp` and every registered kind's degree
+        field."""
         degrees = {name: getattr(self, name) for name in LAYOUTS}  # ring (--ring), ...
         return layout_of(self.sp, kernel=self.block_kernel, **degrees)
 
     @property
-    def global_batch(self) -> int: return self.dp * self.grad_accum  # plan bins per optimizer step: one per DP replica per micro-step
+    # plan bins per optimizer step: one per DP replica per micro-step
+    def global_batch(self) -> int: return self.dp * self.grad_accum
 
     def __post_init__(self):  # before anything plans or launches: the planner would otherwise name its own option
         for name, low in _AT_LEAST.items():
@@ -125,32 +141,36 @@ class TrainConfig:
             raise ValueError(f"stall_s (--stall-s) must be a number of seconds >= 0 (0: no limit), got "
                              f"{self.stall_s!r}")
         if self.dtype not in ("auto", *DTYPES):
-            why = " (float16 training needs loss scaling, which this loop does not do: use bfloat16)" if self.dtype == "float16" else ""
+            why = (" (float16 training needs loss scaling, which this loop does not do: use bfloat16)"
+                   if self.dtype == "float16" else "")
             raise ValueError(f"dtype (--dtype) {self.dtype!r} is not one of {['auto', *DTYPES]}{why}")
         if self.balance not in BALANCES:
-            raise ValueError(f"balance (--balance) {self.balance!r} is not one of {BALANCES}: tokens groups bins of similar "
-                             f"size, cost balances each optimizer step's predicted FLOPs over the ranks")
+            raise ValueError(f"balance (--balance) {self.balance!r} is not one of {BALANCES}: tokens groups bins of "
+                             "similar size, cost balances each optimizer step's predicted FLOPs over the ranks")
         if self.offload_checkpoints and not self.checkpointing:
-            raise ValueError("offload_checkpoints moves activation checkpoints to the host: set checkpointing=True as well")
+            raise ValueError("offload_checkpoints moves activation checkpoints to the host: set checkpointing=True as "
+                             "well")
         if self.lora_r and importlib.util.find_spec("peft") is None:
             raise ValueError("lora_r (--lora-r) trains LoRA adapters with the peft package: pip install peft")
         self.layout.check_options(self.attn, self.loss_chunk, self.shard)  # what the run's kind does not combine with
         if self.ring_kernel not in ("auto", *KERNELS):
-            raise ValueError(f"ring_kernel (--ring-kernel) {self.ring_kernel!r} is not one of {('auto', *KERNELS)}: plain computes each "
-                             f"block pair as masked matrix products, fused as flash-attention calls per document stretch (CPU, or CUDA in bf16), "
-                             f"auto picks fused on CPU and plain on CUDA")
+            raise ValueError(f"ring_kernel (--ring-kernel) {self.ring_kernel!r} is not one of {('auto', *KERNELS)}: "
+                             "plain computes each block pair as masked matrix products, fused as flash-attention calls "
+                             "per document stretch (CPU, or CUDA in bf16), auto picks fused on CPU and plain on CUDA")
         if self.ring_kernel == "fused" and not self.layout.blocked:
             kinds = " or ".join(f"{name} ({flag(name)})" for name in LAYOUTS)
-            raise ValueError(f"ring_kernel (--ring-kernel) {self.ring_kernel!r} chooses the ring's block-pair kernel, and this "
-                             f"run has no {' or '.join(LAYOUTS)}: set {kinds} to 2 or more, or drop --ring-kernel")
+            raise ValueError(f"ring_kernel (--ring-kernel) {self.ring_kernel!r} chooses the ring's block-pair kernel, "
+                             f"and this run has no {' or '.join(LAYOUTS)}: set {kinds} to 2 or more, or drop "
+                             "--ring-kernel")
         if self.cpu_offload and not self.shard:
             raise ValueError("cpu_offload offloads the sharded states: set shard=True as well")
         if self.eval_data and self.loss_chunk:
-            raise ValueError("eval_data (--eval-data) scores each shard's full logits (its tokens x the vocabulary), which "
-                             "loss_chunk (--loss-chunk) exists to avoid: drop one of them, or evaluate a checkpoint with "
-                             "python -m workbench.evaluate at a smaller --max-tokens")
+            raise ValueError("eval_data (--eval-data) scores each shard's full logits (its tokens x the vocabulary), "
+                             "which loss_chunk (--loss-chunk) exists to avoid: drop one of them, or evaluate a "
+                             "checkpoint with python -m workbench.evaluate at a smaller --max-tokens")
         if self.eval_every and not self.eval_data:
-            raise ValueError(f"eval_every (--eval-every) {self.eval_every} evaluates held-out data: name it with eval_data (--eval-data)")
+            raise ValueError(f"eval_every (--eval-every) {self.eval_every} evaluates held-out data: name it with "
+                             "eval_data (--eval-data)")
         self.report_to = tracker_names(self.report_to)  # a missing package is named here, before anything trains
 
 PRESETS = {
@@ -171,10 +191,13 @@ def model_config(cfg: TrainConfig):
 # %% ../nbs/04_runtime/02_config.ipynb #533e86e6
 def _parser(names: tuple[str, ...] | None = None,  # the fields that get a flag (None: every field, and --preset)
            ) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m workbench.train", description="DP x SP training with padding-free packing")
+    p = argparse.ArgumentParser(prog="python -m workbench.train",
+                                description="DP x SP training with padding-free packing")
     if names is None: p.add_argument("--preset", choices=sorted(PRESETS), help="start from a named configuration")
-    p.add_argument("--nproc", type=int, help="processes to launch here (dp defaults to nproc / sp); omit under torchrun")
-    docs = {k: v or "" for k, v in docments(TrainConfig).items()}  # each field's comment is its flag's help (none in __main__)
+    p.add_argument("--nproc", type=int, help="processes to launch here (dp defaults to nproc / sp); omit under "
+                                             "torchrun")
+    # each field's comment is its flag's help (none in __main__)
+    docs = {k: v or "" for k, v in docments(TrainConfig).items()}
     for f in fields(TrainConfig):
         if names is not None and f.name not in names: continue
         if f.type in ("bool", bool): p.add_argument(flag(f.name), action="store_true", default=None, help=docs[f.name])
@@ -198,8 +221,8 @@ def _config(p: argparse.ArgumentParser, a: argparse.Namespace, world: int) -> Tr
     degrees = " x ".join(map(str, layout.degrees))
     what = f"{' x '.join(flags)} = {degrees} = {seq}" if len(flags) > 1 else f"--sp {cfg.sp}"
     if nproc and nproc % seq:
-        p.error(f"--nproc {nproc} is not a multiple of {what}: the processes form a dp x {' x '.join(layout.fields)} grid; "
-                f"use --nproc {seq * max(1, nproc // seq)} or an {'/'.join(flags)} that divides {nproc}")
+        p.error(f"--nproc {nproc} is not a multiple of {what}: the processes form a dp x {' x '.join(layout.fields)} "
+                f"grid; use --nproc {seq * max(1, nproc // seq)} or an {'/'.join(flags)} that divides {nproc}")
     if nproc and "dp" not in given: cfg = replace(cfg, dp=nproc // seq)
     if nproc and nproc != cfg.world:
         p.error(f"--nproc {nproc} but {' x '.join(flags)} x --dp = {degrees} x {cfg.dp} = {cfg.world}")

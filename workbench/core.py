@@ -35,7 +35,8 @@ def restart_positions(lengths, start: int = 0, cu: np.ndarray | None = None) -> 
 
 # %% ../nbs/01_packing/01_core.ipynb #f1bbbd35
 def lengths_from_positions(position_ids) -> np.ndarray:
-    "Example lengths that transformers infers from one row of `position_ids` (a new example wherever the step is not +1)."
+    """Example lengths that transformers infers from one row of `position_ids` (a new example wherever the step is not
+    +1)."""
     pos = np.asarray(position_ids, dtype=np.int64).reshape(-1)
     if pos.size == 0: return np.zeros(0, dtype=np.int64)
     starts = np.flatnonzero(np.r_[True, np.diff(pos) != 1])
@@ -43,7 +44,8 @@ def lengths_from_positions(position_ids) -> np.ndarray:
 
 # %% ../nbs/01_packing/01_core.ipynb #b117e913
 def check_packed_batch(batch: dict) -> np.ndarray:
-    "Validate a batch against the packed-batch contract; return the example lengths or raise `ValueError` saying what to fix."
+    """Validate a batch against the packed-batch contract; return the example lengths or raise `ValueError` saying what
+    to fix."""
     missing = [k for k in ("input_ids", "labels", "position_ids") if k not in batch]
     if missing: raise ValueError(f"packed batch lacks {missing}; build it with `FlatteningCollator`")
     if "attention_mask" in batch:
@@ -61,7 +63,8 @@ def check_packed_batch(batch: dict) -> np.ndarray:
         if np.asarray(batch["cu_seq_lens_k"]).tolist() != cu:
             raise ValueError("cu_seq_lens_k differs from cu_seq_lens_q: for self-attention they must be equal")
         if int(batch["max_length_q"]) != int(lengths.max()):
-            raise ValueError(f"max_length_q={int(batch['max_length_q'])} but the longest example has {int(lengths.max())} tokens")
+            raise ValueError(f"max_length_q={int(batch['max_length_q'])} but the longest example has "
+                             f"{int(lengths.max())} tokens")
     starts = cu_seq_lens(lengths)[:-1]
     first_labels = np.asarray(batch["labels"]).reshape(-1)[starts]
     if (first_labels != IGNORE_INDEX).any():
@@ -79,7 +82,8 @@ def shift_labels(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torc
 def moved_names(module: str,  # the module the names left, e.g. "workbench.core"
                 moves: dict,  # each moved name: the module that holds it now
                ):
-    "A module `__getattr__` that refuses a moved name with the import that replaces it; any other missing name as usual."
+    """A module `__getattr__` that refuses a moved name with the import that replaces it; any other missing name as
+    usual."""
     def __getattr__(name: str):
         if name in moves:
             fix = f"from {moves[name]} import {name}"
@@ -89,6 +93,7 @@ def moved_names(module: str,  # the module the names left, e.g. "workbench.core"
 
 _SAMPLES = ("SAMPLES", "data_dir", "load_records", "load_tokenizer", "bos_eos", "tokenize_records", "load_sample")
 _TINY_MODELS = ("model_families", "tiny_config", "tiny_model", "release", "layer_windows", "SHRINK", "EXPERTS", "TOP_K",
-                "LAYER_KINDS", "NOT_PER_LAYER", "as_config", "shrink_config", "config_sizes", "shrink_table", "no_hf_bars")
+                "LAYER_KINDS", "NOT_PER_LAYER", "as_config", "shrink_config", "config_sizes", "shrink_table",
+                "no_hf_bars")
 __getattr__ = moved_names("workbench.core", {**dict.fromkeys(_SAMPLES, "workbench.samples"),
                                              **dict.fromkeys(_TINY_MODELS, "workbench.tiny_models")})

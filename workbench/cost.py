@@ -42,11 +42,13 @@ __all__ = ['CPU_MAX_AGE_S', 'DEVICES', 'RANK_THREADS', 'FACTORS', 'MEASURED', 'H
            'step_cost', 'windowed', 'BALANCES', 'BalancedPlan', 'plan_balanced', 'served_steps']
 
 # %% ../nbs/03_planning/05_cost.ipynb #18bccb51
-from .flops import (ADAMW_BYTES, ATTENTION_KERNELS, ATTENTION_PARTS, ATTENTION_WORK, CPU_FLOP_FORMULAS, FlopCount,
+from .flops import (ADAMW_BYTES, ATTENTION_KERNELS, ATTENTION_PARTS, ATTENTION_WORK, CPU_FLOP_FORMULAS,
+                             FlopCount,
                              attention_flops, bin_costs, bin_work, document_pairs, fused_pairs, interacting_blocks,
                              measured_flops, ring_blocks, windowed)
 from .step_balance import BALANCES, BalancedPlan, plan_balanced, served_steps
-_all_ = ["ADAMW_BYTES", "ATTENTION_KERNELS", "ATTENTION_PARTS", "ATTENTION_WORK", "CPU_FLOP_FORMULAS", "Dims", "FlopCount",
+_all_ = ["ADAMW_BYTES", "ATTENTION_KERNELS", "ATTENTION_PARTS", "ATTENTION_WORK", "CPU_FLOP_FORMULAS", "Dims",
+         "FlopCount",
          "StepCost", "attention_flops", "attention_kernel", "attention_work", "bin_costs", "bin_work", "document_pairs",
          "fused_pairs", "interacting_blocks", "measured_flops", "ring_blocks", "rows_of", "step_cost", "windowed",
          "BALANCES", "BalancedPlan", "plan_balanced", "served_steps"]
@@ -104,7 +106,8 @@ class Device:
     internode: float     # bytes/s per GPU between nodes
     memory_gib: float    # device memory a process can see, GiB
     per_node: int = 8    # GPUs per node
-    host: float = 2e11   # host memory bandwidth of a node for a CPU optimizer step, bytes/s (an estimate: 2-socket server)
+    host: float = 2e11   # host memory bandwidth of a node for a CPU optimizer
+                         # step, bytes/s (an estimate: 2-socket server)
     pcie: float = 5.5e10 # host <-> device bytes/s per GPU
 
 DEVICES = {  # public specifications (SXM parts); memory as the driver reports it
@@ -113,7 +116,8 @@ DEVICES = {  # public specifications (SXM parts); memory as the driver reports i
     "A100 80GB": Device("A100 80GB", 312e12, 2.039e12, 300e9, 25e9, 81920 / 1024, pcie=2.5e10),
 }
 
-RANK_THREADS = 1  # threads each training process computes with: `workbench.launch` (and torchrun) set OMP_NUM_THREADS=1 per rank
+# threads each training process computes with: `workbench.launch` (and torchrun) set OMP_NUM_THREADS=1 per rank
+RANK_THREADS = 1
 
 def _cpu_rates(threads: int) -> tuple[float, float]:
     "FLOP/s and copy bytes/s of this process at `threads` threads: the median of 7 fp32 1024² matmuls / 64 MiB copies."
@@ -136,7 +140,8 @@ def _measured_rates(threads: int, processes: int) -> tuple[float, float]:
         before = torch.get_num_threads()
         try: return _cpu_rates(threads)
         finally: torch.set_num_threads(before)
-    import multiprocessing as mp  # forked, like the ranks: threads here would leave state behind that a later fork inherits
+    # forked, like the ranks: threads here would leave state behind that a later fork inherits
+    import multiprocessing as mp
     ctx = mp.get_context("fork")
     pipes = [ctx.Pipe(duplex=False) for _ in range(processes)]
     procs = [ctx.Process(target=_rates_child, args=(w, threads), daemon=True) for _, w in pipes]
@@ -148,39 +153,48 @@ def _measured_rates(threads: int, processes: int) -> tuple[float, float]:
 
 @functools.lru_cache(maxsize=None)
 def cpu_device(threads: int | None = None,  # threads of the process to model (None: this process's, now)
-               processes: int = 1,           # processes computing at once (a run's ranks), each measured while the others run
+               processes: int = 1,           # processes at once (a run's ranks), each measured while the others run
               ) -> Device:
-    "This machine's CPU as a `Device` for one of `processes` processes of `threads` threads each: FLOP/s and memory bandwidth measured that way (`processes` > 1: as many forked processes, as `workbench.launch` forks ranks, measuring at once), so that cores shared between ranks, or a busy box, are measured as shared and busy; links are estimates."
+    """This machine's CPU as a `Device` for one of `processes` processes of `threads` threads each: FLOP/s and memory
+    bandwidth measured that way (`processes` > 1: as many forked processes, as `workbench.launch` forks ranks, measuring
+    at once), so that cores shared between ranks, or a busy box, are measured as shared and busy; links are
+    estimates."""
     threads = int(threads or torch.get_num_threads())
-    if threads < 1 or processes < 1: raise ValueError(f"threads and processes must be positive, got {threads!r}, {processes!r}")
+    if threads < 1 or processes < 1: raise ValueError(f"threads and processes must be positive, got {threads!r}, "
+                                                      f"{processes!r}")
     what = f"fp32 matmul and copy rates, {threads} threads per process, {processes} processes at once"
     flops, hbm = shared_measurement(what, lambda: _measured_rates(threads, processes))
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     shared = f", {processes} processes at once" if processes > 1 else ""
-    return Device(f"cpu ({threads} thread{'s' * (threads > 1)} per process{shared}, measured fp32 matmul)", float(flops),
-                  float(hbm), 5e8, 5e8, pages / 2**30, per_node=1, host=float(hbm), pcie=float(hbm))
+    return Device(f"cpu ({threads} thread{'s' * (threads > 1)} per process{shared}, measured fp32 matmul)",
+                  float(flops), float(hbm), 5e8, 5e8, pages / 2**30, per_node=1, host=float(hbm), pcie=float(hbm))
 
 def device(name) -> Device:
     "A `Device` by name (`DEVICES`, or \"cpu\" for this machine measured), or the `Device` given."
     if isinstance(name, Device): return name
     if name == "cpu": return cpu_device()
-    if name not in DEVICES: raise ValueError(f"unknown device {name!r}: choose one of {[*DEVICES, 'cpu']} or pass a `Device`")
+    if name not in DEVICES: raise ValueError(f"unknown device {name!r}: choose one of {[*DEVICES, 'cpu']} or pass a "
+                                             "`Device`")
     return DEVICES[name]
 
 @functools.cache
 def gpu_name() -> str | None:
-    "This machine's first CUDA GPU by name (None without CUDA), read without initialising CUDA in this process: `launch` forks its ranks from it, and a forked rank cannot use a CUDA its parent initialised."
+    """This machine's first CUDA GPU by name (None without CUDA), read without initialising CUDA in this process:
+    `launch` forks its ranks from it, and a forked rank cannot use a CUDA its parent initialised."""
     if not torch.cuda.is_available(): return None
     if torch.cuda.is_initialized(): return torch.cuda.get_device_name()
     unnamed = "a CUDA GPU that nvidia-smi did not name"
-    try: smi = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+    try: smi = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired): return unnamed
     names = smi.stdout.splitlines()
     return names[0].strip() if names else unnamed
 
 def run_device(processes: int = 1,  # the run's processes (ranks), computing at once on this machine
               ) -> Device | None:
-    "The device a training rank runs on: the CUDA GPU by its name when it is in `DEVICES` (None when it is not: `unmodelled` says so), else this CPU at `RANK_THREADS` threads (what every rank really has), measured while `processes` ranks compute at once."
+    """The device a training rank runs on: the CUDA GPU by its name when it is in `DEVICES` (None when it is not:
+    `unmodelled` says so), else this CPU at `RANK_THREADS` threads (what every rank really has), measured while
+    `processes` ranks compute at once."""
     gpu = gpu_name()
     return cpu_device(RANK_THREADS, processes) if gpu is None else gpu_device(gpu)
 
@@ -199,7 +213,8 @@ class Efficiency:
     memory: float = 0.7      # of memory / host / PCIe bandwidth reached by the optimizer step and offloads
     overlap: float = 0.0     # share of communication hidden behind compute
     overhead_s: float = 0.0  # seconds per step nothing above explains (launches, Python, data)
-    fitted_on: tuple = ()    # `HeldOut.source` names of the measured points these factors were fitted on: never held out
+    fitted_on: tuple = ()    # `HeldOut.source` names of the measured points
+                             # these factors were fitted on: never held out
     dense_attention: float = 0.5  # of peak FLOP/s reached by dense-mask attention (sdpa / eager: the whole row)
     flex_attention: float = 0.5   # of peak FLOP/s reached by flex_attention
     measured: tuple = field(default=(), repr=False)  # `MeasuredStep`s known: those not in `fitted_on` are held out
@@ -209,7 +224,8 @@ _KERNEL_TERMS = {"flash": "attention", "dense": "dense_attention", "flex": "flex
 
 @dataclass(frozen=True)
 class HeldOut:
-    "One measured step that a prediction's factors were not fitted on: where it came from, predicted and measured seconds."
+    """One measured step that a prediction's factors were not fitted on: where it came from, predicted and measured
+    seconds."""
     source: str          # what was measured ("HF blog Qwen3-4B SP=4 8K", "run /path/to/run")
     device: str          # the `Device.name` it ran on (CPU points speak for CPU predictions, GPU points for GPU ones)
     predicted_s: float   # seconds per step the predictor gave for it
@@ -238,15 +254,16 @@ HELD_OUT_SOURCES = [lambda dev, eff: MEASURED,  # (device, efficiency) -> `HeldO
 def _kind(device_name: str) -> str: return "cpu" if device_name.startswith("cpu") else "gpu"
 
 def held_out(device, efficiency: Efficiency = Efficiency()) -> tuple:
-    "The measured points on `device`'s kind (CPU or GPU) that `efficiency` was not fitted on: the error a prediction carries."
+    """The measured points on `device`'s kind (CPU or GPU) that `efficiency` was not fitted on: the error a prediction
+    carries."""
     dev = device_of(device)
     return tuple(h for source in HELD_OUT_SOURCES for h in source(dev, efficiency)
                  if _kind(h.device) == _kind(dev.name) and h.source not in efficiency.fitted_on)
 
 def held_out_errors(points: tuple, device: str) -> str:
     "The held-out points and their errors in words (or that none was measured on `device`'s kind)."
-    if not points: return (f"no held-out point measured on {_kind(device)} yet (`check_run` records a run), so this is a "
-                           f"roofline's guess with no error band")
+    if not points: return (f"no held-out point measured on {_kind(device)} yet (`check_run` records a run), so this is "
+                           "a roofline's guess with no error band")
     worst = max(points, key=lambda h: abs(h.error))
     summary = (f"median |error| {np.median([abs(h.error) for h in points]):.0%}, worst {worst.error:+.0%} "
                f"({worst.source}); each: " if len(points) > 2 else "")
@@ -270,25 +287,29 @@ class Prediction:
         "(lowest, highest) error measured on the held-out points (`HeldOut.error`); None when none was measured."
         return (min(h.error for h in self.held_out), max(h.error for h in self.held_out)) if self.held_out else None
     def trust(self) -> str:
-        "One line: the tokens/s the held-out errors make of this prediction, and each point with its error; or that none was measured."
+        """One line: the tokens/s the held-out errors make of this prediction, and each point with its error; or that
+        none was measured."""
         if not self.held_out: return "trust: " + held_out_errors(self.held_out, self.device)
         lo, hi = (f"{self.tokens_per_s / (1 + e):,.0f}" for e in reversed(self.band))
         return (f"trust: measured {lo if lo == hi else f'{lo}-{hi}'} tokens/s if it errs as "
                 + held_out_errors(self.held_out, self.device))
     def __repr__(self):
-        return (f"predicted on {self.device}: {self.step_s:.4g} s/step, {self.tokens_per_s:,.0f} tokens/s, MFU {self.mfu:.1%} "
-                f"({self.flops_per_step:.3g} model FLOPs per rank per step)\n{self.trust()}")
+        return (f"predicted on {self.device}: {self.step_s:.4g} s/step, {self.tokens_per_s:,.0f} tokens/s, MFU "
+                f"{self.mfu:.1%} ({self.flops_per_step:.3g} model FLOPs per rank per step)\n{self.trust()}")
 
 def step_terms(cost: StepCost, dev: Device, ulysses: int, ring: int, dp: int) -> dict:
     "Seconds of each `FACTORS` term at 100% of `dev`'s peaks; each group's bytes over its own link."
     attn = sum(v for k, v in cost.flops.items() if "attention" in k)
-    link = lambda procs: dev.nvlink if procs <= dev.per_node else dev.internode  # a group of adjacent ranks inside a node, or not
-    host_ranks = min(ulysses * ring * dp, dev.per_node)  # the ranks of a node share its host memory for a CPU optimizer step
+    # a group of adjacent ranks inside a node, or not
+    link = lambda procs: dev.nvlink if procs <= dev.per_node else dev.internode
+    # the ranks of a node share its host memory for a CPU optimizer step
+    host_ranks = min(ulysses * ring * dp, dev.per_node)
     kernels = {term: attn / dev.flops if term == _KERNEL_TERMS[cost.kernel] else 0.0 for term in _KERNEL_TERMS.values()}
     return {"matmul": (cost.total - attn) / dev.flops, "attention": kernels.pop("attention"),
             "comm": cost.bytes["all-to-all"] / link(ulysses) + cost.bytes["ring"] / link(ulysses * ring)
                     + cost.bytes["gradient reduction"] / link(ulysses * ring * dp),
-            "memory": cost.bytes["optimizer (device)"] / dev.hbm + cost.bytes["optimizer (host)"] * host_ranks / dev.host
+            "memory": cost.bytes["optimizer (device)"] / dev.hbm
+                      + cost.bytes["optimizer (host)"] * host_ranks / dev.host
                       + cost.bytes["host transfers"] / dev.pcie,
             "overhead": 1.0, **kernels}
 
@@ -312,9 +333,11 @@ def predict_step(config,                  # a transformers config or a preset na
                  batch,                   # this replica's rows of one optimizer step (as `step_cost` reads them)
                  device="H100 SXM",       # a `DEVICES` name, "cpu", or a `Device`
                  efficiency: Efficiency = Efficiency(),  # the factors (fit them with `calibrate`)
-                 **options,               # `step_cost`'s: sp, ring, dp, attention, levers, zero_stage, optimizer_offload, dtype_bytes
+                 # `step_cost`'s: sp, ring, dp, attention, levers, zero_stage, optimizer_offload, dtype_bytes
+                 **options,
                 ) -> Prediction:
-    "Predicted seconds, throughput and MFU of one step (a roofline over `step_cost` with the named `efficiency` factors), with the error measured on the points those factors were not fitted on (`held_out`)."
+    """Predicted seconds, throughput and MFU of one step (a roofline over `step_cost` with the named `efficiency`
+    factors), with the error measured on the points those factors were not fitted on (`held_out`)."""
     p = _predict_step(config, batch, device, efficiency, **options)
     return replace(p, held_out=held_out(device, efficiency))
 
@@ -333,14 +356,16 @@ def calibrate(points,                     # (`Prediction` or its `terms`, measur
               fitted_on: tuple = (),      # names of the measured points (`HeldOut.source`): never held out of this fit
               relative: bool = False,     # weigh each step by 1 / its seconds (least squares on relative errors)
              ) -> Efficiency:
-    "Fit the named factors to measured step times by least squares (a step's seconds are linear in the inverse factors)."
+    """Fit the named factors to measured step times by least squares (a step's seconds are linear in the inverse
+    factors)."""
     unknown = [g for g in fit if g not in FIT_GROUPS]
     if unknown: raise ValueError(f"cannot fit {unknown}: choose among {list(FIT_GROUPS)}")
     terms = [t.terms if isinstance(t, Prediction) else t for t, _ in points]
     fitted = [k for g in fit for k in FIT_GROUPS[g]]
     if len(set(fitted)) != len(fitted): raise ValueError(f"groups {list(fit)} overlap: fit each factor once")
     if len(points) < len(fit):
-        raise ValueError(f"{len(points)} measured step(s) cannot fit {len(fit)} factors {list(fit)}: measure more, or fit fewer")
+        raise ValueError(f"{len(points)} measured step(s) cannot fit {len(fit)} factors {list(fit)}: measure more, or "
+                         "fit fewer")
     inverse = {"matmul": 1 / efficiency.matmul, "attention": 1 / efficiency.attention, "memory": 1 / efficiency.memory,
                "comm": (1 - efficiency.overlap) / efficiency.comm, "overhead": efficiency.overhead_s,
                "dense_attention": 1 / efficiency.dense_attention, "flex_attention": 1 / efficiency.flex_attention}
@@ -352,8 +377,9 @@ def calibrate(points,                     # (`Prediction` or its `terms`, measur
     new = {}
     for g, v in zip(fit, x):
         if g == "overhead": new["overhead_s"] = float(v); continue
-        if not v > 0: raise ValueError(f"the measured steps leave no time for {g} (fitted inverse factor {v:.3g}): the model "
-                                       f"of these runs is wrong (device, levers, offload?) or a factor should stay fixed")
+        if not v > 0: raise ValueError(f"the measured steps leave no time for {g} (fitted inverse factor {v:.3g}): the "
+                                       "model of these runs is wrong (device, levers, offload?) or a factor should "
+                                       "stay fixed")
         for k in FIT_GROUPS[g]: new[k] = float(1 / v)
     return replace(efficiency, **new, fitted_on=efficiency.fitted_on + tuple(fitted_on))
 
@@ -362,14 +388,16 @@ def _run_record(out, skip: int) -> tuple[dict, list[dict]]:
     out = Path(out)
     try: predicted = json.loads((out / "config.json").read_text())["predicted"]
     except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError):
-        raise ValueError(f"{out}/config.json has no 'predicted' record: calibrate from a run that `workbench.train.run` wrote") from None
+        raise ValueError(f"{out}/config.json has no 'predicted' record: calibrate from a run that "
+                         "`workbench.train.run` wrote") from None
     rows = []
     for line in (out / "metrics.jsonl").read_text().splitlines() if (out / "metrics.jsonl").exists() else []:
         try: r = json.loads(line)
         except json.JSONDecodeError: continue  # a half-written last line
         if isinstance(r, dict) and r.get("step_s") and r.get("mfu") is not None: rows.append(r)
     rows = [r for r in rows if r["step"] >= skip]
-    if not rows: raise ValueError(f"{out}/metrics.jsonl has no rows with step_s and mfu past step {skip}: run more steps")
+    if not rows: raise ValueError(f"{out}/metrics.jsonl has no rows with step_s and mfu past step {skip}: run more "
+                                  "steps")
     return predicted, rows
 
 def run_source(out) -> str: return f"run {Path(out)}"  # a run's `HeldOut.source` and `Efficiency.fitted_on` name
@@ -378,9 +406,11 @@ def calibrate_run(out,                    # a run directory with config.json and
                   skip: int = 1,          # first steps left out (warm-up)
                   efficiency: Efficiency = Efficiency(),  # the factors not fitted
                  ) -> Efficiency:
-    "Fit compute efficiency (and a per-step overhead when the steps differ in work) to a measured run's `step_s` and `mfu`."
+    """Fit compute efficiency (and a per-step overhead when the steps differ in work) to a measured run's `step_s` and
+    `mfu`."""
     predicted, rows = _run_record(out, skip)
-    points = [({"matmul": r["mfu"] * r["step_s"], "attention": 0.0, "comm": 0.0, "memory": 0.0, "overhead": 1.0}, r["step_s"])
+    points = [({"matmul": r["mfu"] * r["step_s"], "attention": 0.0, "comm": 0.0, "memory": 0.0, "overhead": 1.0},
+               r["step_s"])
               for r in rows]  # mfu * step_s: the step's model FLOPs over the peak, in seconds
     varied = np.ptp([t["matmul"] for t, _ in points]) > 0.05 * np.mean([t["matmul"] for t, _ in points])
     return calibrate(points, ("compute", "overhead") if varied and len(points) > 1 else ("compute",),
@@ -390,46 +420,58 @@ def check_run(out,                        # a run directory with config.json and
               skip: int = 1,              # first steps left out (warm-up)
               record: bool = True,        # add it to `MEASURED`: every later prediction on this device kind carries it
              ) -> HeldOut:
-    "A run's prediction against its measured steps on one basis: each measured step's model FLOPs at the predicted FLOP rate (the prediction's seconds for that very step) against the step's measured seconds, each the median over the steps past `skip`."
+    """A run's prediction against its measured steps on one basis: each measured step's model FLOPs at the predicted
+    FLOP rate (the prediction's seconds for that very step) against the step's measured seconds, each the median over
+    the steps past `skip`."""
     predicted, rows = _run_record(out, skip)
     rate = predicted["flops_per_step"] / predicted["step_s"]  # model FLOP/s the prediction expects
-    flops = [r["mfu"] * r["step_s"] * predicted["peak_flops"] for r in rows]  # measured_mfu's numerator: the step's model FLOPs
+    # measured_mfu's numerator: the step's model FLOPs
+    flops = [r["mfu"] * r["step_s"] * predicted["peak_flops"] for r in rows]
     point = HeldOut(run_source(out), predicted["device"], float(np.median(flops)) / rate,
-                    float(np.median([r["step_s"] for r in rows])))  # medians: a step slowed by a busy neighbour moves neither
+                    # medians: a step slowed by a busy neighbour moves neither
+                    float(np.median([r["step_s"] for r in rows])))
     if record:
-        MEASURED[:] = [h for h in MEASURED if h.source != point.source] + [point]  # a rerun in the same directory replaces it
+        # a rerun in the same directory replaces it
+        MEASURED[:] = [h for h in MEASURED if h.source != point.source] + [point]
     return point
 
 
 # %% ../nbs/03_planning/05_cost.ipynb #178b246b
-HF_BLOG_QWEN3_4B = {(1, 8192): 3633, (4, 8192): 3933, (4, 32768): 7733, (4, 65536): 13396}  # (sp, seq_len) -> tokens/s, H100
+# (sp, seq_len) -> tokens/s, H100
+HF_BLOG_QWEN3_4B = {(1, 8192): 3633, (4, 8192): 3933, (4, 32768): 7733, (4, 65536): 13396}
 HF_BLOG_FIT = ((1, 8192), (4, 65536))  # the points `hf_blog_table` calibrates on; the others are predicted
-HF_BLOG_RUN = dict(zero_stage=3, optimizer_offload=True, levers=Levers(), attention="causal")  # ZeRO-3, CPU Adam, checkpointing, FA2
+# ZeRO-3, CPU Adam, checkpointing, FA2
+HF_BLOG_RUN = dict(zero_stage=3, optimizer_offload=True, levers=Levers(), attention="causal")
 
 def hf_blog_prediction(sp: int, seq_len: int, efficiency: Efficiency = Efficiency(), trust: bool = True) -> Prediction:
     "The predicted step of the HF blog's Qwen3-4B run: one row of `seq_len` tokens (one document) over `sp` H100s."
-    return (predict_step if trust else _predict_step)("qwen3-4b", [[seq_len]], "H100 SXM", efficiency, sp=sp, dp=1, **HF_BLOG_RUN)
+    return (predict_step if trust else _predict_step)("qwen3-4b", [[seq_len]], "H100 SXM", efficiency, sp=sp, dp=1,
+                                                      **HF_BLOG_RUN)
 
-def blog_source(sp: int, seq_len: int) -> str: return f"HF blog Qwen3-4B SP={sp} {seq_len // 1024}K"  # its `HeldOut.source`
+# its `HeldOut.source`
+def blog_source(sp: int, seq_len: int) -> str: return f"HF blog Qwen3-4B SP={sp} {seq_len // 1024}K"
 
 @functools.lru_cache(maxsize=64)
 def _blog_points(efficiency: Efficiency) -> tuple:
-    "Every HF blog point predicted with `efficiency`, as `HeldOut` (`held_out` drops the ones `efficiency` was fitted on)."
-    return tuple(HeldOut(blog_source(sp, n), "H100 SXM", hf_blog_prediction(sp, n, efficiency, trust=False).step_s, n / pub)
+    """Every HF blog point predicted with `efficiency`, as `HeldOut` (`held_out` drops the ones `efficiency` was fitted
+    on)."""
+    return tuple(HeldOut(blog_source(sp, n), "H100 SXM", hf_blog_prediction(sp, n, efficiency, trust=False).step_s,
+                         n / pub)
                  for (sp, n), pub in HF_BLOG_QWEN3_4B.items())
 
-HELD_OUT_SOURCES.append(lambda dev, eff: _blog_points(eff))  # GPU predictions carry the blog points they were not fitted on
+# GPU predictions carry the blog points they were not fitted on
+HELD_OUT_SOURCES.append(lambda dev, eff: _blog_points(eff))
 
 def hf_blog_table(fit=("compute", "memory")) -> "tuple[pd.DataFrame, Efficiency]":
     "Published against predicted tokens/s for every HF blog point, the factors fitted on `HF_BLOG_FIT`."
     import pandas as pd
-    eff = calibrate([(hf_blog_prediction(sp, n, trust=False), n / HF_BLOG_QWEN3_4B[sp, n]) for sp, n in HF_BLOG_FIT], fit,
-                    fitted_on=tuple(blog_source(sp, n) for sp, n in HF_BLOG_FIT))
+    eff = calibrate([(hf_blog_prediction(sp, n, trust=False), n / HF_BLOG_QWEN3_4B[sp, n]) for sp, n in HF_BLOG_FIT],
+                    fit, fitted_on=tuple(blog_source(sp, n) for sp, n in HF_BLOG_FIT))
     rows = []
     for (sp, n), pub in HF_BLOG_QWEN3_4B.items():
         p = hf_blog_prediction(sp, n, eff, trust=False)
-        rows.append(dict(sp=sp, seq_len=n, fitted=(sp, n) in HF_BLOG_FIT, published=pub, predicted=round(p.tokens_per_s),
-                         error=p.tokens_per_s / pub - 1, mfu=p.mfu, step_s=p.step_s))
+        rows.append(dict(sp=sp, seq_len=n, fitted=(sp, n) in HF_BLOG_FIT, published=pub,
+                         predicted=round(p.tokens_per_s), error=p.tokens_per_s / pub - 1, mfu=p.mfu, step_s=p.step_s))
     return pd.DataFrame(rows), eff
 
 # %% ../nbs/03_planning/05_cost.ipynb #9039c4b2
@@ -439,13 +481,16 @@ def run_options(cfg,
     "`step_cost` options of a `workbench.train.TrainConfig` run."
     cuda = torch.cuda.is_available() if device_type is None else device_type == "cuda"
     dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if cuda else "float32")
-    layout = cfg.layout if hasattr(cfg, "layout") else layout_of(cfg.sp, ring=getattr(cfg, "ring", 1))  # a namespace of fields
-    return dict(sp=layout.ulysses, ring=layout.context, ring_kernel=layout.kernel, context=layout.degree or "ring", dp=cfg.dp,
+    # a namespace of fields
+    layout = cfg.layout if hasattr(cfg, "layout") else layout_of(cfg.sp, ring=getattr(cfg, "ring", 1))
+    return dict(sp=layout.ulysses, ring=layout.context, ring_kernel=layout.kernel, context=layout.degree or "ring",
+                dp=cfg.dp,
                 attention=attention_work(cfg.attn, "cuda" if cuda else "cpu"),  # Ulysses: the inner one's work
                 kernel="flash" if layout.blocked else attention_kernel(cfg.attn),  # a ring computes its own block pairs
                 levers=Levers(checkpointing=cfg.checkpointing, offload_checkpoints=cfg.offload_checkpoints,
                               tiled_loss=bool(cfg.loss_chunk), loss_chunk=cfg.loss_chunk or 1024,
-                              tiled_mlp=bool(cfg.mlp_chunk), mlp_chunk=cfg.mlp_chunk or None, lean_kernels=cfg.lean_kernels),
+                              tiled_mlp=bool(cfg.mlp_chunk), mlp_chunk=cfg.mlp_chunk or None,
+                              lean_kernels=cfg.lean_kernels),
                 zero_stage=3 if cfg.shard else 0, optimizer_offload=cfg.cpu_offload,
                 dtype_bytes={"bfloat16": 2, "float32": 4, "float64": 8}[dtype])
 
@@ -529,7 +574,8 @@ def lockstep_seconds(threads: int, family: str, lengths: tuple,
 @functools.lru_cache(maxsize=None)
 def cpu_efficiency(threads: int = RANK_THREADS,  # threads of the process (a rank's: `RANK_THREADS`)
                    processes: int = 1,           # processes computing at once (a run's ranks), as `cpu_device` reads it
-                   ulysses: int = 1,             # of which share one row by Ulysses (a ring run: its ring, measured as 1)
+                   ulysses: int = 1,             # of which share one row by Ulysses (a
+                                                 # ring run: its ring, measured as 1)
                    family: str = "llama",        # the shipped tiny family of the reference step
                    lengths: tuple = (512, 256, 128, 128),  # its documents, packed in one row as training packs them
                   ) -> Efficiency:
@@ -550,7 +596,9 @@ def cpu_efficiency(threads: int = RANK_THREADS,  # threads of the process (a ran
 _CPU_MEASURED = [0.0]  # when `fresh_cpu` last let the CPU measurements stand (time.monotonic())
 
 def fresh_cpu(max_age_s: float = CPU_MAX_AGE_S):
-    "Measure the CPU afresh (`cpu_device`, `cpu_efficiency`) when the last measurement is older than `max_age_s`: a shared box's load changes, and a run's prediction should see the load it runs under; runs in quick succession share one measurement (`shared_measurement`: also between processes)."
+    """Measure the CPU afresh (`cpu_device`, `cpu_efficiency`) when the last measurement is older than `max_age_s`: a
+    shared box's load changes, and a run's prediction should see the load it runs under; runs in quick succession share
+    one measurement (`shared_measurement`: also between processes)."""
     now = time.monotonic()
     if now - _CPU_MEASURED[0] > max_age_s: cpu_device.cache_clear(); cpu_efficiency.cache_clear()
     _CPU_MEASURED[0] = now if now - _CPU_MEASURED[0] > max_age_s else _CPU_MEASURED[0]
@@ -571,9 +619,13 @@ def unmodelled(cfg, config) -> str | None:
     except ValueError as e: return f"workbench.cost does not model this architecture ({e})"
     return None
 
-def run_prediction(cfg, config, plan: Plan, efficiency: Efficiency | None = None, steps: int = 64,  # efficiency None: `run_efficiency()`
-                   sampler: TokenBudgetSampler | None = None) -> Prediction | None:  # sampler: the run's (None: the token-balanced one)
-    "A run's predicted step: its first `steps` optimizer steps as the sampler serves them, each at its slowest rank, averaged (None where `unmodelled` says why: training goes on without)."
+def run_prediction(cfg, config, plan: Plan,
+                   efficiency: Efficiency | None = None,  # None: `run_efficiency()`
+                   steps: int = 64,
+                   sampler: TokenBudgetSampler | None = None,  # the run's (None: the token-balanced one)
+                   ) -> Prediction | None:
+    """A run's predicted step: its first `steps` optimizer steps as the sampler serves them, each at its slowest rank,
+    averaged (None where `unmodelled` says why: training goes on without)."""
     if unmodelled(cfg, config): return None  # not modelled, so no MFU claimed either
     sampler = sampler or TokenBudgetSampler(plan, seed=cfg.seed, num_replicas=cfg.dp, grad_accum=cfg.grad_accum)
     served = sampler.epoch_steps().reshape(-1, cfg.grad_accum, cfg.dp)
@@ -588,7 +640,8 @@ def run_prediction(cfg, config, plan: Plan, efficiency: Efficiency | None = None
                       slowest[0].cost, held_out(dev, efficiency))
 
 def measured_mfu(config, rows, cfg, seconds: float, predicted: Prediction | None) -> dict:
-    "`{\"mfu\": ...}` of a step of `rows` (document lengths) that took `seconds`: model FLOPs / seconds / the predicted peak; `{}` without a prediction."
+    """`{\"mfu\": ...}` of a step of `rows` (document lengths) that took `seconds`: model FLOPs / seconds / the
+    predicted peak; `{}` without a prediction."""
     if predicted is None: return {}
     return {"mfu": step_cost(config, rows, **run_options(cfg)).model_flops / seconds / predicted.peak_flops}
 

@@ -28,11 +28,13 @@ __all__ = ['METRIC_KEYS', 'CPU_CAVEAT', 'PLOTLY_MIME', 'COMM_TITLE', 'RESUMED_NO
 # %% ../nbs/04_runtime/13_dashboard.ipynb #9c5d2370
 METRIC_KEYS = ("step", "rank", "loss", "tokens", "trained", "tokens_per_s", "peak_mem_bytes", "a2a_share", "ring_share",
                "a2a_bytes", "ring_bytes", "time", "step_s", "compute_s",
-               "predicted_flops", "predicted_attention_flops", "mfu")  # these three only where the cost model describes the run (not LoRA, not mixture of experts)
+               # these three only where the cost model describes the run (not LoRA, not mixture of experts)
+               "predicted_flops", "predicted_attention_flops", "mfu")
 _HEAD = 256  # bytes of the file's start remembered to notice a rewrite in place
 
 class MetricsReader:
-    "Incremental reader of a run directory's `metrics.jsonl`: each `read()` returns the complete lines written since the last."
+    """Incremental reader of a run directory's `metrics.jsonl`: each `read()` returns the complete lines written since
+    the last."""
     def __init__(self, run_dir):
         self.run_dir, self.rows, self.offset = Path(run_dir), [], 0
         self.restarts = 0  # times the file was replaced, truncated or rewritten and read again from the top
@@ -50,8 +52,10 @@ class MetricsReader:
         with f:
             st = os.fstat(f.fileno())
             identity = (st.st_dev, st.st_ino)
-            if self.offset and (identity != self._identity or st.st_size < self.offset or f.read(len(self._head)) != self._head):
-                self._restart()  # a new run in a reused directory: replaced (new inode), truncated, or rewritten in place
+            if self.offset and (identity != self._identity or st.st_size < self.offset
+                                or f.read(len(self._head)) != self._head):
+                # a new run in a reused directory: replaced (new inode), truncated, or rewritten in place
+                self._restart()
             self._identity, start = identity, self.offset
             f.seek(start); data = f.read()
         complete = data[: data.rfind(b"\n") + 1]  # a line still being written is read next time
@@ -107,12 +111,14 @@ def run_progress(name: str,              # the run's label
 # %% ../nbs/04_runtime/13_dashboard.ipynb #711f5f80
 @dataclass
 class RankBalance:
-    "How one run's ranks shared each step: each rank's forward + backward, predicted work, predicted attention and tokens over the ranks' mean."
+    """How one run's ranks shared each step: each rank's forward + backward, predicted work, predicted attention and
+    tokens over the ranks' mean."""
     steps: list                  # the steps every rank reported
     measured: dict               # rank -> per step, its forward + backward time / the ranks' mean that step (1.0: even)
     predicted: dict | None       # rank -> per step, its bins' predicted FLOPs / the ranks' mean (None: no prediction)
     tokens: dict                 # rank -> per step, its tokens / the ranks' mean (what `--balance tokens` evens out)
-    attention: dict | None = None  # rank -> per step, its bins' predicted attention FLOPs / the ranks' mean (None: no prediction)
+    attention: dict | None = None  # rank -> per step, its bins' predicted attention
+                                   # FLOPs / the ranks' mean (None: no prediction)
 
     @staticmethod
     def _top(shares: dict, i: int) -> int: return max(shares, key=lambda rank: shares[rank][i])
@@ -134,8 +140,9 @@ class RankBalance:
     def __str__(self):
         measured = self.peak(self.measured)
         i = max(range(len(self.steps)), key=lambda j: measured[j])  # the most uneven step
-        line = (f"slowest rank {self.slowest[i]} at step {self.steps[i]}: its forward + backward took {measured[i]:.2f}x "
-                f"the ranks' mean (over {len(self.steps)} steps the slowest took {sum(measured) / len(measured):.2f}x on average)")
+        line = (f"slowest rank {self.slowest[i]} at step {self.steps[i]}: its forward + backward took "
+                f"{measured[i]:.2f}x the ranks' mean (over {len(self.steps)} steps the slowest took "
+                f"{sum(measured) / len(measured):.2f}x on average)")
         if self.predicted is None: return line + "; no prediction for this run"
         predicted = self.peak(self.predicted)
         line += (f"; predicted from the bins' FLOPs: rank {self.predicted_slowest[i]}, {predicted[i]:.2f}x "
@@ -149,7 +156,8 @@ def _shares(reports: dict, key: str) -> dict:
     return {rank: (r[key] / mean if mean > 0 else 1.0) for rank, r in reports.items()}
 
 def _predicted_shares(by_step: dict, steps: list, key: str) -> dict | None:
-    "Each rank's share of a predicted `key` at every step, or None where some step's rows lack it (a run the cost model does not describe)."
+    """Each rank's share of a predicted `key` at every step, or None where some step's rows lack it (a run the cost
+    model does not describe)."""
     if not all(key in r for s in steps for r in by_step[s].values()): return None
     shares = {rank: [] for rank in by_step[steps[0]]}
     for s in steps:
@@ -157,7 +165,8 @@ def _predicted_shares(by_step: dict, steps: list, key: str) -> dict | None:
     return shares
 
 def rank_balance(rows: list[dict]) -> RankBalance | None:
-    "Each rank's share of every step of one run's metrics rows (None: fewer than two ranks recorded their forward + backward time)."
+    """Each rank's share of every step of one run's metrics rows (None: fewer than two ranks recorded their forward +
+    backward time)."""
     by_step = {}
     for r in rows:
         if "compute_s" in r: by_step.setdefault(r["step"], {})[r["rank"]] = r
@@ -183,7 +192,8 @@ _RUN_DASH = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
 COMM_TITLE = "time in communication (solid: all-to-all, dashed: ring)"
 RESUMED_NOTE = "resumed at step {start}: memory and ranks show this segment, the other curves the whole run"
-BALANCE_TITLE = "per rank: forward + backward<br>(dotted: predicted FLOPs, long dash: their attention, dash-dot: tokens)"
+BALANCE_TITLE = ("per rank: forward + backward<br>(dotted: predicted FLOPs, long dash: their attention, dash-dot: "
+                 "tokens)")
 _COMM = (("a2a_share", "all-to-all", "solid"), ("ring_share", "ring", "dash"))  # key, trace name, line dash
 
 def _dtick(steps: int) -> int:
@@ -196,11 +206,13 @@ def _figure(title: str, ytitle: str, steps: int) -> go.Figure:
         height=300, width=480, margin=dict(l=55, r=10, t=40, b=40), template="plotly_white"))
 
 def figure_output(fig: go.Figure) -> dict:
-    "`fig` whole, as one notebook output in plotly's own JSON (drawn by plotly's renderer in JupyterLab, Voilà, VS Code)."
+    """`fig` whole, as one notebook output in plotly's own JSON (drawn by plotly's renderer in JupyterLab, Voilà, VS
+    Code)."""
     return {"output_type": "display_data", "data": {PLOTLY_MIME: json.loads(fig.to_json())}, "metadata": {}}
 
 def _source(run) -> tuple[Path, str, int | None]:
-    "A run given as its directory or as its `TrainConfig`: the directory, the name given ('' if none), its steps (or None)."
+    """A run given as its directory or as its `TrainConfig`: the directory, the name given ('' if none), its steps (or
+    None)."""
     if hasattr(run, "out"): return Path(run.out), run.name, run.steps
     return Path(run), "", None
 
@@ -221,9 +233,11 @@ def import_drawing_modules():
         if importlib.util.find_spec(name) is not None: importlib.import_module(name)
 
 class Dashboard:
-    "Live or replayed figures of one or more runs: loss, tokens/s, per-rank memory, all-to-all and ring shares, the slowest rank, progress per run."
+    """Live or replayed figures of one or more runs: loss, tokens/s, per-rank memory, all-to-all and ring shares, the
+    slowest rank, progress per run."""
     def __init__(self, *runs,                       # run directories, or the `TrainConfig`s of the runs
-                 names: list[str] | None = None,    # a label per run (default: the config's name, else SP/DP, else the folder)
+                 names: list[str] | None = None,    # a label per run (default: the config's
+                                                    # name, else SP/DP, else the folder)
                  total_steps: int | None = None):   # steps of every run (default: each run's own `steps`)
         sources = [_source(r) for r in runs]
         if names is not None and len(names) != len(sources):
@@ -249,7 +263,8 @@ class Dashboard:
         self._ranks = widgets.HBox([balance, self.ranks_text], layout=widgets.Layout(display="none"))
         self.widget = widgets.VBox([*(widgets.HBox([b, t]) for b, t in zip(self.bars, self.texts)), self.status,
                                     widgets.HBox([loss, speed]), widgets.HBox([memory, comm]), self._cost, self._ranks])
-        self.widget.add_class("workbench-dashboard")  # a page (or a test) finds the dashboard's own bars among other widgets
+        # a page (or a test) finds the dashboard's own bars among other widgets
+        self.widget.add_class("workbench-dashboard")
         self._traces, self._drawn = {}, [None] * len(self.readers)
         self._balances = [None] * len(self.readers)  # each run's `rank_balance` as last drawn
         self._stop, self._thread, self.error, self.runs = threading.Event(), None, None, []
@@ -265,7 +280,8 @@ class Dashboard:
         return [t or r.config.get("steps") for t, r in zip(self._totals, self.readers)]
 
     def labels(self) -> list[str]:
-        "Each run's label: the name given, else its config's name, else its SP/DP layout, else its folder; repeats numbered."
+        """Each run's label: the name given, else its config's name, else its SP/DP layout, else its folder; repeats
+        numbered."""
         out = []
         for given, r in zip(self.names, self.readers):
             c = r.config
@@ -295,7 +311,8 @@ class Dashboard:
             have = [r for r in rank0 if key in r]  # a key older rows lack (ring_share before the ring) draws no trace
             if have: out[key] = (fig, name, [r["step"] for r in have], [r[key] for r in have], line)
         predicted = config.get("predicted") or {}
-        for fig, key in ((self.step_time, "step_s"), (self.mfu, "mfu")):  # the cost model's figure, beside the measured one
+        # the cost model's figure, beside the measured one
+        for fig, key in ((self.step_time, "step_s"), (self.mfu, "mfu")):
             if span and predicted.get(key) is not None:
                 out[f"predicted {key}"] = (fig, f"{label} predicted", span, [predicted[key]] * 2, "dash")
         if span and config.get("expected_peak_bytes"):  # the planner's per-rank peak, drawn beside the measured ones
@@ -303,7 +320,8 @@ class Dashboard:
                               "longdash")
         balance = rank_balance(segment)
         self._balances[i] = balance  # the words beside the figure say the same
-        for rank in (balance.measured if balance is not None else {}):  # each rank's share of every step, measured and predicted
+        # each rank's share of every step, measured and predicted
+        for rank in (balance.measured if balance is not None else {}):
             out[f"rank {rank} share"] = (self.balance, f"{label} rank {rank}", balance.steps, balance.measured[rank],
                                          "solid")
             if balance.predicted is not None:
@@ -312,7 +330,8 @@ class Dashboard:
             if balance.attention is not None:
                 out[f"rank {rank} attention share"] = (self.balance, f"{label} rank {rank} attention", balance.steps,
                                                        balance.attention[rank], "longdash")
-            out[f"rank {rank} tokens share"] = (self.balance, f"{label} rank {rank} tokens", balance.steps, balance.tokens[rank], "dashdot")
+            out[f"rank {rank} tokens share"] = (self.balance, f"{label} rank {rank} tokens", balance.steps,
+                                                balance.tokens[rank], "dashdot")
         for rank in sorted({r["rank"] for r in segment}):
             mine = [r for r in segment if r["rank"] == rank and "peak_mem_bytes" in r]
             out[f"rank {rank}"] = (self.memory, f"{label} rank {rank}", [r["step"] for r in mine],
@@ -326,7 +345,8 @@ class Dashboard:
             if key[0] == i and key[1] not in series: t.x, t.y, t.showlegend = [], [], False
         for key, (fig, name, x, y, dash) in series.items():
             if (i, key) not in self._traces:  # each run its own dash, width and marker: identical curves stay visible
-                fig.add_scatter(x=[], y=[], name=name, mode="lines+markers", line=dict(color=color, dash=dash, width=max(4.5 - 2.5 * i, 1.5)),
+                fig.add_scatter(x=[], y=[], name=name, mode="lines+markers",
+                                line=dict(color=color, dash=dash, width=max(4.5 - 2.5 * i, 1.5)),
                                 marker=dict(symbol=_SYMBOLS[i % len(_SYMBOLS)], size=max(11 - 3 * i, 6)))
                 self._traces[i, key] = fig.data[-1]
             t = self._traces[i, key]
@@ -350,7 +370,8 @@ class Dashboard:
         return changed
 
     def _show(self):
-        "Send each changed figure whole to its place on the page: a page that draws late, or again, still shows all of it."
+        """Send each changed figure whole to its place on the page: a page that draws late, or again, still shows all of
+        it."""
         for fig, view in zip(self._all_figures(), self.views):
             output = figure_output(fig)
             if view.outputs != (output,): view.outputs = (output,)
@@ -370,7 +391,8 @@ class Dashboard:
         annotated = self._annotate()
         if changed or annotated: self._show()
         if any(f is self.step_time or f is self.mfu for f in self.figures()): self._cost.layout.display = None
-        uneven = [f"<b>{html.escape(l)}</b>: {html.escape(str(b), quote=False)}" for l, b in zip(labels, self._balances) if b is not None]
+        uneven = [f"<b>{html.escape(l)}</b>: {html.escape(str(b), quote=False)}"
+                  for l, b in zip(labels, self._balances) if b is not None]
         self.ranks_text.value = "<br>".join(uneven)
         self._ranks.layout.display = None if uneven else "none"
         self.runs = [run_progress(l, rd.rows, t, s) for l, rd, t, s in zip(labels, self.readers, self.totals, starts)]

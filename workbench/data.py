@@ -47,11 +47,13 @@ def _data_path(data: str) -> Path:
     path = Path(data)
     if not path.is_file(): raise ValueError(f"data (--data) {data!r} is neither a shipped sample {shipped} nor a file")
     if path.suffix not in _READERS:
-        raise ValueError(f"data (--data) {data}: cannot read {path.suffix!r} files; use .jsonl, .json, .parquet or .csv")
+        raise ValueError(f"data (--data) {data}: cannot read {path.suffix!r} files; use .jsonl, .json, .parquet or "
+                         ".csv")
     return path
 
 def _json_rows(path: Path) -> list[dict]:
-    "The rows of a JSON-lines file or a JSON array as written, or an error naming the first line that is not a JSON object."
+    """The rows of a JSON-lines file or a JSON array as written, or an error naming the first line that is not a JSON
+    object."""
     text = path.read_text()
     if text.lstrip().startswith("["):
         try: return _objects(path, json.loads(text), "row")
@@ -62,7 +64,8 @@ def _json_rows(path: Path) -> list[dict]:
         if not line.strip(): continue  # datasets skips blank lines too
         try: rows.append(json.loads(line))
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path} line {i}: not valid JSON ({e.msg}, column {e.colno}): fix or delete the line") from None
+            raise ValueError(f"{path} line {i}: not valid JSON ({e.msg}, column {e.colno}): fix or delete the "
+                             "line") from None
     return _objects(path, rows, "line")
 
 def _objects(path: Path, rows: list, unit: str) -> list[dict]:
@@ -75,10 +78,13 @@ def _check_messages(data: str, i: int, turns):
     if not isinstance(turns, list) or not turns:
         raise ValueError(f"{data} row {i}: messages must be a non-empty list of {{role, content}} turns")
     for j, t in enumerate(turns, 1):
-        if not isinstance(t, dict): raise ValueError(f"{data} row {i} turn {j}: a {{role, content}} object is needed, got {type(t).__name__}")
-        if t.get("role") not in _ROLES: raise ValueError(f"{data} row {i} turn {j}: role {t.get('role')!r} is not one of {list(_ROLES)}")
+        if not isinstance(t, dict): raise ValueError(f"{data} row {i} turn {j}: a {{role, content}} object is needed, "
+                                                     f"got {type(t).__name__}")
+        if t.get("role") not in _ROLES: raise ValueError(f"{data} row {i} turn {j}: role {t.get('role')!r} is not one "
+                                                         f"of {list(_ROLES)}")
         if not isinstance(t.get("content"), str):
-            raise ValueError(f"{data} row {i} turn {j}: content must be a string, got {type(t.get('content')).__name__}")
+            raise ValueError(f"{data} row {i} turn {j}: content must be a string, got "
+                             f"{type(t.get('content')).__name__}")
     if not any(t["role"] == "assistant" for t in turns):
         raise ValueError(f"{data} row {i}: no assistant turn, so nothing would be trained: add one or drop the row")
 
@@ -106,7 +112,8 @@ def _check_masks(data: str, i: int, r: dict, masks: list[str]):
             raise ValueError(f"{data} row {i}: {c} holds {v[j]!r} at token {j}: each value must be {want}")
 
 def _check_rows(data: str, records: list[dict], first: int = 1) -> str:
-    "The kind of columns every row has, or an error naming the first row (numbered from `first`) that differs or holds the wrong types."
+    """The kind of columns every row has, or an error naming the first row (numbered from `first`) that differs or holds
+    the wrong types."""
     if not records: raise ValueError(f"data (--data) {data} has no rows: give a file with at least one example")
     kind = row_kind(records[0])
     masks = [c for c in _MASKS if any(r.get(c) is not None for r in records)]
@@ -117,13 +124,15 @@ def _check_rows(data: str, records: list[dict], first: int = 1) -> str:
     for i, r in enumerate(records, first):
         if row_kind(r) != kind or kind is None:
             head = f"row {first} has {kind}, " if kind else ""
-            raise ValueError(f"{data} row {i}: {head}row {i} has columns {sorted(k for k, v in r.items() if v is not None)}; "
-                             f"every row needs input_ids, prompt + completion, messages, or text (the same on every row)")
+            raise ValueError(f"{data} row {i}: {head}row {i} has columns "
+                             f"{sorted(k for k, v in r.items() if v is not None)}; every row needs input_ids, prompt + "
+                             "completion, messages, or text (the same on every row)")
         if kind == "input_ids" and isinstance(r["input_ids"], str):
             raise ValueError(f"{data} row {i}: input_ids is the text {r['input_ids'][:30]!r}, not a list of token ids "
                              f"(a CSV cell holds text only): write token-id rows as JSON lines, JSON or Parquet")
         if kind == "input_ids" and not (isinstance(r["input_ids"], list) and r["input_ids"]
-                                        and all(isinstance(x, int) and not isinstance(x, bool) for x in r["input_ids"])):
+                                        and all(isinstance(x, int) and not isinstance(x, bool)
+                                                for x in r["input_ids"])):
             raise ValueError(f"{data} row {i}: input_ids must be a non-empty list of integer token ids")
         if kind == "input_ids": _check_masks(data, i, r, masks)
         if kind == "messages": _check_messages(data, i, r["messages"])
@@ -132,35 +141,42 @@ def _check_rows(data: str, records: list[dict], first: int = 1) -> str:
     return kind
 
 def _read_rows(data: str, path: Path) -> tuple[list[dict], str]:
-    "The rows of `path` read with `datasets` and their kind; a JSON file that fails is reread as written to name the row."
+    """The rows of `path` read with `datasets` and their kind; a JSON file that fails is reread as written to name the
+    row."""
     from datasets import load_dataset
     reader = _READERS[path.suffix]
     try:
-        with no_hf_bars(): rows = load_dataset(reader, data_files=str(path), split="train").to_list()  # no "Generating train split" bar
+        # no "Generating train split" bar
+        with no_hf_bars(): rows = load_dataset(reader, data_files=str(path), split="train").to_list()
     except Exception as e:
-        if reader == "json":  # valid JSON Arrow refuses (datasets < 5 refuses blank lines) is read as written; else the line is named
+        # valid JSON Arrow refuses (datasets < 5 refuses blank lines) is read as written; else the line is named
+        if reader == "json":
             rows = _json_rows(path)
             return rows, _check_rows(data, rows)
         raise ValueError(f"data (--data) {data}: cannot be read as {reader} ({type(e).__name__}: {e})") from None
     try: return rows, _check_rows(data, rows)
     except ValueError:
-        if reader == "json": _check_rows(data, _json_rows(path))  # Arrow unifies types over rows: name the row as written
+        # Arrow unifies types over rows: name the row as written
+        if reader == "json": _check_rows(data, _json_rows(path))
         raise
 
 def chat_features(conversations: list[list[dict]], tokenizer) -> list[dict]:
-    "Conversations rendered with the tokenizer's chat template: `input_ids` and `assistant_masks` (only assistant turns train)."
+    """Conversations rendered with the tokenizer's chat template: `input_ids` and `assistant_masks` (only assistant
+    turns train)."""
     template = tokenizer.chat_template
     template = template.get("default") if isinstance(template, dict) else template
     if not template:
-        raise ValueError("rows hold messages but the tokenizer has no chat template: set tokenizer.chat_template to one that "
-                         "wraps each assistant turn in {% generation %}...{% endgeneration %} (the shipped "
+        raise ValueError("rows hold messages but the tokenizer has no chat template: set tokenizer.chat_template to "
+                         "one that wraps each assistant turn in {% generation %}...{% endgeneration %} (the shipped "
                          "data_samples/tokenizer has one), or give prompt/completion rows")
     if not _GENERATION.search(template):
-        raise ValueError("the tokenizer's chat template has no {% generation %} markers, so the assistant tokens cannot be "
-                         "told from the prompt: wrap each assistant turn's content in {% generation %}...{% endgeneration %} "
-                         "(as data_samples/tokenizer/tokenizer_config.json does)")
-    out = tokenizer.apply_chat_template(conversations, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
-    return [{"input_ids": list(ids), "assistant_masks": list(m)} for ids, m in zip(out["input_ids"], out["assistant_masks"])]
+        raise ValueError("the tokenizer's chat template has no {% generation %} markers, so the assistant tokens "
+                         "cannot be told from the prompt: wrap each assistant turn's content in {% generation %}...{% "
+                         "endgeneration %} (as data_samples/tokenizer/tokenizer_config.json does)")
+    out = tokenizer.apply_chat_template(conversations, tokenize=True, return_dict=True,
+                                        return_assistant_tokens_mask=True)
+    return [{"input_ids": list(ids), "assistant_masks": list(m)}
+            for ids, m in zip(out["input_ids"], out["assistant_masks"])]
 
 def _tokenize(records: list[dict], kind: str, tokenizer) -> list[dict]:
     "Token features of rows already checked to be of one `kind` (`_check_rows`)."
@@ -178,7 +194,8 @@ def tokenize_rows(rows: list[dict],     # raw rows of one kind: prompt + complet
                   data: str = "rows",   # what errors call the rows
                   first: int = 1,       # the number errors give the first row (a batch of a larger dataset)
                  ) -> list[dict]:
-    "Raw rows checked and tokenized as `load_features` reads a file (the same code): completions and assistant turns train, text whole."
+    """Raw rows checked and tokenized as `load_features` reads a file (the same code): completions and assistant turns
+    train, text whole."""
     return _tokenize(rows, _check_rows(data, rows, first), tokenizer)
 
 def _row_ids(records: list[dict]) -> dict[str, list]:
@@ -204,7 +221,8 @@ def saved_tokenizer(where: str):  # a directory tokenizer.save_pretrained wrote 
     return (PreTrainedTokenizerFast if saved_as in GENERIC_TOKENIZERS else AutoTokenizer).from_pretrained(where)
 
 def run_tokenizer(cfg: TrainConfig):
-    "The run's tokenizer: `cfg.tokenizer`, else the model directory's own, else the shipped one for a shipped family; None: a directory without one."
+    """The run's tokenizer: `cfg.tokenizer`, else the model directory's own, else the shipped one for a shipped family;
+    None: a directory without one."""
     if cfg.tokenizer: where, named = cfg.tokenizer, "tokenizer (--tokenizer)"
     elif cfg.model in model_families(): return load_tokenizer()
     elif any((Path(cfg.model) / f).exists() for f in TOKENIZER_FILES): where, named = cfg.model, "model (--model)"
@@ -236,9 +254,9 @@ def run_examples(cfg: TrainConfig) -> tuple[list[dict], object, dict[str, list]]
     tokenizer = run_tokenizer(cfg)
     features, ids = read_examples(cfg.data, tokenizer)
     if features is not None: return features, tokenizer, ids
-    raise ValueError(f"model (--model) {cfg.model!r} has no tokenizer, and data (--data) {cfg.data!r} is text: the shipped "
-                     f"tokenizer serves only the shipped families. Pass --tokenizer PATH (the tokenizer the model was "
-                     f"trained with), or put it in the directory (tokenizer.save_pretrained({cfg.model!r}))")
+    raise ValueError(f"model (--model) {cfg.model!r} has no tokenizer, and data (--data) {cfg.data!r} is text: the "
+                     "shipped tokenizer serves only the shipped families. Pass --tokenizer PATH (the tokenizer the "
+                     f"model was trained with), or put it in the directory (tokenizer.save_pretrained({cfg.model!r}))")
 
 def run_features(cfg: TrainConfig) -> tuple[list[dict], object]:
     "`run_examples` without the ids: the run's token features and the tokenizer that made them."

@@ -37,8 +37,10 @@ __all__ = ['PLOT_CONFIG', 'slug', 'environment', 'HtmlReport', 'packing_section'
            'doctor_text', 'doctor_section', 'sp_section', 'run_demo', 'main']
 
 # %% ../nbs/06_demo_and_bench/01_demo.ipynb #c8a425b4
-PLOT_CONFIG = dict(displaylogo=False, showSendToCloud=False, modeBarButtonsToRemove=["sendDataToCloud"], responsive=True)
-_STYLE = """body{font-family:system-ui,sans-serif;max-width:1200px;margin:auto;padding:0 1em;color:#1f2328;line-height:1.45}
+PLOT_CONFIG = dict(displaylogo=False, showSendToCloud=False, modeBarButtonsToRemove=["sendDataToCloud"],
+                   responsive=True)
+_STYLE = """\
+body{font-family:system-ui,sans-serif;max-width:1200px;margin:auto;padding:0 1em;color:#1f2328;line-height:1.45}
 th,td{text-align:left;padding:2px 1.2em 2px 0;vertical-align:top}p.why{color:#444;max-width:60em}
 nav ol{columns:2}.row{display:grid;grid-template-columns:repeat(auto-fit,minmax(480px,1fr));gap:8px}
 .pass{color:#1a7f37;font-weight:bold}.fail{color:#cf222e;font-weight:bold}.warn{color:#9a6700;font-weight:bold}
@@ -49,8 +51,10 @@ _LOADER = """<script>
     const bytes = Uint8Array.from(atob(document.getElementById(id).textContent), c => c.charCodeAt(0));
     return await new Response(new Blob([bytes]).stream().pipeThrough(new DecompressionStream("gzip"))).text();
   };
-  const lib = document.createElement("script"); lib.textContent = await unzip("plotly-js"); document.head.appendChild(lib);
-  const figures = JSON.parse(await unzip("figures-json")), config = JSON.parse(document.getElementById("plot-config").textContent);
+  const lib = document.createElement("script"); lib.textContent = await unzip("plotly-js"); \
+document.head.appendChild(lib);
+  const figures = JSON.parse(await unzip("figures-json")), \
+config = JSON.parse(document.getElementById("plot-config").textContent);
   for (const [i, fig] of figures.entries()) await Plotly.newPlot("figure-" + i, fig.data, fig.layout, config);
   document.getElementById("nojs").remove();
   document.body.dataset.rendered = figures.length;
@@ -79,7 +83,8 @@ def environment() -> list[tuple[str, str]]:
             ("machine", f"{platform.platform()} · Python {platform.python_version()} · {cores} CPU cores · GPU: {gpu}")]
 
 class HtmlReport:
-    "A self-contained HTML page: date, versions and machine, a table of contents, then sections of prose, tables and figures."
+    """A self-contained HTML page: date, versions and machine, a table of contents, then sections of prose, tables and
+    figures."""
     def __init__(self, title: str): self.title, self.sections, self.figs = title, [], []
     def section(self, heading: str,  # the section's title, also its entry in the table of contents
                 why: str):            # one or two sentences: what the section shows and why it matters
@@ -108,7 +113,8 @@ class HtmlReport:
         "The whole page as HTML."
         env = "".join(f"<tr><th>{k}</th><td>{html.escape(v)}</td></tr>" for k, v in environment())
         toc = "".join(f"<li><a href='#{s}'>{html.escape(h)}</a></li>" for s, h, _ in self.sections)
-        body = "".join(f"<section id='{s}'><h2>{html.escape(h)}</h2>{''.join(parts)}</section>" for s, h, parts in self.sections)
+        body = "".join(f"<section id='{s}'><h2>{html.escape(h)}</h2>{''.join(parts)}</section>"
+                       for s, h, parts in self.sections)
         data = (f"<script type='application/json' id='plot-config'>{json.dumps(PLOT_CONFIG)}</script>"
                 f"<script type='text/plain' id='plotly-js'>{_packed(plotly.offline.get_plotlyjs())}</script>"
                 f"<script type='text/plain' id='figures-json'>{_packed('[' + ','.join(self.figs) + ']')}</script>")
@@ -130,8 +136,9 @@ def packing_section(report: HtmlReport, name: str, batch_size: int = 8, tokenize
     rep = packing_report(lengths, batch_size=batch_size, name=name)
     print(rep, end="\n\n")
     report.section(f"Packing: {name}", f"A padded batch of {batch_size} computes on padding up to its longest example; "
-                   "padding-free packing computes only on real tokens. The table gives the padding share and the speedup "
-                   "bound it implies; left, the example lengths; right, the tokens each step holds.")
+                                       "padding-free packing computes only on real tokens. The table gives the padding "
+                                       "share and the speedup bound it implies; left, the example lengths; right, the "
+                                       "tokens each step holds.")
     report.table(rep.rows())
     report.figures(plot_lengths(rep), plot_step_tokens(rep))
     return rep
@@ -167,7 +174,8 @@ def doctor_table(verdicts: dict) -> str:
                      for fix, c in doctor_fixes(verdicts).items())
     verified = {v.verified_with for v in verdicts.values() if v.verified_with}
     return (f"<table><tr><th>check</th>{summary}</tr>{rows}</table>"
-            + (f"<p><b>Fix</b>, measured to work ({html.escape('; '.join(verified))}):</p><ul>{listed}</ul>" if listed else ""))
+            + (f"<p><b>Fix</b>, measured to work ({html.escape('; '.join(verified))}):</p><ul>{listed}</ul>" if listed
+               else ""))
 
 def doctor_text(verdicts: dict) -> str:
     "The same for a terminal: each verdict, the checks that did not pass, each fix once."
@@ -194,12 +202,16 @@ def doctor_section(report: HtmlReport, tokenizer=None):
 def sp_section(report: HtmlReport, out: Path, steps: int = 6):
     "Train the same data on one process and with SP=2 over two processes; add the loss comparison and the run figures."
     for sp in (1, 2): shutil.rmtree(out / f"sp{sp}", ignore_errors=True)  # the demo's own runs start afresh each time
-    cfgs = [TrainConfig(sp=sp, steps=steps, max_tokens=1024, out=str(out / f"sp{sp}"), name=f"SP={sp}") for sp in (1, 2)]
+    cfgs = [TrainConfig(sp=sp, steps=steps, max_tokens=1024, out=str(out / f"sp{sp}"), name=f"SP={sp}")
+            for sp in (1, 2)]
     one, two = (run(c) for c in cfgs)
     checks = [check_run(c.out, record=False) for c in cfgs]  # each run's prediction against its own steps, one basis
-    timing = [(c.name, f"{h.predicted_s:.3f}", f"{h.measured_s:.3f}", f"{h.predicted_s / h.measured_s:.2f}") for c, h in zip(cfgs, checks)]
-    print("step time, predicted (workbench.cost, at the one thread each rank runs) against measured (median past step 0):\n"
-          + "\n".join(f"  {n}: predicted {p} s/step, measured {m} s/step, predicted / measured {r}" for n, p, m, r in timing), end="\n\n")
+    timing = [(c.name, f"{h.predicted_s:.3f}", f"{h.measured_s:.3f}", f"{h.predicted_s / h.measured_s:.2f}")
+              for c, h in zip(cfgs, checks)]
+    print("step time, predicted (workbench.cost, at the one thread each rank runs) against measured (median past step "
+          "0):\n"
+          + "\n".join(f"  {n}: predicted {p} s/step, measured {m} s/step, predicted / measured {r}"
+                      for n, p, m, r in timing), end="\n\n")
     diff = max(abs(a - b) for a, b in zip(one, two))
     rows = [(i, f"{a:.6f}", f"{b:.6f}", f"{abs(a - b):.1e}") for i, (a, b) in enumerate(zip(one, two))]
     print("loss, one process against sequence parallelism over two:\n"
@@ -222,7 +234,8 @@ def sp_section(report: HtmlReport, out: Path, steps: int = 6):
 
 def run_demo(out: Path = Path("reports"), batch_size: int = 8, sp_steps: int = 6) -> Path:
     "The whole tour: every section, printed and written to `out/demo.html` (run directories under `out/runs`)."
-    report, tok = HtmlReport("workbench demo: padding-free packing and sequence parallelism on the shipped data"), load_tokenizer()
+    report, tok = HtmlReport("workbench demo: padding-free packing and sequence parallelism on the shipped "
+                             "data"), load_tokenizer()
     for name in SAMPLES: packing_section(report, name, batch_size, tok)
     masks_section(report)
     doctor_section(report, tok)

@@ -52,8 +52,10 @@ class DoctorReport:
     n_tokens: int              # tokens in the flattened row
     findings: list = field(default_factory=list)  # `Finding`s in the order they were checked
     seconds: float = 0.0       # time the checks took
-    cross_example_effect: float | None = None  # largest change of other examples' logits when one example changes: exactly 0 when clean, in every dtype
-    layout_difference: float | None = None  # max |logit difference| packed vs padded (rounding: compared with `tolerance`)
+    cross_example_effect: float | None = None  # largest change of other examples' logits when one
+                                               # example changes: exactly 0 when clean, in every dtype
+    layout_difference: float | None = None  # max |logit difference| packed vs padded
+                                            # (rounding: compared with `tolerance`)
     tolerance: float | None = None  # largest packed vs padded difference counted as equal (None: not measured)
     noise: float | None = None  # max |logit difference| between two layouts that cannot leak (None: tolerance given)
     wrappers: tuple = ()       # classes around the transformers model, outermost first (torch.compile, PEFT, DDP...)
@@ -90,7 +92,8 @@ class DoctorReport:
     __repr__ = __str__
     def _repr_markdown_(self):
         rows = "\n".join(f"| {f.status.upper()} | {f.check} | {f.detail} | {f.fix} |" for f in self.findings)
-        return f"**{self._title()}**\n\n{self._numbers()}\n\n| status | check | measured | fix |\n|---|---|---|---|\n{rows}"
+        return (f"**{self._title()}**\n\n{self._numbers()}\n\n| status | check | measured | fix "
+                f"|\n|---|---|---|---|\n{rows}")
     def _repr_html_(self):
         colour = {"pass": "#1a7f37", "warn": "#9a6700", "fail": "#cf222e"}
         rows = "".join(f"<tr><td style='color:{colour[f.status]};font-weight:bold'>{f.status.upper()}</td>"
@@ -116,16 +119,19 @@ def boundary_fields(batch: dict) -> dict:
     for k in ("cu_seq_lens_q", "cu_seq_lens_k"):
         if batch.get(k) is not None: out[k] = np.diff(np.asarray(torch.as_tensor(batch[k]).cpu())).astype(np.int64)
     if batch.get("seq_idx") is not None:
-        out["seq_idx"] = np.concatenate([_runs(r) for r in torch.as_tensor(batch["seq_idx"]).cpu().reshape(-1, batch["seq_idx"].shape[-1])])
+        out["seq_idx"] = np.concatenate(
+            [_runs(r) for r in torch.as_tensor(batch["seq_idx"]).cpu().reshape(-1, batch["seq_idx"].shape[-1])])
     return out
 
 def batch_lengths(batch: dict) -> np.ndarray:
-    "Example lengths of a packed batch: where `position_ids` restart (what RoPE and sdpa/eager/flex read), else from `cu_seq_lens_q`, else `seq_idx`."
+    """Example lengths of a packed batch: where `position_ids` restart (what RoPE and sdpa/eager/flex read), else from
+    `cu_seq_lens_q`, else `seq_idx`."""
     fields = boundary_fields(batch)
     for k in ("position_ids", "cu_seq_lens_q", "seq_idx"):
         if k in fields: return fields[k]
     pos = batch.get("position_ids")
-    if pos is not None: return lengths_from_positions(torch.as_tensor(pos).reshape(-1, pos.shape[-1])[0])  # mRoPE: first row
+    # mRoPE: first row
+    if pos is not None: return lengths_from_positions(torch.as_tensor(pos).reshape(-1, pos.shape[-1])[0])
     raise ValueError("the batch marks no example boundaries (no position_ids, cu_seq_lens_q or seq_idx): neither the "
                      "model nor the doctor can tell where examples start; build it with FlatteningCollator")
 
@@ -147,9 +153,11 @@ def unwrap(model) -> tuple:
         runner = runner.module
     name = next((n for n, m in runner.named_modules() if isinstance(m, PreTrainedModel)), None)
     if name is None:
-        raise TypeError(f"{type(model).__name__} holds no transformers PreTrainedModel: the doctor checks transformers models")
+        raise TypeError(f"{type(model).__name__} holds no transformers PreTrainedModel: the doctor checks transformers "
+                        "models")
     parts = name.split(".") if name else []
-    wrappers += [type(runner.get_submodule(".".join(parts[:i]))).__name__ for i in range(len(parts))]  # torch.compile, PEFT...
+    # torch.compile, PEFT...
+    wrappers += [type(runner.get_submodule(".".join(parts[:i]))).__name__ for i in range(len(parts))]
     return runner, runner.get_submodule(name), tuple(wrappers)
 
 def as_tensors(batch: dict,     # a batch whose values may be numpy arrays (e.g. from a datasets pipeline)
@@ -193,19 +201,23 @@ class Equality:
     "Largest differences between the packed and the padded layout of the same examples."
     logits: float           # max |logit difference| over all real tokens
     loss: float             # |loss difference|
-    grads: float | None     # max |gradient difference| over all trainable parameters (None: not measured, or none trains)
+    grads: float | None     # max |gradient difference| over all trainable
+                            # parameters (None: not measured, or none trains)
 
 def prompt_learning(model) -> str | None:
-    "The PEFT method of `model`'s active adapter if it is prompt learning (prefix or prompt tuning, p-tuning...), else None."
+    """The PEFT method of `model`'s active adapter if it is prompt learning (prefix or prompt tuning, p-tuning...), else
+    None."""
     config = getattr(model, "active_peft_config", None)  # a PeftModel's; plain models have none
     return str(config.peft_type.value) if getattr(config, "is_prompt_learning", False) else None
 
 def trainable(model) -> int:
-    "How many parameter tensors of `model` require a gradient (PEFT freezes the base; `merge_and_unload` keeps it frozen)."
+    """How many parameter tensors of `model` require a gradient (PEFT freezes the base; `merge_and_unload` keeps it
+    frozen)."""
     return sum(p.requires_grad for p in model.parameters())
 
 def compare_layouts(model, batch: dict, forward_kwargs: dict | None = None, grads: bool = True) -> Equality:
-    "Run a packed `batch` (with `forward_kwargs`, as the training loop would) and its padded twin; return the differences."
+    """Run a packed `batch` (with `forward_kwargs`, as the training loop would) and its padded twin; return the
+    differences."""
     forward_kwargs = {} if forward_kwargs is None else forward_kwargs
     runner, inner, _ = unwrap(model)
     batch = _prepared(inner, batch)
@@ -230,7 +242,8 @@ def _pad_id(model) -> int:
 
 # %% ../nbs/01_packing/09_doctor.ipynb #e56cfd06
 def _example_of_tokens(batch: dict) -> torch.Tensor:
-    "The example of every token of `batch`, flattened: a padded layout (a mask, no position_ids) has one per row, -1 on padding."
+    """The example of every token of `batch`, flattened: a padded layout (a mask, no position_ids) has one per row, -1
+    on padding."""
     ids = batch["input_ids"]
     mask = batch.get("attention_mask")
     if mask is not None and (not bool(mask.all()) or batch.get("position_ids") is None):
@@ -252,7 +265,8 @@ def _shape_stable_experts(inner):
     # a grouped matmul picks its kernel by how many tokens each expert got, and kernels round differently: changing one
     # example's routing would then move other examples' logits by rounding (measured: 2.3e-06, fp32, hidden 1024)
     before = getattr(inner.config, "_experts_implementation", None)
-    switch = before not in (None, "batched_mm") and type(inner)._can_set_experts_implementation()  # private: no public query
+    # private: no public query
+    switch = before not in (None, "batched_mm") and type(inner)._can_set_experts_implementation()
     if switch: inner.set_experts_implementation("batched_mm")
     try: yield
     finally:
@@ -298,8 +312,9 @@ def contamination_probe(model, batch: dict, forward_kwargs: dict | None = None, 
                 torch.set_num_threads(1)
                 base = run(batch)
                 noise = (run(batch) - base).abs().max().item()
-                if noise: raise RuntimeError(f"two identical forward passes differ by {noise:.3g} even on one thread: the "
-                                             f"probe cannot be exact; make the model deterministic (no dropout, no sampling)")
+                if noise: raise RuntimeError(f"two identical forward passes differ by {noise:.3g} even on one thread: "
+                                             "the probe cannot be exact; make the model deterministic (no dropout, no "
+                                             "sampling)")
             leak, own = 0.0, torch.zeros(n, device=base.device)
             for changed in probe_sets(n):
                 hit = torch.isin(examples, torch.tensor(changed, device=examples.device))
@@ -376,13 +391,15 @@ _CU_READERS = ("flash_attention_2", "flash_attention_3", "flash_attention_4", VA
 def boundaries_read(attn_implementation: str, batch: dict) -> str:
     "The field of `batch` from which this attention implementation takes the example boundaries."
     if attn_implementation not in _CU_READERS: return "position_ids"
-    needs = ("cu_seq_lens_q",) if attn_implementation == VARLEN else ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+    needs = ("cu_seq_lens_q",) if attn_implementation == VARLEN else ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+                                                                      "max_length_k")
     return "cu_seq_lens_q" if all(batch.get(k) is not None for k in needs) else "position_ids"
 
 def expected_position_start(model) -> int:
     "First position id the model expects: `padding_idx + 1` for RoBERTa-style position embeddings, else 0."
     for name, m in unwrap(model)[1].named_modules():
-        if isinstance(m, torch.nn.Embedding) and "position" in name and m.padding_idx is not None: return m.padding_idx + 1
+        if isinstance(m, torch.nn.Embedding) and "position" in name and m.padding_idx is not None:
+            return m.padding_idx + 1
     return 0
 
 def _error_reason(e: Exception, impl: str) -> str:
@@ -433,8 +450,10 @@ def rounding_tolerance(model, batch: dict) -> tuple[float, float]:
     return NOISE_FACTOR * max(noise, step), noise
 
 # %% ../nbs/01_packing/09_doctor.ipynb #ebd3a7e2
-_USE_VARLEN = f"use attn_implementation={VARLEN!r} (import workbench.attention; model.set_attn_implementation({VARLEN!r}))"
-_USE_PADDED = "train this model on padded batches (PaddingCollator): its layers carry information across examples of a flattened row"
+_USE_VARLEN = (f"use attn_implementation={VARLEN!r} (import workbench.attention; "
+               f"model.set_attn_implementation({VARLEN!r}))")
+_USE_PADDED = ("train this model on padded batches (PaddingCollator): its layers carry information across examples of "
+               "a flattened row")
 
 @dataclass
 class _Setup:
@@ -477,7 +496,8 @@ class _Trap:
     detail: str           # what is wrong (when present) or what was seen (when not)
     fix: str = ""
     apply: object = None  # _Setup -> _Setup
-    exposed: str = "sdpa, eager and flex read the boundaries from position_ids and would leak"  # why a harmless trap still warns
+    exposed: str = "sdpa, eager and flex read the boundaries from position_ids and would leak"  # why a harmless
+                                                                                                # trap still warns
     exact: bool = False   # decided without a measurement: fails whenever present
 
 def _with(s: _Setup, batch=None, kwargs=None, attn=None) -> _Setup:
@@ -494,7 +514,8 @@ def _traps(inner, batch: dict, kwargs: dict, attn: str, lengths: np.ndarray) -> 
                    "examples; sdpa, eager and flex see one example)" if pos is None else "position_ids given",
                    f"pass position_ids restarting at {start} for every example (FlatteningCollator returns them)",
                    lambda s: _with(s, {"position_ids": new_pos(ids)}),
-                   "sdpa, eager and flex would see one example, and absolute position embeddings would run across examples")]
+                   "sdpa, eager and flex would see one example, and absolute position embeddings would run across "
+                   "examples")]
     fields, reader = boundary_fields(batch), boundaries_read(attn, batch)
     ref = fields.get("position_ids", lengths)
     bad = [k for k, v in fields.items() if not np.array_equal(v, ref)]
@@ -504,10 +525,12 @@ def _traps(inner, batch: dict, kwargs: dict, attn: str, lengths: np.ndarray) -> 
                "max_length_q": int(lengths.max()), "max_length_k": int(lengths.max()),
                "seq_idx": torch.from_numpy(example_ids(lengths).astype(np.int32)).reshape(ids.shape)}
     traps.append(_Trap("boundaries agree", bool(bad),
-                       f"{', '.join(bad)} disagree with the example lengths in {'position_ids' if 'position_ids' in fields else 'cu_seq_lens_q'} "
-                       f"{show(ref)}: e.g. {bad[0]} marks {show(fields[bad[0]]) if bad[0] in fields else int(batch[bad[0]])}; "
-                       f"{attn!r} reads the boundaries from {reader}, seq_idx is read by convolution and SSM kernels"
-                       if bad else f"{', '.join(fields) or 'no field'} mark the same {len(ref)} examples; {attn!r} reads {reader}",
+                       f"{', '.join(bad)} disagree with the example lengths in "
+                       f"{'position_ids' if 'position_ids' in fields else 'cu_seq_lens_q'} {show(ref)}: e.g. {bad[0]} "
+                       f"marks {show(fields[bad[0]]) if bad[0] in fields else int(batch[bad[0]])}; {attn!r} reads the "
+                       f"boundaries from {reader}, seq_idx is read by convolution and SSM kernels"
+                       if bad else f"{', '.join(fields) or 'no field'} mark the same {len(ref)} examples; {attn!r} "
+                                   f"reads {reader}",
                        "rebuild cu_seq_lens_q/k, max_length_q/k and seq_idx from the lengths position_ids mark "
                        "(FlatteningCollator builds all of them from one list of lengths)",
                        lambda s: _with(s, {k: v for k, v in rebuilt.items() if k in bad}),
@@ -521,25 +544,32 @@ def _traps(inner, batch: dict, kwargs: dict, attn: str, lengths: np.ndarray) -> 
                        f"token: the previous example's last token is trained to predict it" if trained else
                        f"every example's first label is {IGNORE_INDEX}: no target is predicted from another example",
                        f"set labels to {IGNORE_INDEX} at every example's first token (FlatteningCollator does)",
-                       lambda s: _with(s, {"labels": s.batch["labels"].reshape(-1).index_fill(0, starts, IGNORE_INDEX).reshape(ids.shape)}),
+                       lambda s: _with(s, {"labels": s.batch["labels"].reshape(-1)
+                                                     .index_fill(0, starts, IGNORE_INDEX).reshape(ids.shape)}),
                        exact=True))
     use_cache = kwargs.get("use_cache")
-    use_cache = getattr(inner.config, "use_cache", False) if use_cache is None else use_cache  # transformers' None: the config's
+    # transformers' None: the config's
+    use_cache = getattr(inner.config, "use_cache", False) if use_cache is None else use_cache
     traps.append(_Trap("cache off", bool(use_cache),
                        "a cache is active (use_cache is True in the config and the forward call does not pass "
-                       "use_cache=False): transformers then ignores the boundaries in position_ids" if use_cache else "use_cache=False",
-                       "pass use_cache=False in every forward call of the training loop (or set model.config.use_cache = False)",
+                       "use_cache=False): transformers then ignores the boundaries in position_ids" if use_cache
+                       else "use_cache=False",
+                       "pass use_cache=False in every forward call of the training loop (or set model.config.use_cache "
+                       "= False)",
                        lambda s: _with(s, kwargs={"use_cache": False})))
     traps.append(_Trap("no attention_mask", "attention_mask" in batch,
-                       "the batch carries an attention_mask beside packed position_ids: transformers then builds the mask "
-                       "from it and ignores the boundaries" if "attention_mask" in batch else "no attention_mask in the batch",
+                       "the batch carries an attention_mask beside packed position_ids: transformers then builds the "
+                       "mask from it and ignores the "
+                       "boundaries" if "attention_mask" in batch else "no attention_mask in the batch",
                        "drop attention_mask from packed batches (FlatteningCollator never adds one)",
-                       lambda s: _Setup({k: v for k, v in s.batch.items() if k != "attention_mask"}, s.kwargs, s.attn, s.padded)))
+                       lambda s: _Setup({k: v for k, v in s.batch.items() if k != "attention_mask"}, s.kwargs, s.attn,
+                                        s.padded)))
     if pos is None: return traps
     pos = torch.as_tensor(pos)
     varlen_kw = {k: rebuilt[k] for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")}
     traps.append(_Trap("2-D position_ids", pos.ndim != 2,
-                       f"position_ids have shape {tuple(pos.shape)} (3-D, mRoPE style): example boundaries cannot be read from them"
+                       f"position_ids have shape {tuple(pos.shape)} (3-D, mRoPE style): example boundaries cannot be "
+                       "read from them"
                        if pos.ndim != 2 else f"position_ids have shape {tuple(pos.shape)}",
                        f"pass cu_seq_lens_q/k and max_length_q/k (FlatteningCollator returns them) and {_USE_VARLEN}, "
                        f"which reads the boundaries from them",
@@ -548,20 +578,23 @@ def _traps(inner, batch: dict, kwargs: dict, attn: str, lengths: np.ndarray) -> 
     wrong = firsts[firsts != start]
     traps.append(_Trap("position_ids start", len(wrong) > 0,
                        (f"examples start at position {int(wrong[0])}, the model expects {start}"
-                        + (f" (its position embedding reserves the ids up to padding_idx={start - 1})" if start else ""))
+                        + (f" (its position embedding reserves the ids up to padding_idx={start - 1})" if start
+                           else ""))
                        if len(wrong) else f"examples start at position {start}, as the model expects",
                        f"build batches with FlatteningCollator(position_ids_start={start})",
                        lambda s: _with(s, {"position_ids": new_pos(pos)}) if pos.ndim == 2 else s))
     return traps
 
-def check_packing(model,                        # a transformers causal LM, or any wrapper around one (torch.compile, PEFT, DDP...)
+def check_packing(model,                        # a transformers causal LM, or any wrapper
+                                                # around one (torch.compile, PEFT, DDP...)
                   batch: dict,                  # a packed batch, exactly as the training loop passes it
-                  forward_kwargs: dict | None = None,  # extra keyword arguments of the loop's forward call, e.g. {"use_cache": False}
+                  forward_kwargs: dict | None = None,  # the loop's other forward arguments, e.g. {"use_cache": False}
                   # largest packed vs padded difference counted as equal (default: `rounding_tolerance`)
                   tolerance: float | None = None,
                   grads: bool = True,           # also compare gradients (set False when backward is unavailable)
                  ) -> DoctorReport:
-    "Check that padding-free training of `model` on `batch` is clean: static traps, an exact contamination probe, packed == padded; every fix shown is measured first."
+    """Check that padding-free training of `model` on `batch` is clean: static traps, an exact contamination probe,
+    packed == padded; every fix shown is measured first."""
     t0 = time.perf_counter()
     runner, inner, wrappers = unwrap(model)
     batch = as_tensors(batch, inner.get_input_embeddings().weight.device)
@@ -635,7 +668,8 @@ def check_packing(model,                        # a transformers causal LM, or a
             continue
         harmless = clean and not t.exact
         add(Finding(t.check, "warn" if harmless else "fail",
-                    f"{t.detail}; measured harmless with {attn!r} on this batch, but {t.exposed}" if harmless else t.detail,
+                    f"{t.detail}; measured harmless with {attn!r} on this batch, but {t.exposed}" if harmless
+                    else t.detail,
                     t.fix if cure is not None and t in cure[1] else ""))
     if not takes_pos:
         report["forward accepts position_ids"].fix = cure_text
@@ -646,9 +680,11 @@ def check_packing(model,                        # a transformers causal LM, or a
         try: sources = leak_sources(runner, batch, kwargs) if measured.leak else []
         except Exception as e: sources = [f"a layer the doctor could not locate ({_error_reason(e, attn)})"]
         nothing = "" if cure is not None else f"; no fix the doctor knows made it clean (measured: {'; '.join(tried)})"
-        add(Finding("sequence-mixing layers", "pass", "measured: no layer carries information from one example to another")
+        add(Finding("sequence-mixing layers", "pass", "measured: no layer carries information from one example to "
+                                                      "another")
             if not measured.leak else
-            Finding("sequence-mixing layers", "fail", f"information first crosses examples in {', '.join(sources) or 'the forward'}{nothing}",
+            Finding("sequence-mixing layers", "fail", "information first crosses examples in "
+                                                      f"{', '.join(sources) or 'the forward'}{nothing}",
                     cure_text))
         add(Finding("contamination probe", "pass" if not measured.leak else "fail",
                     f"changing every token of each example in turn ({len(probe_sets(len(lengths)))} passes, each "
@@ -680,7 +716,8 @@ class MatrixRow:
     reason: str = ""              # why it failed, or what was not measured
 
 def matrix_examples(n: int = 5, longest: int = 48) -> list[dict]:
-    "The matrix's examples: the first `n` FLAN-like samples cut to different lengths (longer than the 16-token windows)."
+    """The matrix's examples: the first `n` FLAN-like samples cut to different lengths (longer than the 16-token
+    windows)."""
     return [{"input_ids": f["input_ids"][: longest - 7 * i]} for i, f in enumerate(load_sample("flan_like", limit=n))]
 
 def family_row(family: str, impl: str, examples: list[dict] | None = None, tolerance: float = 1e-5) -> MatrixRow:
@@ -694,7 +731,8 @@ def family_row(family: str, impl: str, examples: list[dict] | None = None, toler
         row.reason = _error_reason(e, impl)
         return row
     row.logits, row.loss, row.grads = eq.logits, eq.loss, eq.grads
-    worst = {k: v for k, v in (("logits", eq.logits), ("loss", eq.loss), ("gradients", eq.grads)) if v is not None and v > tolerance}
+    worst = {k: v for k, v in (("logits", eq.logits), ("loss", eq.loss), ("gradients", eq.grads))
+             if v is not None and v > tolerance}
     row.passed = not worst
     if worst: row.reason = "; ".join(f"{k} differ by {v:.2g}" for k, v in worst.items())
     return row
@@ -711,13 +749,14 @@ def matrix_markdown(rows: list[MatrixRow], tolerance: float = 1e-5,
     fmt = lambda v: "" if v is None else f"{v:.1e}"
     lines = ["# Family matrix: padded == packed", "",
              f"Generated by `{command}` with transformers {'.'.join(map(str, release()))} (do not edit by hand).",
-             f"Tiny random-init configs from `data_samples/configs/`, float32 on CPU, {len(matrix_examples())} FLAN-like "
-             f"examples packed with `FlatteningCollator` (no attention mask, `use_cache=False`) against the same examples "
-             f"padded. Pass: max |difference| <= {tolerance:g} for logits, loss and every parameter gradient.", "",
+             f"Tiny random-init configs from `data_samples/configs/`, float32 on CPU, {len(matrix_examples())} "
+             "FLAN-like examples packed with `FlatteningCollator` (no attention mask, `use_cache=False`) against the "
+             f"same examples padded. Pass: max |difference| <= {tolerance:g} for logits, loss and every parameter "
+             "gradient.", "",
              "| family | implementation | max abs logit diff | loss diff | grad diff | pass | reason |",
              "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r.family} | {r.impl} | {fmt(r.logits)} | {fmt(r.loss)} | {fmt(r.grads)} | {'pass' if r.passed else 'FAIL'} "
-              f"| {r.reason.replace('|', '/')} |" for r in rows]
+    lines += [f"| {r.family} | {r.impl} | {fmt(r.logits)} | {fmt(r.loss)} | {fmt(r.grads)} | "
+              f"{'pass' if r.passed else 'FAIL'} | {r.reason.replace('|', '/')} |" for r in rows]
     return "\n".join(lines) + "\n"
 
 # %% ../nbs/01_packing/09_doctor.ipynb #2df1b275
@@ -741,8 +780,10 @@ def main(argv=None):
     args = p.parse_args(argv)
     if not args.matrix: p.error("nothing to do: pass --matrix")
     command = " ".join(["python -m workbench.doctor --matrix", *(["--flex"] if args.flex else []),
-                        *(["--families", *args.families] if args.families else []), *(["--out", str(args.out)] if args.out else [])])
-    page = matrix_markdown(family_matrix(args.families, MATRIX_IMPLS + (FORWARD_ONLY if args.flex else ())), command=command)
+                        *(["--families", *args.families] if args.families else []),
+                        *(["--out", str(args.out)] if args.out else [])])
+    page = matrix_markdown(family_matrix(args.families, MATRIX_IMPLS + (FORWARD_ONLY if args.flex else ())),
+                           command=command)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(page)

@@ -22,7 +22,8 @@ __all__ = ['TOLERANCE', 'TRAINER_ENGINES', 'ledger_table', 'ledger_figure', 'com
 def ledger_table(results: list,            # `train_runs` results (or `EngineReport.results`)
                  golden: dict | None = None,  # the golden run (default: the first one-process run of the list)
                 ):
-    "One row per run and step: loss, trained tokens, gradient norm, fingerprint, and each against the golden run's step."
+    """One row per run and step: loss, trained tokens, gradient norm, fingerprint, and each against the golden run's
+    step."""
     import pandas as pd
     golden = golden or next(r for r in results if r["run"].engine == "one_process")
     rows = []
@@ -49,10 +50,12 @@ def ledger_figure(results: list, golden: dict | None = None, title: str = "Run l
     return fig
 
 # %% ../nbs/05_ecosystem/04_engine_proofs.ipynb #04f655d4
-TOLERANCE = {"float32": (1e-6, 1e-5), "float64": (1e-12, 1e-10)}  # (loss, gradient) relative differences counted as equal
+# (loss, gradient) relative differences counted as equal
+TOLERANCE = {"float32": (1e-6, 1e-5), "float64": (1e-12, 1e-10)}
 
 def compare(result: dict, golden: dict) -> dict:
-    "Relative differences of a run against the golden run: step-1 loss and gradient (same weights), its scale, every later step."
+    """Relative differences of a run against the golden run: step-1 loss and gradient (same weights), its scale, every
+    later step."""
     g, g0 = result["gradient"], golden["gradient"]
     top = g0.abs().max().clamp(min=torch.finfo(g0.dtype).tiny)
     scale = float(g.double() @ g0.double() / (g0.double() @ g0.double()))
@@ -61,13 +64,15 @@ def compare(result: dict, golden: dict) -> dict:
     return dict(loss=losses[0], curve=max(losses), grads=float((g - g0).abs().max() / top), grad_scale=scale,
                 grads_rescaled=float((g / round(scale) - g0).abs().max() / top) if round(scale) >= 1 else float("nan"),
                 grad_norm_ratio=result["steps"][0]["grad_norm"] / golden["steps"][0]["grad_norm"],
-                fingerprint=max(abs(a["fingerprint"] - b["fingerprint"]) for a, b in zip(result["steps"], golden["steps"])),
+                fingerprint=max(abs(a["fingerprint"] - b["fingerprint"])
+                                for a, b in zip(result["steps"], golden["steps"])),
                 ranks_agree=all(r == ranks[0] for r in ranks),
                 same_rows=[s["rows"] for s in result["steps"]] == [s["rows"] for s in golden["steps"]])
 
 # %% ../nbs/05_ecosystem/04_engine_proofs.ipynb #607b7899
 def golden_of(run: Run, no_mask: bool = False) -> Run:
-    "The one-process run that `run` must equal (`no_mask`: the leaky reference, plain causal attention over the whole row)."
+    """The one-process run that `run` must equal (`no_mask`: the leaky reference, plain causal attention over the whole
+    row)."""
     return replace(run, engine="one_process_no_mask" if no_mask else "one_process", sp=1, context=1, kind="ring",
                    attention="sdpa", loss="exact")
 
@@ -76,41 +81,51 @@ class Verdict:
     "One run against its golden run: the measured differences, a status and, unless exact, the cause and the fix."
     run: Run
     diff: dict                 # `compare` against the golden run
-    status: str                # "exact", "scaled" (gradients P×, else equal), "leaks" (attends across documents), "differs"
+    # "exact", "scaled" (gradients P×, else equal), "leaks" (attends across documents), "differs"
+    status: str
     cause: str = ""
     fix: str = ""
     leak_diff: float | None = None  # step-1 loss difference against the no-mask (leaky) reference
 
 def judge(run: Run, result: dict, golden: dict, leaky: dict | None = None) -> Verdict:
-    "The verdict of one run: equal within `TOLERANCE`, gradients scaled by an integer, leaking across documents, or different."
+    """The verdict of one run: equal within `TOLERANCE`, gradients scaled by an integer, leaking across documents, or
+    different."""
     tol_loss, tol_grad = TOLERANCE[run.dtype]
     d = compare(result, golden)
     leak = None if leaky is None else compare(result, leaky)["loss"]
     if not d["same_rows"]:
-        return Verdict(run, d, "differs", f"the engine trained other rows than it was given: {[s['rows'] for s in result['steps']]} "
-                       f"against {[s['rows'] for s in golden['steps']]} (row checksums per step)",
+        return Verdict(run, d, "differs", "the engine trained other rows than it was given: "
+                                          f"{[s['rows'] for s in result['steps']]} against "
+                                          f"{[s['rows'] for s in golden['steps']]} (row checksums per step)",
                        "check how the engine's dataloader is sharded over the processes", leak)
     if not d["ranks_agree"]:
         return Verdict(run, d, "differs", "the processes hold different parameters after a step",
                        "every process must reduce the same gradients: check the engine's DP group", leak)
     if d["curve"] <= tol_loss and d["grads"] <= tol_grad: return Verdict(run, d, "exact", leak_diff=leak)
     if d["loss"] <= tol_loss and d["grads_rescaled"] <= tol_grad:
-        return Verdict(run, d, "scaled", f"gradients {d['grad_scale']:.4g}× the one-process gradient (loss equal): HF's SP "
-                       f"loss (transformers <= 5.24) sums the SP ranks' gradients through all_gather's backward and DeepSpeed divides by the DP "
-                       f"degree only, so the logged grad_norm is {d['grad_norm_ratio']:.4g}× too and later losses drift "
-                       f"by {d['curve']:.2g} (SGD)", "upgrade to transformers >= 5.25 (it "
-                       "backpropagates each rank's share), or divide the loss by sp_size before backward (engine 'alst': "
-                       "Run(loss='exact'); the HF Trainer: a compute_loss override); gradient "
-                       "clipping or Adam hide the scale from the update, not from the logged grad_norm", leak)
+        return Verdict(run, d, "scaled", f"gradients {d['grad_scale']:.4g}× the one-process gradient (loss equal): "
+                                         "HF's SP loss (transformers <= 5.24) sums the SP ranks' gradients through "
+                                         "all_gather's backward and DeepSpeed divides by the DP degree only, so the "
+                                         f"logged grad_norm is {d['grad_norm_ratio']:.4g}× too and later losses drift "
+                                         f"by {d['curve']:.2g} (SGD)",
+                                             "upgrade to transformers >= 5.25 (it backpropagates each rank's share), "
+                                             "or divide the loss by sp_size before backward (engine 'alst': "
+                                             "Run(loss='exact'); the HF Trainer: a compute_loss override); gradient "
+                                             "clipping or Adam hide the scale from the update, not from the logged "
+                                             "grad_norm", leak)
     if leak is not None and leak <= tol_loss < d["loss"]:
         beyond = " and ".join(([] if not run.packed else ["across the documents of the packed row"]) +
-                              ([] if not getattr(tiny_config(run.family), "sliding_window", None) else ["beyond the model's sliding window"]))
-        return Verdict(run, d, "leaks", f"{run.engine} with {run.attention!r} drops the mask and attends {beyond}: its loss "
-                       f"equals plain causal attention over the whole row (difference {leak:.2g}) and differs from the "
-                       f"model's own mask by {d['loss']:.2g}; gradients {d['grads_rescaled']:.2g} off after dividing by their scale "
-                       f"{round(d['grad_scale'])}", ENGINES[run.engine].leak_fix or "use attn_implementation='workbench_varlen'", leak)
-    return Verdict(run, d, "differs", f"step-1 loss {d['loss']:.2g}, gradients {d['grads']:.2g} from one process (tolerances "
-                   f"{tol_loss:g}, {tol_grad:g})", "compare the engine's data path and loss with workbench.sp.ulysses", leak)
+                              ([] if not getattr(tiny_config(run.family), "sliding_window", None)
+                               else ["beyond the model's sliding window"]))
+        return Verdict(run, d, "leaks",
+                       f"{run.engine} with {run.attention!r} drops the mask and attends {beyond}: its loss equals "
+                       f"plain causal attention over the whole row (difference {leak:.2g}) and differs from the "
+                       f"model's own mask by {d['loss']:.2g}; gradients {d['grads_rescaled']:.2g} off after dividing "
+                       f"by their scale {round(d['grad_scale'])}",
+                       ENGINES[run.engine].leak_fix or "use attn_implementation='workbench_varlen'", leak)
+    return Verdict(run, d, "differs", f"step-1 loss {d['loss']:.2g}, gradients {d['grads']:.2g} from one process "
+                                      f"(tolerances {tol_loss:g}, {tol_grad:g})",
+                   "compare the engine's data path and loss with workbench.sp.ulysses", leak)
 
 # %% ../nbs/05_ecosystem/04_engine_proofs.ipynb #49480058
 def _row(v: Verdict) -> dict:
@@ -125,13 +140,14 @@ class EngineReport:
     verdicts: list                           # `Verdict`s in the order run
     seconds: float = 0.0                     # wall time of the proof
     results: list = field(default_factory=list, repr=False)  # every trained run (golden runs included): the ledger
-    shrunk: dict | None = None               # the user's model against its tiny copy (`shrink_table`), when one was shrunk
+    shrunk: dict | None = None               # the user's model against its tiny copy (`shrink_table`), if shrunk
 
     def __getitem__(self, i) -> Verdict: return self.verdicts[i]
     def find(self, **match) -> Verdict:
         "The one verdict whose run has these fields, e.g. `find(engine='alst', packed=True, attention='sdpa')`."
         hits = [v for v in self.verdicts if all(getattr(v.run, k) == x for k, x in match.items())]
-        if len(hits) != 1: raise KeyError(f"{len(hits)} verdicts match {match}; runs: {[v.run.name for v in self.verdicts]}")
+        if len(hits) != 1: raise KeyError(f"{len(hits)} verdicts match {match}; runs: "
+                                          f"{[v.run.name for v in self.verdicts]}")
         return hits[0]
     def table(self):
         "The verdicts as a pandas DataFrame."
@@ -142,7 +158,8 @@ class EngineReport:
         return (f"Engine proof: {len(self.verdicts)} runs against one process, {bad} not exact ({self.seconds:.0f} s)")
     def _shrunk(self) -> str:
         if not self.shrunk: return ""
-        kept = ", ".join(f"{k} {a} → {b}" if a != b else f"{k} {a}" for k, (a, b) in self.shrunk.items() if a is not None)
+        kept = ", ".join(f"{k} {a} → {b}" if a != b else f"{k} {a}"
+                         for k, (a, b) in self.shrunk.items() if a is not None)
         return f"Your model, shrunk to a tiny copy of the same architecture (original → tiny): {kept}"
     def __str__(self):
         lines = [self._title(), *([self._shrunk()] if self.shrunk else [])]
@@ -154,7 +171,8 @@ class EngineReport:
         return "\n".join(lines)
     __repr__ = __str__
     def _repr_markdown_(self):
-        head = "| verdict | run | loss diff | grad diff | grad-norm ratio | cause | fix |\n|---|---|---|---|---|---|---|"
+        head = ("| verdict | run | loss diff | grad diff | grad-norm ratio | cause | fix "
+                "|\n|---|---|---|---|---|---|---|")
         rows = [f"| {v.status.upper()} | {v.run.name} | {v.diff['loss']:.2g} | {v.diff['grads']:.2g} | "
                 f"{v.diff['grad_norm_ratio']:.4g} | {v.cause} | {v.fix} |" for v in self.verdicts]
         return "\n".join([f"**{self._title()}**", "", *([self._shrunk(), ""] if self.shrunk else []), head, *rows])
@@ -168,26 +186,29 @@ def _check_golden(config):
     from transformers import AutoModelForCausalLM
     cls = AutoModelForCausalLM._model_mapping[type(config)]
     if not cls._supports_sdpa:
-        raise ValueError(f"{cls.__name__} has no sdpa attention in transformers (_supports_sdpa=False): the golden run, one "
-                         f"process with per-document masks, runs sdpa, so its engines cannot be judged here")
+        raise ValueError(f"{cls.__name__} has no sdpa attention in transformers (_supports_sdpa=False): the golden "
+                         "run, one process with per-document masks, runs sdpa, so its engines cannot be judged here")
 
 def prove_engine(engines=("workbench", "alst"),   # engines to prove (keys of `ENGINES`)
                  sp_sizes=(2,),                   # SP sizes, one launch each (DP 1)
                  packed=(False, True),            # row layouts
                  attention: str = "sdpa",         # the attention users load the model with
                  fix: bool = True,                # also run the engines that leak with attention 'workbench_varlen'
-                 family: str | None = None,       # shipped tiny config (default 'llama'; llama3: 2 kv heads, so kv < SP at SP 4)
+                 # shipped tiny config (default 'llama'; llama3: 2 kv heads, so kv < SP at SP 4)
+                 family: str | None = None,
                  dtype: str = "float32",
                  loss: dict | None = None,        # loss formula per engine (default: ALST as users run it, 'hf_sp')
                  max_grad_norm: float | None = None,  # clip every run (and its golden run) to this gradient norm
                  deadline_s: float = 600,         # limit of each launch
-                 model=None,                      # your model instead of `family`: a model directory, a config or a model
-                                                  # instance, proven as a tiny random-weight copy of its architecture (`shrink_config`)
+                 # your model instead of `family`: a model directory, a config or a model instance, proven as a tiny
+                 # random-weight copy of its architecture (`shrink_config`)
+                 model=None,
                 ) -> EngineReport:
     "Train the same tiny model on the same rows through every engine and SP size, and judge each against one process."
     import math, time
     if model is not None:
-        if family is not None: raise ValueError(f"pass family={family!r} (a shipped tiny config) or model (yours), not both")
+        if family is not None: raise ValueError(f"pass family={family!r} (a shipped tiny config) or model (yours), not "
+                                                "both")
         original = as_config(model)
         for p in sp_sizes: check_sp(original, p)  # your model's own heads against every SP size, before shrinking
         tiny = shrink_config(original, sp_size=math.lcm(*sp_sizes))  # kv heads split or replicated as the original's
@@ -195,7 +216,8 @@ def prove_engine(engines=("workbench", "alst"),   # engines to prove (keys of `E
             path = os.path.join(d, f"{tiny.model_type}-tiny")
             tiny.save_pretrained(path)
             report = prove_engine(engines=engines, sp_sizes=sp_sizes, packed=packed, attention=attention, fix=fix,
-                                  family=path, dtype=dtype, loss=loss, max_grad_norm=max_grad_norm, deadline_s=deadline_s)
+                                  family=path, dtype=dtype, loss=loss, max_grad_norm=max_grad_norm,
+                                  deadline_s=deadline_s)
         report.shrunk = shrink_table(original, tiny)
         return report
     family = family or "llama"
@@ -204,7 +226,8 @@ def prove_engine(engines=("workbench", "alst"),   # engines to prove (keys of `E
     loss = {"alst": "hf_sp", "alst_accelerate": "hf_sp", "trl_alst": "hf_sp", **(loss or {})}
     steps = math.lcm(*sp_sizes)  # ALST's adapter serves a step from every SP rank in turn
     runs = [Run(engine=e, sp=p, packed=k, attention=attention, family=family, dtype=dtype, steps=steps,
-                loss=loss.get(e, "exact"), max_grad_norm=max_grad_norm) for e in engines for p in sp_sizes for k in packed]
+                loss=loss.get(e, "exact"), max_grad_norm=max_grad_norm)
+            for e in engines for p in sp_sizes for k in packed]
     if fix and attention != "workbench_varlen":
         runs += [replace(r, attention="workbench_varlen") for r in runs if r.packed and ENGINES[r.engine].leak_fix]
     results = train_runs([*references(runs), *runs], deadline_s)
@@ -219,23 +242,26 @@ def prove_config(parallelism_config,         # the accelerate `ParallelismConfig
                  family: str | None = None,  # the shipped tiny config standing in for the model (default 'llama3')
                  max_grad_norm: float | None = None,  # the run's TrainingArguments.max_grad_norm (None: no clipping)
                  deadline_s: float = 600,
-                 model=None,                 # your model instead of `family`: a model directory, a config or a model instance
+                 model=None,                 # your model instead of `family`: a model
+                                             # directory, a config or a model instance
                  trainer: str = "hf",        # "hf": the HF Trainer; "trl": TRL's SFTTrainer
                 ) -> EngineReport:
-    "Judge a `ParallelismConfig` on CPU: ALST's SP size and attention through accelerate and the HF Trainer or TRL's SFTTrainer, or its context parallelism."
+    """Judge a `ParallelismConfig` on CPU: ALST's SP size and attention through accelerate and the HF Trainer or TRL's
+    SFTTrainer, or its context parallelism."""
     pc = parallelism_config
-    if trainer not in TRAINER_ENGINES: raise ValueError(f"trainer must be one of {sorted(TRAINER_ENGINES)}, got {trainer!r}")
+    if trainer not in TRAINER_ENGINES: raise ValueError(f"trainer must be one of {sorted(TRAINER_ENGINES)}, got "
+                                                        f"{trainer!r}")
     family = family or (None if model is not None else "llama3")
     if getattr(pc, "cp_size", 1) > 1:
         if trainer == "trl":
-            raise ValueError("TRL's SFTTrainer refuses packing under context parallelism itself ('Packing is not compatible "
-                             "with context parallelism'); without packing its rows are unpacked, as the HF Trainer's: "
-                             "prove_config(pc) judges accelerate's context parallelism")
+            raise ValueError("TRL's SFTTrainer refuses packing under context parallelism itself ('Packing is not "
+                             "compatible with context parallelism'); without packing its rows are unpacked, as the HF "
+                             "Trainer's: prove_config(pc) judges accelerate's context parallelism")
         return prove_engine(engines=("accelerate_cp",), sp_sizes=(1,), attention="sdpa", fix=False, family=family,
                             deadline_s=deadline_s, max_grad_norm=max_grad_norm, model=model)
     if getattr(pc, "sp_backend", None) != "deepspeed" or not getattr(pc, "sp_size", 1) > 1:
-        raise ValueError(f"prove_config proves DeepSpeed ALST (sp_backend='deepspeed', sp_size > 1) or context parallelism "
-                         f"(cp_size > 1), got sp_backend={getattr(pc, 'sp_backend', None)!r}, "
+        raise ValueError("prove_config proves DeepSpeed ALST (sp_backend='deepspeed', sp_size > 1) or context "
+                         f"parallelism (cp_size > 1), got sp_backend={getattr(pc, 'sp_backend', None)!r}, "
                          f"sp_size={getattr(pc, 'sp_size', None)!r}, cp_size={getattr(pc, 'cp_size', None)!r}")
     attention = getattr(pc.sp_handler, "sp_attn_implementation", None) or "sdpa"  # accelerate's default
     return prove_engine(engines=(TRAINER_ENGINES[trainer],), sp_sizes=(pc.sp_size,), attention=attention,

@@ -49,7 +49,8 @@ class Run:
     steps: int = 2               # optimizer steps (plain SGD)
     lr: float = 0.1              # SGD learning rate
     max_grad_norm: float | None = None  # clip the gradient norm to this (None: no clipping)
-    loss: str = "exact"          # "exact": the one-process gradient (ALST: HF's SP loss, / sp up to transformers 5.24); "hf_sp": HF's SP loss as the Trainer computes it
+    loss: str = "exact"          # "exact": the one-process gradient (ALST: HF's SP loss, / sp up to
+                                 # transformers 5.24); "hf_sp": HF's SP loss as the Trainer computes it
 
     @property
     def world(self) -> int: return self.sp * self.context * self.dp
@@ -67,7 +68,8 @@ class Run:
         extra = "" if self.loss == "exact" else f", loss {self.loss}"
         extra += "" if self.max_grad_norm is None else f", clip {self.max_grad_norm:g}"
         extra += "" if self.dtype == "float32" else f", {self.dtype}"
-        return f"{self.engine} {self.layout}, {os.path.basename(self.family.rstrip(os.sep))}, {'packed' if self.packed else 'unpacked'}, {self.attention}{extra}"
+        return (f"{self.engine} {self.layout}, {os.path.basename(self.family.rstrip(os.sep))}, "
+                f"{'packed' if self.packed else 'unpacked'}, {self.attention}{extra}")
 
 def run_rows(run: Run) -> list[list[dict]]:
     "The rows of every step (a list of `dp` packed rows per step): the same for every engine and layout of a case."
@@ -95,7 +97,8 @@ def row_id(row: dict) -> int:
     return int((ids * torch.arange(1, len(ids) + 1)).sum())
 
 class Recorder:
-    "Collects a run's ledger on one process: per step loss, trained tokens, gradient norm, fingerprint; and the step-1 gradient."
+    """Collects a run's ledger on one process: per step loss, trained tokens, gradient norm, fingerprint; and the step-1
+    gradient."""
     def __init__(self, run: Run, model):
         self.run, self.model, self.steps, self.start = run, model, [], _flat(model)
         self.gradient = None
@@ -110,7 +113,8 @@ class Recorder:
 # %% ../nbs/05_ecosystem/03_engines.ipynb #759593c0
 @dataclass(frozen=True)
 class Engine:
-    "How one engine trains a `Run`: its function (called on every process), its process count and what it needs installed."
+    """How one engine trains a `Run`: its function (called on every process), its process count and what it needs
+    installed."""
     name: str           # key in `ENGINES`
     train: object       # `train(run, rows) -> Recorder result`, called in every process of the launch
     processes: bool = True  # False: runs in this process (the golden run)
@@ -133,8 +137,9 @@ def register_engine(name: str, processes: bool = True, requires: tuple = (), sum
     return deco
 
 HF_SP_GLOO = ("{layout}: over gloo, HF's SP loss fails in backward when DP > 1 (torch.distributed.nn.functional."
-              "all_gather's backward scatters from the group rank as if it were the global rank: measured 'Global rank 0 "
-              "is not part of group' on rank 2 of 4); prove DP × SP with the exact loss of engine 'workbench', HF's SP loss at DP 1")
+              "all_gather's backward scatters from the group rank as if it were the global rank: measured 'Global rank "
+              "0 is not part of group' on rank 2 of 4); prove DP × SP with the exact loss of engine 'workbench', HF's "
+              "SP loss at DP 1")
 
 def check_engine(run: Run) -> Engine:
     "The engine of `run`, with its layout checked and its requirements importable; else a `ValueError` naming the fix."
@@ -150,12 +155,14 @@ def check_engine(run: Run) -> Engine:
         raise ValueError(f"engine {run.engine!r} trains no context layout, got {run.layout}: the workbench's ring and "
                          f"gather train in engine 'workbench'; use context=1 here")
     if not eng.processes and run.sp != 1:
-        raise ValueError(f"engine {run.engine!r} runs in one process (all {run.dp} rows of a step there); got {run.layout}")
+        raise ValueError(f"engine {run.engine!r} runs in one process (all {run.dp} rows of a step there); got "
+                         f"{run.layout}")
     docs = len(load_records("long_docs"))
     if not run.packed and run.steps * run.dp > docs:
         raise ValueError(f"unpacked rows are the {docs} shipped long documents, one per row: steps × dp = "
                          f"{run.steps * run.dp} is more; use fewer steps or packed=True")
-    if run.dtype not in ("float32", "float64"): raise ValueError(f"dtype must be 'float32' or 'float64', got {run.dtype!r}")
+    if run.dtype not in ("float32", "float64"): raise ValueError("dtype must be 'float32' or 'float64', got "
+                                                                 f"{run.dtype!r}")
     if run.loss not in ("exact", "hf_sp"): raise ValueError(f"loss must be 'exact' or 'hf_sp', got {run.loss!r}")
     if run.loss == "hf_sp" and run.engine.startswith("one_process"):
         raise ValueError(f"loss='hf_sp' is HF's sequence-parallel loss formula: engine {run.engine!r} runs no SP")
@@ -170,16 +177,19 @@ def check_engine(run: Run) -> Engine:
 
 # %% ../nbs/05_ecosystem/03_engines.ipynb #ad0bcd3d
 def _step_loss(model, rows: list[dict], no_mask: bool = False) -> tuple[torch.Tensor, int]:
-    "One process: token-loss sum of every row of a step over their trained tokens (logits of token i score label i + 1)."
+    """One process: token-loss sum of every row of a step over their trained tokens (logits of token i score label i +
+    1)."""
     n = sum(_trained(r) for r in rows)
     total = 0.0
     for r in rows:
         inputs = {k: r[k] for k in ("input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
                                     "max_length_k") if k in r}
         if no_mask:  # an all-ones mask: transformers then attends across the examples (positions still restart)
-            inputs = dict(input_ids=r["input_ids"], position_ids=r["position_ids"], attention_mask=torch.ones_like(r["input_ids"]))
+            inputs = dict(input_ids=r["input_ids"], position_ids=r["position_ids"],
+                          attention_mask=torch.ones_like(r["input_ids"]))
         lg = model(**inputs, use_cache=False).logits
-        total = total + F.cross_entropy(lg[0, :-1].to(torch.promote_types(lg.dtype, torch.float32)), r["labels"][0, 1:], ignore_index=IGNORE_INDEX, reduction="sum")
+        total = total + F.cross_entropy(lg[0, :-1].to(torch.promote_types(lg.dtype, torch.float32)), r["labels"][0, 1:],
+                                        ignore_index=IGNORE_INDEX, reduction="sum")
     return total / max(n, 1), n
 
 def _clip(model, run: Run) -> float:
@@ -190,8 +200,10 @@ def _train_here(run: Run, rows: list, no_mask: bool, prepare=None) -> dict:
     "Train in this process; `prepare(model)`, when given, changes the model as an engine does before training."
     model = case_model(run.case, run.attention).train()
     if prepare: model = prepare(model)
-    if no_mask:  # read when the mask is built: plain causal, as sdpa's is_causal; a model with sliding layers (layer_types)
-        sliding = "sliding_attention" in (getattr(model.config, "layer_types", None) or [])  # needs a window: one no row reaches
+    # read when the mask is built: plain causal, as sdpa's is_causal; a model with sliding layers (layer_types)
+    if no_mask:
+        # needs a window: one no row reaches
+        sliding = "sliding_attention" in (getattr(model.config, "layer_types", None) or [])
         model.config.sliding_window = 1 << 30 if sliding else None
     opt, rec = torch.optim.SGD(model.parameters(), lr=run.lr), Recorder(run, model)
     threads = torch.get_num_threads()
@@ -216,22 +228,26 @@ def train_no_mask(run: Run, rows: list) -> dict: return _train_here(run, rows, n
 
 # %% ../nbs/05_ecosystem/03_engines.ipynb #e48aff0c
 # Up to transformers 5.24, HF's SP loss (`deepspeed_sp_compute_loss`) backpropagates the whole row's mean on every SP
-# rank, and DeepSpeed sums the SP ranks' gradients: P times the one-process gradient. 5.25 backpropagates each rank's share.
+# rank, and DeepSpeed sums the SP ranks' gradients: P times the one-process gradient. 5.25 backpropagates each
+# rank's share.
 HF_SP_LOSS_SUMS = release() < (5, 25)
 
 def hf_sp_loss(logits: torch.Tensor, shift_labels: torch.Tensor, group) -> torch.Tensor:
-    "HF's SP loss as the installed transformers computes it: the row's token mean, its gradient summed over the SP ranks (up to 5.24) or each rank's own share (5.25)."
+    """HF's SP loss as the installed transformers computes it: the row's token mean, its gradient summed over the SP
+    ranks (up to 5.24) or each rank's own share (5.25)."""
     good = (shift_labels != IGNORE_INDEX).sum()
     total = F.cross_entropy(logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)),
                             shift_labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
-    if HF_SP_LOSS_SUMS:  # each shard's mean, weighted by its tokens through a differentiable all_gather (its backward sums)
+    # each shard's mean, weighted by its tokens through a differentiable all_gather (its backward sums)
+    if HF_SP_LOSS_SUMS:
         from torch.distributed.nn.functional import all_gather
         mean = total / good.clamp(min=1)
         means, goods = torch.stack(all_gather(mean, group=group)), torch.stack(all_gather(good, group=group))
         return (means * goods).sum() / goods.sum().clamp(min=1)
     totals = torch.stack((total.detach(), good.to(total.dtype)))  # the row's token sum and count, no gradient
     dist.all_reduce(totals, group=group)
-    return (total + (totals[0] - total.detach())) / totals[1].clamp(min=1)  # the row's mean; this rank's share backpropagates
+    # the row's mean; this rank's share backpropagates
+    return (total + (totals[0] - total.detach())) / totals[1].clamp(min=1)
 
 @register_engine("workbench", contexts=True,
                  summary="the workbench's layouts (workbench.sp.layout: Ulysses, Ulysses × ring or × gather), "
@@ -250,7 +266,8 @@ def train_workbench(run: Run, rows: list) -> dict:
         sync_gradients(model, grid)
         norm = _clip(model, run)
         opt.step(); opt.zero_grad()
-        logged = global_loss(loss, grid) / (grid.sp_size if run.loss == "hf_sp" else 1)  # hf_sp: every SP rank holds the row's loss
+        # hf_sp: every SP rank holds the row's loss
+        logged = global_loss(loss, grid) / (grid.sp_size if run.loss == "hf_sp" else 1)
         rec.step(logged, sum(_trained(r) for r in step_rows), norm, step_rows)
     return rec.result()
 
@@ -258,7 +275,8 @@ def train_workbench(run: Run, rows: list) -> dict:
 ALST_KEYS = ("input_ids", "labels", "position_ids")  # what ALST's data adapter shards: [B, T] tensors only
 
 def alst_batch(row: dict, sp_size: int) -> dict:
-    "A packed row as ALST takes it: padded to a multiple of `sp_size`, no cu_seq_lens (its adapter shards every tensor on dim 1)."
+    """A packed row as ALST takes it: padded to a multiple of `sp_size`, no cu_seq_lens (its adapter shards every tensor
+    on dim 1)."""
     row = pad_for_sp(row, sp_size)
     return {k: row[k] for k in ALST_KEYS}
 
@@ -276,9 +294,10 @@ def _release_alst(key: str, original):
     parallel_state_sp._release_sequence_parallel_groups()  # private: its only reset ("already initialized" otherwise)
 
 def _probe_ops_quietly():
-    """DeepSpeed's op probe, with the compiler's stderr dropped: its CPU comm setup asks which ops can be built, linking a
-    test program per op (`-laio` for async_io). DeepSpeed silences that through sys.stderr, which in a Jupyter kernel (or
-    under pytest) is not fd 2, so the linker's errors reached the cell. The result is cached in deepspeed.ops: probed once."""
+    """DeepSpeed's op probe, with the compiler's stderr dropped: its CPU comm setup asks which ops can be built,
+    linking a test program per op (`-laio` for async_io). DeepSpeed silences that through sys.stderr, which in a
+    Jupyter kernel (or under pytest) is not fd 2, so the linker's errors reached the cell. The result is cached in
+    deepspeed.ops: probed once."""
     import deepspeed.ops
     if "__compatible_ops__" in vars(deepspeed.ops): return
     sys.stderr.flush(); saved = os.dup(2)
@@ -287,7 +306,8 @@ def _probe_ops_quietly():
     finally: os.dup2(saved, 2); os.close(saved)
 
 def _sp_step_rows(rows: list, sp_rank: int, sp_size: int, dp_rank: int) -> list:
-    "The rows this process hands ALST's adapter: it serves the SP group's rows in turn (step s comes from SP rank s mod P)."
+    """The rows this process hands ALST's adapter: it serves the SP group's rows in turn (step s comes from SP rank s
+    mod P)."""
     return [alst_batch(rows[s][dp_rank], sp_size) for s in range(sp_rank, len(rows), sp_size)]
 
 ALST_FIX = ("load the model with attn_implementation='workbench_varlen' (import workbench.attention) and register ALST "
@@ -295,9 +315,11 @@ ALST_FIX = ("load the model with attn_implementation='workbench_varlen' (import 
             "per document; no flash-attn needed")
 
 def _check_alst(run: Run):
-    if run.sp < 2: raise ValueError(f"ALST splits rows over sp >= 2 processes; got {run.layout} (SP 1 is plain DeepSpeed DP)")
+    if run.sp < 2: raise ValueError(f"ALST splits rows over sp >= 2 processes; got {run.layout} (SP 1 is plain "
+                                    "DeepSpeed DP)")
     if run.steps % run.sp:
-        raise ValueError(f"ALST's adapter serves a step from each SP rank in turn: steps ({run.steps}) must be a multiple of sp ({run.sp})")
+        raise ValueError(f"ALST's adapter serves a step from each SP rank in turn: steps ({run.steps}) must be a "
+                         f"multiple of sp ({run.sp})")
     if run.dp > 1: raise ValueError(HF_SP_GLOO.format(layout=run.layout))
 
 @register_engine("alst", requires=("deepspeed",), leak_fix=ALST_FIX, validate=_check_alst,
@@ -322,18 +344,21 @@ def train_alst(run: Run, rows: list) -> dict:
         loader = UlyssesSPDataLoaderAdapter(torch.utils.data.DataLoader(_sp_step_rows(rows, sp_rank, run.sp, dp_rank),
                                                                         batch_size=None),
                                             sp_rank=sp_rank, sp_group=sp_group, sp_world_size=run.sp, device="cpu")
-        pc = type("SP", (), dict(sp_backend="deepspeed", sp_size=run.sp))  # what HF's SP loss reads of a ParallelismConfig
+        # what HF's SP loss reads of a ParallelismConfig
+        pc = type("SP", (), dict(sp_backend="deepspeed", sp_size=run.sp))
         from transformers.integrations.deepspeed import deepspeed_sp_compute_loss
         for step_rows, batch in zip(rows, loader):
             loss = deepspeed_sp_compute_loss(None, engine, {**batch, "use_cache": False}, False, pc)
             reported = loss.detach().clone()
-            engine.backward(loss / run.sp if run.loss == "exact" and HF_SP_LOSS_SUMS else loss)  # the scale fix (transformers <= 5.24)
+            # the scale fix (transformers <= 5.24)
+            engine.backward(loss / run.sp if run.loss == "exact" and HF_SP_LOSS_SUMS else loss)
             engine.step()
             dist.all_reduce(reported)  # every SP rank holds its row's loss: the mean over DP replicas
             seen = [None] * run.world
             dist.all_gather_object(seen, batch["input_ids"])  # every shard: the rows this step really trained
             trained = [{"input_ids": torch.cat(seen[g * run.sp:(g + 1) * run.sp], dim=1)} for g in range(run.dp)]
-            rec.step(reported.item() / run.world, sum(_trained(r) for r in step_rows), engine.get_global_grad_norm(), trained)
+            rec.step(reported.item() / run.world, sum(_trained(r) for r in step_rows), engine.get_global_grad_norm(),
+                     trained)
         return rec.result()
     finally: _release_alst(run.attention, original)
 
@@ -350,7 +375,8 @@ def _rank_runs(runs: list) -> list[dict]:
 def train_runs(runs: list,                # the `Run`s to train
                deadline_s: float = 600,   # wall-clock limit of each launch
               ) -> list[dict]:
-    "Train every run: one-process engines here, the others in one launch per process count; every rank's fingerprints kept."
+    """Train every run: one-process engines here, the others in one launch per process count; every rank's fingerprints
+    kept."""
     for r in runs: check_engine(r)
     results = {}
     for i, r in enumerate(runs):
@@ -362,7 +388,8 @@ def train_runs(runs: list,                # the `Run`s to train
         per_rank = launch(_rank_runs, [runs[i] for i in idx], num_processes=world, cpu=True, quiet=True,
                           deadline_s=deadline_s, timeout_s=min(120, deadline_s))
         for j, i in enumerate(idx):
-            results[i] = dict(per_rank[0][j], rank_fingerprints=[[s["fingerprint"] for s in pr[j]["steps"]] for pr in per_rank])
+            results[i] = dict(per_rank[0][j],
+                              rank_fingerprints=[[s["fingerprint"] for s in pr[j]["steps"]] for pr in per_rank])
     return [results[i] for i in range(len(runs))]
 
 # %% ../nbs/05_ecosystem/03_engines.ipynb #b17ccebe
@@ -371,8 +398,9 @@ def alst_parallelism_config(sp_size: int,                        # processes sha
                            ):
     "accelerate's `ParallelismConfig` for DeepSpeed ALST with any registered attention, `workbench_varlen` included."
     if release("accelerate") < (1, 12):
-        raise ImportError(f"DeepSpeed ALST through accelerate (ParallelismConfig(sp_backend='deepspeed')) needs accelerate >= 1.12, "
-                          f"installed {'.'.join(map(str, release('accelerate')))}: pip install -U accelerate")
+        raise ImportError("DeepSpeed ALST through accelerate (ParallelismConfig(sp_backend='deepspeed')) needs "
+                          f"accelerate >= 1.12, installed {'.'.join(map(str, release('accelerate')))}: pip install -U "
+                          "accelerate")
     from accelerate.parallelism_config import ParallelismConfig
     from accelerate.utils import DeepSpeedSequenceParallelConfig
     handler = DeepSpeedSequenceParallelConfig(sp_attn_implementation="sdpa", sp_seq_length_is_variable=True)
@@ -383,20 +411,24 @@ def alst_parallelism_config(sp_size: int,                        # processes sha
 
 def trainer_ds_config(zero_stage: int = 2) -> dict:
     "The DeepSpeed config a Trainer run takes: the Trainer fills the 'auto' fields from its TrainingArguments."
-    return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-            "train_batch_size": "auto", "zero_optimization": {"stage": zero_stage}, "zero_allow_untested_optimizer": True,
+    return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto",
+            "train_batch_size": "auto", "zero_optimization": {"stage": zero_stage},
+                "zero_allow_untested_optimizer": True,
             "steps_per_print": 10**9}
 
 def _check_accelerate(run: Run):
     _check_alst(run)
     if run.dp != 1: raise ValueError(f"engine {run.engine!r} trains DP 1 × SP >= 2 here; got {run.layout}")
-    if run.loss != "hf_sp": raise ValueError(f"the HF Trainer computes HF's SP loss: use loss='hf_sp' with engine {run.engine!r}")
+    if run.loss != "hf_sp": raise ValueError("the HF Trainer computes HF's SP loss: use loss='hf_sp' with engine "
+                                             f"{run.engine!r}")
 
 # what a CPU run needs (a GPU cluster: none): DeepSpeed on CPU ops, and not the MULTI_CPU type that `launch`'s
 # ACCELERATE_USE_CPU=true would give (ParallelismConfig refuses it)
 ACCELERATE_ENV = dict(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_USE_CPU="false", DS_ACCELERATOR="cpu")
 
-def _train_through_trainer(run: Run, rows: list, trainer_cls, args_cls, args_extra: dict | None = None, **trainer_extra) -> dict:
+def _train_through_trainer(run: Run, rows: list, trainer_cls, args_cls, args_extra: dict | None = None,
+                           **trainer_extra) -> dict:
     "ALST through an HF `Trainer` class (the Trainer, TRL's `SFTTrainer`) as users configure it, its ledger recorded."
     os.environ.update(ACCELERATE_ENV)
     _probe_ops_quietly()
@@ -409,8 +441,9 @@ def _train_through_trainer(run: Run, rows: list, trainer_cls, args_cls, args_ext
     original = ALL_ATTENTION_FUNCTIONS.get(run.attention)
     rec = Recorder(run, model)
     tokens = [sum(_trained(r) for r in s) for s in rows]
-    # accelerate's state over the launch's gloo group: on CPU its DeepSpeed state otherwise has no backend and counts one
-    # process, so a metric gather (TRL's token accuracy) fails; the Trainer then uses this state (use_configured_state)
+    # accelerate's state over the launch's gloo group: on CPU its DeepSpeed state otherwise has no backend and counts
+    # one process, so a metric gather (TRL's token accuracy) fails; the Trainer then uses this state
+    # (use_configured_state)
     PartialState(backend="gloo")
 
     # ALST's adapter gathers one batch from every SP rank and trains them in rank order (step s: SP rank s mod P's
@@ -436,8 +469,10 @@ def _train_through_trainer(run: Run, rows: list, trainer_cls, args_cls, args_ext
                         optim="sgd", lr_scheduler_type="constant", weight_decay=0.0, warmup_steps=0,
                         max_grad_norm=run.max_grad_norm or 0.0, logging_steps=1, report_to="none",
                         save_strategy="no", train_sampling_strategy="sequential", remove_unused_columns=False,
-                        deepspeed=trainer_ds_config(), parallelism_config=alst_parallelism_config(run.sp, run.attention),
-                        accelerator_config={"use_configured_state": True}, disable_tqdm=True, seed=0, **(args_extra or {}))
+                        deepspeed=trainer_ds_config(),
+                        parallelism_config=alst_parallelism_config(run.sp, run.attention),
+                        accelerator_config={"use_configured_state": True}, disable_tqdm=True, seed=0,
+                        **(args_extra or {}))
         trainer = trainer_cls(model=model, args=args, train_dataset=Dataset.from_dict({"item": list(range(len(rows)))}),
                               data_collator=collate, callbacks=[Ledger()], **trainer_extra)
         trainer.remove_callback(PrinterCallback)
@@ -463,12 +498,14 @@ def train_alst_accelerate(run: Run, rows: list) -> dict:
 def train_trl_alst(run: Run, rows: list) -> dict:
     from trl import SFTConfig, SFTTrainer
     return _train_through_trainer(run, rows, SFTTrainer, SFTConfig, processing_class=load_tokenizer(),
-                                  args_extra=dict(bf16=False, dataset_kwargs={"skip_prepare_dataset": True}))  # fp32, rows already tokenized
+                                  # fp32, rows already tokenized
+                                  args_extra=dict(bf16=False, dataset_kwargs={"skip_prepare_dataset": True}))
 
 def _reset_accelerate():
     "Forget accelerate's process-wide state, so that the next Trainer of the same process builds its own."
     from accelerate.state import AcceleratorState, GradientState, PartialState
-    for cls in (AcceleratorState, PartialState, GradientState): cls._shared_state.clear()  # its only reset (as workbench.launch)
+    # its only reset (as workbench.launch)
+    for cls in (AcceleratorState, PartialState, GradientState): cls._shared_state.clear()
 
 # %% ../nbs/05_ecosystem/03_engines.ipynb #c8405628
 def accelerate_yaml(num_processes: int,       # GPUs in total (all machines)
@@ -492,38 +529,44 @@ def accelerate_script(sp_size: int) -> str:
         "model = AutoModelForCausalLM.from_pretrained(name, attn_implementation='workbench_varlen')",
         f"args = TrainingArguments(..., parallelism_config=alst_parallelism_config(sp_size={sp_size}))",
         "# rows: input_ids, labels, position_ids restarting per document; no cu_seq_lens, no attention_mask;",
-        f"# row length a multiple of {sp_size} (FlatteningCollator(pad_to_multiple_of={sp_size}, return_flash_attn_kwargs=False))",
+        f"# row length a multiple of {sp_size} (FlatteningCollator(pad_to_multiple_of={sp_size}, "
+        "return_flash_attn_kwargs=False))",
         "Trainer(model=model, args=args, train_dataset=..., data_collator=...).train()"])
 
 # %% ../nbs/05_ecosystem/03_engines.ipynb #e0ff9c64
-CP_FIX = ("train packed rows with the workbench's ring (python -m workbench.train --ring N: per-document attention, exact on "
-          "packed rows, past the head count too) or with ALST and workbench_varlen (alst_parallelism_config); accelerate's "
-          "context parallelism keeps no document boundary, so use it for unpacked rows only")
+CP_FIX = ("train packed rows with the workbench's ring (python -m workbench.train --ring N: per-document attention, "
+          "exact on packed rows, past the head count too) or with ALST and workbench_varlen (alst_parallelism_config); "
+          "accelerate's context parallelism keeps no document boundary, so use it for unpacked rows only")
 
 def cp_hooked(model):
-    "The model as accelerate's context parallelism prepares it: its own hook on every attention module (mask dropped, `is_causal=True`)."
-    from accelerate.big_modeling import _attach_context_parallel_hooks  # private: the one place accelerate's CP mask rule lives
+    """The model as accelerate's context parallelism prepares it: its own hook on every attention module (mask dropped,
+    `is_causal=True`)."""
+    # private: the one place accelerate's CP mask rule lives
+    from accelerate.big_modeling import _attach_context_parallel_hooks
     _attach_context_parallel_hooks(model)
     return model
 
 def _check_cp(run: Run):
     if run.sp != 1:
-        raise ValueError(f"engine 'accelerate_cp' trains in one process with accelerate's context-parallel hook (its ring, "
-                         f"exact causal attention over the whole row, needs GPUs: cp_refusals()); its verdict holds for any "
-                         f"cp_size: use sp=1, got {run.layout}")
+        raise ValueError("engine 'accelerate_cp' trains in one process with accelerate's context-parallel hook (its "
+                         "ring, exact causal attention over the whole row, needs GPUs: cp_refusals()); its verdict "
+                         f"holds for any cp_size: use sp=1, got {run.layout}")
     if run.attention != "sdpa":
-        raise ValueError(f"context parallelism runs PyTorch's ring in place of F.scaled_dot_product_attention only: attention "
-                         f"{run.attention!r} would attend within each rank's shard of the row; use attention='sdpa'")
-    if run.loss != "exact": raise ValueError(f"engine 'accelerate_cp' measures its attention in one process: use loss='exact'")
+        raise ValueError("context parallelism runs PyTorch's ring in place of F.scaled_dot_product_attention only: "
+                         f"attention {run.attention!r} would attend within each rank's shard of the row; use "
+                         "attention='sdpa'")
+    if run.loss != "exact": raise ValueError(f"engine 'accelerate_cp' measures its attention in one process: use "
+                                             "loss='exact'")
 
 @register_engine("accelerate_cp", processes=False, leak_fix=CP_FIX, validate=_check_cp, attention_fix=False,
-                 summary="PyTorch's context parallelism through accelerate (ParallelismConfig(cp_size=...), FSDP2): its "
-                         "attention, trained in one process with accelerate's own CP hook on the model; the ring itself "
-                         "cannot run on CPU processes (cp_refusals)")
+                 summary="PyTorch's context parallelism through accelerate (ParallelismConfig(cp_size=...), FSDP2): "
+                         "its attention, trained in one process with accelerate's own CP hook on the model; the ring "
+                         "itself cannot run on CPU processes (cp_refusals)")
 def train_accelerate_cp(run: Run, rows: list) -> dict: return _train_here(run, rows, no_mask=False, prepare=cp_hooked)
 
 def _cp_on_cpu() -> dict:
-    "In each launched CPU process: accelerate's context parallelism as a user configures it, then PyTorch's ring beneath it."
+    """In each launched CPU process: accelerate's context parallelism as a user configures it, then PyTorch's ring
+    beneath it."""
     from accelerate import Accelerator
     from accelerate.parallelism_config import ParallelismConfig
     from accelerate.utils import FullyShardedDataParallelPlugin
@@ -531,12 +574,14 @@ def _cp_on_cpu() -> dict:
     from torch.distributed.tensor.experimental import context_parallel
     world = dist.get_world_size()
     errors = {}
-    try: Accelerator(parallelism_config=ParallelismConfig(cp_size=world), fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+    try: Accelerator(parallelism_config=ParallelismConfig(cp_size=world),
+                     fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
     except Exception as e: errors["accelerate"] = f"{type(e).__name__}: {e}"
     query = torch.randn(1, 2, 4 * world, 8)  # [batch, heads, tokens, head dim]: 2 * world chunks for its load balancer
     key, value = query.clone(), query.clone()
     try:
-        with context_parallel(init_device_mesh("cpu", (world,)), buffers=[query, key, value], buffer_seq_dims=[2, 2, 2]):
+        with context_parallel(init_device_mesh("cpu", (world,)), buffers=[query, key, value],
+                              buffer_seq_dims=[2, 2, 2]):
             F.scaled_dot_product_attention(query, key, value, is_causal=True)
     except Exception as e: errors["torch"] = f"{type(e).__name__}: {e}"
     return errors
@@ -544,5 +589,6 @@ def _cp_on_cpu() -> dict:
 def cp_refusals(cp_size: int = 2,        # CPU processes in the launch (the context-parallel degree)
                 deadline_s: float = 120,
                ) -> dict:
-    "What accelerate's and PyTorch's context parallelism say on `cp_size` CPU processes: their own errors (none: it ran)."
+    """What accelerate's and PyTorch's context parallelism say on `cp_size` CPU processes: their own errors (none: it
+    ran)."""
     return launch(_cp_on_cpu, num_processes=cp_size, cpu=True, quiet=True, deadline_s=deadline_s)[0]

@@ -32,13 +32,14 @@ __all__ = ['EVAL_FIELDS', 'eval_config', 'evaluate_rank', 'is_run_dir', 'run_mod
            'launch_eval', 'each_alone', 'eval_rows', 'main']
 
 # %% ../nbs/04_runtime/14_evaluate.ipynb #864e5bb5
-EVAL_FIELDS = ("model", "data", "tokenizer", "sp", *LAYOUTS, "ring_kernel", "dp", "max_tokens", "attn", "dtype", "seed", "out",
-               "timeout_s", "stall_s")  # what an evaluation reads of a TrainConfig (the rest is training's)
+EVAL_FIELDS = ("model", "data", "tokenizer", "sp", *LAYOUTS, "ring_kernel", "dp", "max_tokens", "attn", "dtype", "seed",
+               "out", "timeout_s", "stall_s")  # what an evaluation reads of a TrainConfig (the rest is training's)
 
 
 # %% ../nbs/04_runtime/14_evaluate.ipynb #baaf2894
 def eval_config(cfg: TrainConfig) -> TrainConfig:
-    "The fields of `cfg` an evaluation reads (`EVAL_FIELDS`), the rest at their defaults (no adapters, levers or sharding)."
+    """The fields of `cfg` an evaluation reads (`EVAL_FIELDS`), the rest at their defaults (no adapters, levers or
+    sharding)."""
     kept = {}
     for name in EVAL_FIELDS: kept[name] = getattr(cfg, name)
     return replace(TrainConfig(), **kept)
@@ -46,7 +47,8 @@ def eval_config(cfg: TrainConfig) -> TrainConfig:
 def evaluate_rank(cfg: TrainConfig,       # the layout, model and token budget (`eval_config`)
                   features: list[dict],   # the examples to evaluate, tokenized
                  ) -> EvalResult:
-    "Evaluate `features` as one process of the `cfg.dp` x `cfg.sp` x `cfg.ring` grid; every process returns the whole result."
+    """Evaluate `features` as one process of the `cfg.dp` x `cfg.sp` x `cfg.ring` grid; every process returns the whole
+    result."""
     check_world(cfg)
     device = rank_device()
     layout = cfg.layout
@@ -141,7 +143,8 @@ def launch_eval(cfg: TrainConfig,     # the evaluation's config, as `preflight_e
 def each_alone(cfg: TrainConfig,        # the model (`cfg.model`, `cfg.seed`, `cfg.dtype`)
                features: list[dict],  # tokenized examples
               ) -> EvalResult:
-    "The independent reference: one process, each example alone and unpacked, plain sdpa, the same weights as a run of `cfg`."
+    """The independent reference: one process, each example alone and unpacked, plain sdpa, the same weights as a run of
+    `cfg`."""
     model = build_model(eval_config(cfg), "sdpa", torch.device("cpu")).eval()
     collate = FlatteningCollator(train_all_tokens=True)
     sums = torch.zeros(3, len(features), dtype=torch.float64)
@@ -171,7 +174,8 @@ def eval_rows(result: EvalResult,
 def main(argv=None) -> EvalResult:
     "Command line: `python -m workbench.evaluate --model runs/x --data held_out.jsonl --sp 2 --nproc 2 --out runs/x`."
     p = _parser(EVAL_FIELDS)  # --help lists what an evaluation reads, and nothing else
-    p.prog, p.description = "python -m workbench.evaluate", "per-example loss and token accuracy under any DP x SP layout"
+    p.prog, p.description = "python -m workbench.evaluate", ("per-example loss and token accuracy under any DP x SP "
+                                                             "layout")
     a, rest = p.parse_known_args(argv)
     given = {arg.split("=")[0] for arg in rest if arg.startswith("--")}
     training = [flag(f.name) for f in fields(TrainConfig) if flag(f.name) in given]
@@ -188,7 +192,8 @@ def main(argv=None) -> EvalResult:
         features, _, ids = run_examples(cfg)  # each row's own id comes from the read that tokenized it
         if world > 1:  # join the launcher's process group
             check_eval_features(features, cfg.max_tokens, config.vocab_size, cfg.data)
-            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(seconds=cfg.timeout_s))
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                                    timeout=timedelta(seconds=cfg.timeout_s))
             try: result = evaluate_rank(cfg, features)
             finally: dist.destroy_process_group()
         else: result = launch_eval(cfg, config, features)
@@ -204,6 +209,7 @@ def main(argv=None) -> EvalResult:
 
 # %% ../nbs/04_runtime/14_evaluate.ipynb #eb490b88
 #| eval: false
-if __name__ == "__main__":  # the package's module, not this __main__ copy: fastcore's docments (the flags' help) skips __main__
+# the package's module, not this __main__ copy: fastcore's docments (the flags' help) skips __main__
+if __name__ == "__main__":
     from workbench.evaluate import main as package_main
     package_main()

@@ -33,7 +33,8 @@ __all__ = ['FAMILIES', 'LAYOUTS', 'REPLICAS', 'explorer_data', 'explorer_model',
 
 # %% ../nbs/04_runtime/15_explorer.ipynb #81d769a2
 def explorer_data(data,              # a file (read as --data is), a Dataset, a list of rows or features, or one batch
-                  vocab_size: int | None = None,  # every id must lie below it (the tokenizer's or the model's), when known
+                  vocab_size: int | None = None,  # every id must lie below it (the
+                                                  # tokenizer's or the model's), when known
                   tokenizer=None,    # what tokenizes rows of messages, prompt + completion or text (None: ids only)
                   ) -> list[dict] | dict:
     """The user's data as the explorer takes it, read as training reads it (`workbench.data`): a file by
@@ -74,7 +75,8 @@ def explorer_data(data,              # a file (read as --data is), a Dataset, a 
     else:
         raise TypeError(f"data is a {type(data).__name__}: pass a file's path, a datasets.Dataset, a list of rows or "
                         f"feature dicts, or one collated batch (a dict with input_ids [B, T])")
-    if ids.min() < 0: raise ValueError(f"data holds a negative token id ({int(ids.min())}): ids must be vocabulary indices")
+    if ids.min() < 0: raise ValueError(f"data holds a negative token id ({int(ids.min())}): ids must be vocabulary "
+                                       "indices")
     if vocab_size is not None and ids.max() >= vocab_size:
         raise ValueError(f"data holds token id {int(ids.max())}, but the vocabulary has {vocab_size} entries: pass the "
                          f"tokenizer (and model) the data was tokenized with")
@@ -82,15 +84,18 @@ def explorer_data(data,              # a file (read as --data is), a Dataset, a 
 
 def _explorer_batch(batch) -> dict:
     "One collated batch with its per-token tensors checked against input_ids [B, T]."
-    if "input_ids" not in batch: raise ValueError(f"the batch has no input_ids (keys: {sorted(batch)}): collate tokenized examples")
+    if "input_ids" not in batch: raise ValueError(f"the batch has no input_ids (keys: {sorted(batch)}): collate "
+                                                  "tokenized examples")
     try: ids = torch.as_tensor(batch["input_ids"])
     except (ValueError, TypeError):
-        raise ValueError("the batch's input_ids are ragged: pass the examples as a list of feature dicts instead") from None
+        raise ValueError("the batch's input_ids are ragged: pass the examples as a list of feature dicts "
+                         "instead") from None
     if ids.ndim != 2:
         raise ValueError(f"the batch's input_ids have shape {list(ids.shape)}; one batch is [B, T]: add a batch "
                          f"dimension (ids[None]) or pass a list of feature dicts")
     if ids.is_floating_point(): raise ValueError(f"the batch's input_ids are {ids.dtype}: cast token ids to int64")
-    if ids.numel() == 0: raise ValueError(f"the batch's input_ids are empty ({list(ids.shape)}): collate at least one token")
+    if ids.numel() == 0: raise ValueError(f"the batch's input_ids are empty ({list(ids.shape)}): collate at least one "
+                                          "token")
     out = {**batch, "input_ids": ids}
     for k in ("attention_mask", "position_ids", "labels", "seq_idx"):
         if batch.get(k) is None: continue
@@ -107,7 +112,8 @@ def explorer_model(model) -> tuple[str, object, Callable]:
         path = Path(model)
         if not (path / "config.json").is_file():
             why = "has no config.json" if path.is_dir() else "is not a directory"
-            raise ValueError(f"{path} {why}: pass the folder written by model.save_pretrained(folder), or the model object")
+            raise ValueError(f"{path} {why}: pass the folder written by model.save_pretrained(folder), or the model "
+                             "object")
         return path.name, AutoConfig.from_pretrained(path), lambda: AutoModelForCausalLM.from_pretrained(path).eval()
     if not hasattr(getattr(model, "config", None), "to_dict"):
         raise TypeError(f"model is a {type(model).__name__}: pass a transformers model (with .config) or the folder "
@@ -119,10 +125,13 @@ def attention_kinds(config) -> dict[str, int | None]:
     "The masks a model's layers use, named: `full attention` (window None) and/or `sliding window W`."
     window = getattr(config, "sliding_window", None)
     types = getattr(config, "layer_types", None) or [
-        "sliding_attention" if window and getattr(config, "use_sliding_window", True) is not False else "full_attention"]
-    kinds = {"full attention" if t == "full_attention" else f"sliding window {window}": None if t == "full_attention" else window
+        "sliding_attention" if window and getattr(config, "use_sliding_window", True) is not False
+        else "full_attention"]
+    kinds = {"full attention" if t == "full_attention" else f"sliding window {window}": None if t == "full_attention"
+             else window
              for t in dict.fromkeys(types) if t in ("full_attention", "sliding_attention")}
-    if not kinds: raise ValueError(f"the model's layers are {sorted(set(types))}: the explorer draws full and sliding-window attention only")
+    if not kinds: raise ValueError(f"the model's layers are {sorted(set(types))}: the explorer draws full and "
+                                   "sliding-window attention only")
     return kinds
 
 def explorer_tokenizer(tokenizer, model=None):
@@ -147,7 +156,7 @@ LAYOUTS = {"one process": {}, "Ulysses 2": dict(ulysses=2), "ring 2": dict(ring=
 REPLICAS = (1, 2, 4)  # the explorer's data-parallel degrees
 
 def html_table(table,   # a `pandas.DataFrame`, one row per rank (None: no table)
-               key: str, # the column that names a row's rank: each cell carries it as `data-<key>`, and its column as `data-col`
+               key: str, # the column naming a row's rank: a cell carries it as `data-<key>`, its column as `data-col`
                ) -> str:
     "`table` as an HTML table whose cells a page (or a test) can read back by rank and column ('' for None)."
     if table is None or table.empty: return ""
@@ -161,7 +170,8 @@ def html_table(table,   # a `pandas.DataFrame`, one row per rank (None: no table
 def _vocab(tokenizer=None, config=None) -> int | None:
     "The smallest vocabulary ids must fit: the tokenizer's and the model's (its text config's)."
     sizes = [len(tokenizer)] if tokenizer is not None else []
-    if config is not None and getattr(config.get_text_config(), "vocab_size", None): sizes.append(config.get_text_config().vocab_size)
+    if config is not None and getattr(config.get_text_config(), "vocab_size", None):
+        sizes.append(config.get_text_config().vocab_size)
     return min(sizes) if sizes else None
 
 @lru_cache(maxsize=None)
@@ -172,41 +182,53 @@ class MaskExplorer:
     def __init__(self, sample: str = "flan_like",        # shipped dataset shown first (when `data` is not given)
                  strategy: str = "flattening",           # one of STRATEGIES
                  size: int = 8,                          # examples per batch, or token budget for token-budget packing
-                 attn_implementation: str | None = None, # implementation whose mask is drawn (None: the model's, else sdpa)
-                 family: str | None = None,              # model shown first: a shipped family or your model's name (None: yours, else llama)
+                 attn_implementation: str | None = None, # implementation whose mask is drawn
+                                                         # (None: the model's, else sdpa)
+                 family: str | None = None,              # model shown first: a shipped family or your
+                                                         # model's name (None: yours, else llama)
                  use_cache: bool = False,                # trap 1: a cache switches packed detection off
                  ones_mask: bool = False,                # trap 2: an all-ones attention_mask
                  max_cells: int = 128,                   # mask cells per side at most, at every zoom
-                 leak_tokens: int = 1024,                # measure leaked attention mass up to this many tokens (eager is O(T^2))
+                 leak_tokens: int = 1024,                # measure leaked attention mass up to
+                                                         # this many tokens (eager is O(T^2))
                  data=None,                              # your data: a file, a Dataset, a list of rows, or one batch
                  tokenizer=None,                         # your tokenizer (object or folder) for your data's token text
                  model=None,                             # your model: a folder with config.json, or a model object
                  data_name: str = "your data",           # how your data is named in the dataset menu
                  processes: str = "one process",         # processes the row is split over: one of LAYOUTS
-                 shards: str = "balanced",               # how the row is cut into shards: one of workbench.sp.balance.PLANS
-                 replicas: int = 1,                      # data-parallel ranks a token-budget step is dealt to (`--dp`): one of REPLICAS
-                 balance: str = "tokens",                # how a step's bins are dealt to them (`--balance`): one of BALANCES
+                 shards: str = "balanced",               # how the row is cut into shards:
+                                                         # one of workbench.sp.balance.PLANS
+                 replicas: int = 1,                      # data-parallel ranks a token-budget step
+                                                         # is dealt to (`--dp`): one of REPLICAS
+                 balance: str = "tokens",                # how a step's bins are dealt to them
+                                                         # (`--balance`): one of BALANCES
                  ):
         import ipywidgets as W
-        for name, value, choices in (("sample", sample, SAMPLES), ("strategy", strategy, STRATEGIES), ("processes", processes, tuple(LAYOUTS)),
-                                     ("shards", shards, PLANS), ("replicas", replicas, REPLICAS), ("balance", balance, BALANCES)):
+        for name, value, choices in (("sample", sample, SAMPLES), ("strategy", strategy, STRATEGIES),
+                                     ("processes", processes, tuple(LAYOUTS)),
+                                     ("shards", shards, PLANS), ("replicas", replicas, REPLICAS),
+                                     ("balance", balance, BALANCES)):
             if value not in choices: raise ValueError(f"{name}={value!r}; choose one of {choices}")
         self.max_cells, self.leak_tokens, self._plans, self._models, self._quiet = max_cells, leak_tokens, {}, {}, False
         self._view = None  # (q0, q1, k0, k1) shown, None for the whole row
         self._models_by_label, self._loaders = {}, {f: (lambda f=f: tiny_model(f)) for f in FAMILIES}
         for f in FAMILIES:
-            for kind, window in attention_kinds(tiny_config(f)).items(): self._models_by_label[f"{f} ({kind})"] = (f, window)
+            for kind, window in attention_kinds(tiny_config(f)).items():
+                self._models_by_label[f"{f} ({kind})"] = (f, window)
         user_config, self._user_model = None, None
         self._configs = {f: tiny_config(f) for f in FAMILIES}  # heads and window of each model: what a layout may split
         if model is not None:
             name, user_config, load = explorer_model(model)
             name = f"{name} (yours)" if name in FAMILIES else name
             self._user_model, self._loaders[name], self._configs[name] = name, load, user_config
-            self._models_by_label = {f"{name} ({k})": (name, w) for k, w in attention_kinds(user_config).items()} | self._models_by_label
+            self._models_by_label = ({f"{name} ({k})": (name, w) for k, w in attention_kinds(user_config).items()}
+                                     | self._models_by_label)
         tok = explorer_tokenizer(tokenizer, model)
-        self._sources = {s: (None, _shipped_tokenizer) for s in SAMPLES}  # name -> (data or None for shipped, tokenizer getter)
+        # name -> (data or None for shipped, tokenizer getter)
+        self._sources = {s: (None, _shipped_tokenizer) for s in SAMPLES}
         if data is not None:
-            if data_name in SAMPLES: raise ValueError(f"data_name {data_name!r} is a shipped sample's name: choose another")
+            if data_name in SAMPLES: raise ValueError(f"data_name {data_name!r} is a shipped sample's name: choose "
+                                                      "another")
             tok = tok if tok is not None or model is not None else _shipped_tokenizer()  # the shipped models' own
             mine = explorer_data(data, _vocab(tok, user_config), tok)
             self._sources = {data_name: (mine, lambda: tok)} | self._sources
@@ -217,7 +239,8 @@ class MaskExplorer:
         own = getattr(user_config, "_attn_implementation", None)
         attn = attn_implementation or (own if own in IMPLEMENTATIONS else "sdpa")
         c = self.controls = dict(
-            sample=W.Dropdown(options=list(self._sources), value=data_name if data is not None else sample, description="dataset"),
+            sample=W.Dropdown(options=list(self._sources), value=data_name if data is not None else sample,
+                              description="dataset"),
             strategy=W.Dropdown(options=STRATEGIES, value=strategy, description="strategy"),
             size=W.BoundedIntText(value=size, min=1, max=1 << 17, description=self._size_label(strategy)),
             step=W.BoundedIntText(value=0, min=0, max=1 << 20, description="step"),
@@ -248,7 +271,8 @@ class MaskExplorer:
         self.ranks_fig = go.Figure()
         self.ranks_view = PlotView(self.ranks_fig)
         self.ranks_box = W.VBox([self.ranks_note, W.Box([self.ranks_view]).add_class("wb-ranks"), self.ranks_table])
-        self.replicas_note, self.replicas_table = W.HTML().add_class("wb-replicas-note"), W.HTML().add_class("wb-replicas-table")
+        self.replicas_note, self.replicas_table = (W.HTML().add_class("wb-replicas-note"),
+                                                   W.HTML().add_class("wb-replicas-table"))
         self.replicas_box = W.VBox([self.replicas_note, self.replicas_table])
         self._draw_replicas()
         self._draw_ranks()
@@ -256,7 +280,8 @@ class MaskExplorer:
         self.widget = W.VBox([W.HBox([W.VBox([c["sample"], c["strategy"], c["size"], c["step"], c["row"]]),
                                       W.VBox([c["family"], c["attn_implementation"], c["use_cache"], c["ones_mask"]])]),
                               W.HBox([box(self.mask_view, "wb-mask", f"{self.mask_fig.layout.width}px"),
-                                      W.VBox([box(self.layout_view, "wb-layout", f"{self.layout_fig.layout.width}px"), self.stats])]),
+                                      W.VBox([box(self.layout_view, "wb-layout",
+                                          f"{self.layout_fig.layout.width}px"), self.stats])]),
                               W.HBox([c["replicas"], c["balance"], c["replica"]]), self.replicas_box,
                               W.HBox([c["processes"], c["shards"]]), self.ranks_box]).add_class("wb-explorer")
         for w in c.values(): w.observe(self._changed, names="value")
@@ -276,7 +301,8 @@ class MaskExplorer:
         s = self.state
         feats, _ = self._source()
         if isinstance(feats, dict): batch, lengths = feats, None  # one batch of yours: drawn as given
-        elif s["strategy"] == "token-budget packing":  # the chosen replica's bin of the step, dealt as training deals it
+        # the chosen replica's bin of the step, dealt as training deals it
+        elif s["strategy"] == "token-budget packing":
             plan, _, _ = self._dealing()
             bins = self._step_bins()
             batch, lengths = bin_batch(feats, plan, bins[min(s["replica"], len(bins) - 1)]), None
@@ -305,24 +331,27 @@ class MaskExplorer:
         return self._plans[key]
 
     def _step_bins(self) -> np.ndarray:
-        "The chosen step's bins, one per DP rank, as `--balance` deals them (the samplers' own tables; by tokens where the model is not priced)."
+        """The chosen step's bins, one per DP rank, as `--balance` deals them (the samplers' own tables; by tokens where
+        the model is not priced)."""
         s = self.state
         plan, dealt, _ = self._dealing()
         served = dealt.served(s["balance"]) if dealt is not None else served_steps(plan, s["replicas"], 1)
         return served[s["step"] % len(served), 0]
 
     def replica_table(self):
-        "The chosen step per DP rank (`BalancedPlan.step_table`: tokens, examples, predicted FLOPs and their attention), and a line saying what it shows or why there is none."
+        """The chosen step per DP rank (`BalancedPlan.step_table`: tokens, examples, predicted FLOPs and their
+        attention), and a line saying what it shows or why there is none."""
         s = self.state
         if s["replicas"] == 1: return None, ""
         if s["strategy"] != "token-budget packing" or isinstance(self._source()[0], dict):
             return None, "data parallelism deals a step's bins to its ranks: choose token-budget packing"
         _, dealt, why = self._dealing()
-        if dealt is None: return None, f"DP {s['replicas']}: the step's bins dealt by tokens; no cost figures for this model ({why})"
+        if dealt is None: return None, (f"DP {s['replicas']}: the step's bins dealt by tokens; no cost figures for "
+                                        f"this model ({why})")
         table = dealt.step_table(s["step"], s["balance"])
         slowest = int(table["predicted FLOPs / mean"].idxmax())
-        note = (f"DP {s['replicas']}, --balance {s['balance']}, step {s['step']}: the step waits for replica {slowest}, "
-                f"{table['predicted FLOPs / mean'][slowest]:.2f}x the replicas' mean predicted FLOPs "
+        note = (f"DP {s['replicas']}, --balance {s['balance']}, step {s['step']}: the step waits for replica "
+                f"{slowest}, {table['predicted FLOPs / mean'][slowest]:.2f}x the replicas' mean predicted FLOPs "
                 f"({table['attention FLOPs / mean'][slowest]:.2f}x their mean attention)")
         return table, note
 
@@ -332,8 +361,10 @@ class MaskExplorer:
         t0 = time.perf_counter()
         self.batch, self.lengths = self._batch()
         one_batch = isinstance(self._source()[0], dict)
-        for k in ("strategy", "size", "step"): self.controls[k].disabled = one_batch  # a batch of yours has its own layout
-        for k in ("replicas", "balance", "replica"):  # a step is dealt to data-parallel ranks only where it is a token-budget step
+        # a batch of yours has its own layout
+        for k in ("strategy", "size", "step"): self.controls[k].disabled = one_batch
+        # a step is dealt to data-parallel ranks only where it is a token-budget step
+        for k in ("replicas", "balance", "replica"):
             self.controls[k].disabled = one_batch or s["strategy"] != "token-budget packing"
         window = self._models_by_label[s["family"]][1]
         self.report = mask_report(self.batch, self.lengths, s["attn_implementation"], s["use_cache"], window)
@@ -366,21 +397,25 @@ class MaskExplorer:
         if key not in self._models: self._models[key] = self._loaders[key]()
         model = self._models[key]
         top, vocab = int(self.batch["input_ids"].max()), _vocab(config=model.config)
-        if vocab is not None and top >= vocab: return f"not measured (token id {top} is past the model's vocabulary of {vocab})"
+        if vocab is not None and top >= vocab: return (f"not measured (token id {top} is past the model's vocabulary "
+                                                       f"of {vocab})")
         mass = attention_leakage(model, self.batch, self.lengths, s["use_cache"])
         return f"{mass.mean():.1%} mean, {mass.max():.1%} worst head"
 
     def _render_stats(self):
         st = self.report.stats()
         x, y = self.mask_fig.data[0].x, self.mask_fig.data[0].y
-        rows = [("real tokens", f"{st['real tokens']:,} of {st['tokens']:,}"), ("padding share", f"{st['padding share']:.1%}"),
+        rows = [("real tokens", f"{st['real tokens']:,} of {st['tokens']:,}"), ("padding share",
+            f"{st['padding share']:.1%}"),
                 ("examples", f"{st['examples']}"), ("allowed pairs", f"{st['allowed pairs']:,}"),
-                ("cross-example pairs", f"{st['cross-example pairs']:,}"), ("contamination share", f"{st['contamination share']:.1%}"),
+                ("cross-example pairs", f"{st['cross-example pairs']:,}"), ("contamination share",
+                    f"{st['contamination share']:.1%}"),
                 ("leaked attention mass", self.leaked_mass()), ("mask path", self.report.effective.path),
                 ("view", f"queries {y[0]}-{y[-1] - 1}, keys {x[0]}-{x[-1] - 1}: {len(y) - 1} x {len(x) - 1} cells"),
                 ("last update", f"{self.compute_ms:.0f} ms to compute")]
         self.stats.value = ("<table class='wb-stats-table'>" +
-                            "".join(f"<tr><td><b>{k}</b></td><td data-stat='{k}'>{v}</td></tr>" for k, v in rows) + "</table>")
+                            "".join(f"<tr><td><b>{k}</b></td><td data-stat='{k}'>{v}</td></tr>" for k, v in rows)
+                            + "</table>")
 
     def _draw_mask(self):
         heat, lines, title, axes = self._traces()
@@ -414,17 +449,20 @@ class MaskExplorer:
         self.zoom(keys, queries)
 
     def rank_view(self):
-        "The row under the chosen layout and shards (`workbench.sp.ranks.rank_view`, what training cuts), or why there is none."
+        """The row under the chosen layout and shards (`workbench.sp.ranks.rank_view`, what training cuts), or why there
+        is none."""
         s = self.state
         degrees = LAYOUTS[s["processes"]]
         if not degrees: return None, ""
         if self.batch["input_ids"].shape[0] != 1 or "cu_seq_lens_q" not in self.batch:
             return None, "sequence parallelism splits one packed row: choose flattening or token-budget packing"
         name, window = self._models_by_label[s["family"]]
-        row = {k: v for k, v in self.batch.items() if k != "attention_mask"}  # the row as a sequence-parallel run takes it
+        # the row as a sequence-parallel run takes it
+        row = {k: v for k, v in self.batch.items() if k != "attention_mask"}
         try: view = rank_view(row, strategy=s["shards"], config=self._configs.get(name), window=window, **degrees)
         except ValueError as e: return None, f"{s['processes']} cannot run this model: {e}"
-        return view, f"{s['processes']}, {s['shards']} shards: the slowest process has {view.imbalance():.2f}x the mean attention work"
+        return view, (f"{s['processes']}, {s['shards']} shards: the slowest process has {view.imbalance():.2f}x the "
+                      "mean attention work")
 
     def _draw_replicas(self):
         "The step per DP rank below the mask (hidden for one rank)."
@@ -436,7 +474,8 @@ class MaskExplorer:
         self.replicas_note.value = note  # last: a page that shows the new note has the new table already
 
     def _draw_ranks(self):
-        "The rank view below the mask: the row by process, the ring's block pairs, each process's work (hidden for one process)."
+        """The rank view below the mask: the row by process, the ring's block pairs, each process's work (hidden for one
+        process)."""
         view, note = self.rank_view()
         self.ranks_table.value = html_table(None if view is None else view.summary(), "rank")
         if view is not None:
@@ -458,7 +497,8 @@ class MaskExplorer:
 
     def _changed(self, change):
         if self._quiet: return
-        if change["owner"] in (self.controls["processes"], self.controls["shards"]): return self._draw_ranks()  # the mask stays
+        # the mask stays
+        if change["owner"] in (self.controls["processes"], self.controls["shards"]): return self._draw_ranks()
         if change["owner"] is self.controls["replicas"]:
             self._quiet = True  # clamping the replica control must not start a second redraw
             try: self.controls["replica"].max = change["new"] - 1

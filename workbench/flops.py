@@ -74,8 +74,9 @@ class Dims:
         config = preset_config(config) if isinstance(config, str) else config
         experts = [k for k in _MOE_FIELDS if (getattr(config, k, 0) or 0) > 1]
         if experts:
-            raise ValueError(f"{config.model_type} is a mixture of experts ({experts[0]}={getattr(config, experts[0])}): "
-                             f"each token runs only its top-k experts, which this accounting does not model")
+            raise ValueError(f"{config.model_type} is a mixture of experts "
+                             f"({experts[0]}={getattr(config, experts[0])}): each token runs only its top-k experts, "
+                             "which this accounting does not model")
         quick = (id(config), *(str(getattr(config, k, None)) for k in _FINGERPRINT))  # a training loop asks every step
         if quick not in _DIMS:
             key = config.to_json_string()  # milliseconds: read once per config object and shape
@@ -84,32 +85,36 @@ class Dims:
         return _DIMS[quick]
 
 _DIMS: dict = {}  # config JSON (or object id + fingerprint) -> Dims: building even a meta model takes a moment
-_FINGERPRINT = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-                "intermediate_size", "vocab_size", "tie_word_embeddings", "attention_bias", "mlp_bias", "sliding_window",
-                "layer_types", *_MOE_FIELDS)
+_FINGERPRINT = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "head_dim",
+                "intermediate_size", "vocab_size", "tie_word_embeddings", "attention_bias", "mlp_bias",
+                "sliding_window", "layer_types", *_MOE_FIELDS)
 
 def _dims(config) -> Dims:
     from transformers import AutoModelForCausalLM
     try:
         with torch.device("meta"): model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
     except Exception as e:  # the model's own code refuses the config: name it, with what it said
-        raise ValueError(f"cannot build a {getattr(config, 'model_type', type(config).__name__)} model from this config "
-                         f"({type(e).__name__}: {e}); fix the config fields it names") from None
+        raise ValueError(f"cannot build a {getattr(config, 'model_type', type(config).__name__)} model from this "
+                         f"config ({type(e).__name__}: {e}); fix the config fields it names") from None
     linear = lambda m: sum(x.in_features * x.out_features for x in m.modules() if isinstance(x, torch.nn.Linear))
     layers = decoder_layers(model)
     if getattr(layers[0], "mlp", None) is None:
         raise ValueError(f"{config.model_type}'s decoder layers have no `mlp` module: their layout is not modelled")
     per_layer = {linear(l) for l in layers}
-    if len(per_layer) != 1: raise ValueError(f"{config.model_type}'s decoder layers differ in their matrices: not modelled")
+    if len(per_layer) != 1: raise ValueError(f"{config.model_type}'s decoder layers differ in their matrices: not "
+                                             "modelled")
     heads = config.num_attention_heads
     windows = layer_windows(config)[:len(layers)]
     return Dims(len(layers), heads, getattr(config, "num_key_value_heads", None) or heads,
                 getattr(config, "head_dim", None) or config.hidden_size // heads, config.hidden_size, config.vocab_size,
-                per_layer.pop(), _recomputed(layers[0], linear), linear(layers[0].mlp), linear(model.get_output_embeddings()),
-                sum(p.numel() for p in model.parameters()), windows)
+                per_layer.pop(), _recomputed(layers[0], linear), linear(layers[0].mlp),
+                linear(model.get_output_embeddings()), sum(p.numel() for p in model.parameters()), windows)
 
 def _recomputed(layer, linear) -> int:
-    "Matrix elements torch's non-reentrant checkpoint recomputes in one layer: it stops once every tensor backward needs is rebuilt (early stop, on by default), so the MLP's last projection, whose output only a residual add reads, is skipped unless a norm follows it."
+    """Matrix elements torch's non-reentrant checkpoint recomputes in one layer: it stops once every tensor backward
+    needs is rebuilt (early stop, on by default), so the MLP's last projection, whose output only a residual add reads,
+    is skipped unless a norm follows it."""
     last = [m for m in layer.mlp.modules() if isinstance(m, torch.nn.Linear)][-1]
     normed_after = any(n.startswith(("post_feedforward", "post_mlp")) for n, _ in layer.named_children())
     return linear(layer) - (0 if normed_after else last.in_features * last.out_features)
@@ -121,33 +126,39 @@ def windowed(config) -> bool:
 
 # %% ../nbs/03_planning/03_flops.ipynb #1daf846d
 def rows_of(batch) -> list[np.ndarray]:
-    "Per row, its documents' lengths (padding counted as one more document): from a batch dict, lengths or a list of rows."
+    """Per row, its documents' lengths (padding counted as one more document): from a batch dict, lengths or a list of
+    rows."""
     if isinstance(batch, dict):
         if "cu_seq_lens_q" in batch:
             docs = np.diff(np.asarray(batch["cu_seq_lens_q"], dtype=np.int64))
-            pad = batch["input_ids"].shape[-1] - docs.sum() if "input_ids" in batch else 0  # tokens past the last document
+            # tokens past the last document
+            pad = batch["input_ids"].shape[-1] - docs.sum() if "input_ids" in batch else 0
             return [np.r_[docs, pad] if pad > 0 else docs]
         if "attention_mask" in batch:  # a padded batch: each row one document and its padding
             mask = np.asarray(batch["attention_mask"])
             return [np.array([r, mask.shape[1] - r]) if r < mask.shape[1] else np.array([r]) for r in mask.sum(1)]
         if "position_ids" in batch: return [lengths_from_positions(p) for p in np.asarray(batch["position_ids"])]
         if "input_ids" in batch: return [np.array([batch["input_ids"].shape[-1]])] * batch["input_ids"].shape[0]
-        raise ValueError(f"cannot read rows from a batch with keys {sorted(batch)}: pass a packed batch (cu_seq_lens_q or "
-                         f"position_ids), a padded one (attention_mask), or document lengths")
+        raise ValueError(f"cannot read rows from a batch with keys {sorted(batch)}: pass a packed batch (cu_seq_lens_q "
+                         "or position_ids), a padded one (attention_mask), or document lengths")
     items = list(batch)
     if not items: raise ValueError("no rows: pass at least one row of document lengths")
     nested = [np.ndim(r) > 0 for r in items]
-    if any(nested) and not all(nested): raise ValueError("mix of numbers and lists: pass one row of lengths, or a list of rows")
+    if any(nested) and not all(nested): raise ValueError("mix of numbers and lists: pass one row of lengths, or a list "
+                                                         "of rows")
     rows = [np.asarray(r, dtype=np.int64) for r in items] if all(nested) else [np.asarray(items, dtype=np.int64)]
     for i, r in enumerate(rows):
-        if r.size == 0 or (r <= 0).any(): raise ValueError(f"row {i} has lengths {r.tolist()[:8]}: every document needs >= 1 token")
+        if r.size == 0 or (r <= 0).any(): raise ValueError(f"row {i} has lengths {r.tolist()[:8]}: every document "
+                                                           "needs >= 1 token")
     return rows
 
 def document_pairs(lengths, window: int = 0, work: str = "causal") -> np.ndarray:
-    "Query-key pairs one layer computes for each document: the full square (`documents`) or the causal half (`causal`, within `window` keys when > 0)."
+    """Query-key pairs one layer computes for each document: the full square (`documents`) or the causal half (`causal`,
+    within `window` keys when > 0)."""
     s = np.asarray(lengths, dtype=np.int64)
     if work == "documents": return s * s
-    if work != "causal": raise ValueError(f"per-document work is 'documents' or 'causal' (of {list(ATTENTION_WORK)}), got {work!r}")
+    if work != "causal": raise ValueError(f"per-document work is 'documents' or 'causal' (of {list(ATTENTION_WORK)}), "
+                                          f"got {work!r}")
     w = np.minimum(s, window) if window else s
     return w * (w + 1) // 2 + (s - w) * window
 
@@ -156,14 +167,16 @@ def _pairs(s: np.ndarray, window: int, work: str, width: int) -> int:
     return width * width if work == "row" else int(document_pairs(s, window, work).sum())
 
 # %% ../nbs/03_planning/03_flops.ipynb #a1c36c62
-_PLAN_MULTIPLE = {"contiguous": 1, "zigzag": 2, "balanced": PLAN_CHUNKS}  # `plan_row`'s padding, in SP sizes (balanced: its chunks per shard)
+# `plan_row`'s padding, in SP sizes (balanced: its chunks per shard)
+_PLAN_MULTIPLE = {"contiguous": 1, "zigzag": 2, "balanced": PLAN_CHUNKS}
 
 def ring_blocks(lengths,                  # one row's document lengths
                 ulysses: int,             # Ulysses degree
                 ring: int,                # ring degree
                 strategy: str = "balanced",  # a `workbench.sp.balance.PLANS` key (training uses "balanced")
                ) -> tuple[np.ndarray, torch.Tensor]:
-    "The row as `ring_batch` shards it: the padded row's document boundaries and every ring block's token indices `[ring, m]`."
+    """The row as `ring_batch` shards it: the padded row's document boundaries and every ring block's token indices
+    `[ring, m]`."""
     if strategy not in PLANS: raise ValueError(f"strategy={strategy!r}; choose one of {PLANS}")
     p, s = ulysses * ring, np.asarray(lengths, dtype=np.int64)
     pad = -int(s.sum()) % (p * _PLAN_MULTIPLE[strategy])
@@ -177,7 +190,8 @@ def interacting_blocks(ring_index,         # [ring, m] global token indices of e
                        cu,                 # the row's document boundaries
                        window: int = 0,    # sliding window (0: none)
                       ) -> np.ndarray:
-    "Which (query block, key block) pairs have a query that may see a key `[ring, ring]` (causal): `block_pairs`' answer, by sorting."
+    """Which (query block, key block) pairs have a query that may see a key `[ring, ring]` (causal): `block_pairs`'
+    answer, by sorting."""
     idx, cu = np.asarray(ring_index), np.asarray(cu, dtype=np.int64)
     end = cu[1:][np.searchsorted(cu, np.arange(cu[-1]), side="right") - 1]  # where each token's document ends
     out = np.zeros((len(idx), len(idx)), dtype=bool)
@@ -193,9 +207,9 @@ def fused_pairs(ring_index,         # [ring, m] global token indices of every ri
                 cu,                 # the row's document boundaries
                 window: int = 0,    # sliding window (0: none)
                ) -> np.ndarray:
-    """Query-key pairs the fused kernel's calls compute per ring rank `[ring]`: each call's rows x keys, from `ring_plans`
-    (the kernel's own plan). A causal call is counted whole, as the CPU kernel's counter counts it (CUDA's causal varlen
-    call computes about half of it)."""
+    """Query-key pairs the fused kernel's calls compute per ring rank `[ring]`: each call's rows x keys, from
+    `ring_plans` (the kernel's own plan). A causal call is counted whole, as the CPU kernel's counter counts it (CUDA's
+    causal varlen call computes about half of it)."""
     doc = documents(torch.as_tensor(cu))
     blocks = torch.as_tensor(ring_index)
     work = np.zeros(len(blocks), dtype=np.int64)
@@ -217,7 +231,8 @@ def _ring_row(lengths: tuple, ulysses: int, ring: int, strategy: str, windows: t
     return n, (n // ring) ** 2 * sum(interacting_blocks(blocks, cu, w).sum(1) for w in windows)  # every met pair whole
 
 # %% ../nbs/03_planning/03_flops.ipynb #0cbb6d15
-ADAMW_BYTES = {2: 4 * 4 + 4 * 3 + 2,  # bf16 training: reads fp32 master, grad, m, v; writes master, m, v and the bf16 copy
+# bf16 training: reads fp32 master, grad, m, v; writes master, m, v and the bf16 copy
+ADAMW_BYTES = {2: 4 * 4 + 4 * 3 + 2,
                4: 4 * 4 + 4 * 3,      # fp32: reads parameter, grad, m, v; writes parameter, m, v
                8: 8 * 4 + 8 * 3}      # fp64: the same in 8 bytes
 
@@ -239,7 +254,8 @@ def _flops(d: Dims, tokens, pairs, lv: Levers, sp: int) -> dict:
 class StepCost:
     "FLOPs and bytes of one training step on one rank, by named part."
     flops: dict          # part -> FLOPs: forward / backward / recompute of layers, attention and head
-    bytes: dict          # part -> bytes moved: all-to-all (Ulysses group), ring (ring group), gradient reduction, optimizer, host offload
+    bytes: dict          # part -> bytes moved: all-to-all (Ulysses group), ring
+                         # (ring group), gradient reduction, optimizer, host offload
     tokens: int          # tokens this rank computes (its share of every row, padding included)
     kernel: str = "flash"  # the `ATTENTION_KERNELS` class its attention parts run on (their `Efficiency` factor)
     @property
@@ -261,16 +277,20 @@ def _attended(batch, rows: list) -> list:
     return [np.asarray([n]) for n in np.asarray(batch["attention_mask"]).sum(1)]
 
 def step_cost(config,                    # a transformers config or a preset name (`workbench.memory.PRESETS`)
-              batch,                     # rows of this replica's step: a batch dict, document lengths, or a list of rows
+              batch,                     # rows of this replica's step: a batch
+                                         # dict, document lengths, or a list of rows
               *,
-              sp: int = 1,               # sequence-parallel (Ulysses) degree: each rank computes 1/(sp * ring) of every row
+              sp: int = 1,               # sequence-parallel (Ulysses) degree: each
+                                         # rank computes 1/(sp * ring) of every row
               ring: int = 1,             # ring attention degree (workbench.sp.ring)
               dp: int = 1,               # data-parallel degree (gradient reduction and sharding)
-              attention: str = "causal", # an `ATTENTION_WORK` key: what the attention implementation computes (ring > 1: its block pairs instead)
+              attention: str = "causal", # an `ATTENTION_WORK` key: what the attention implementation
+                                         # computes (ring > 1: its block pairs instead)
               kernel: str | None = None, # an `ATTENTION_KERNELS` class (None: "dense" for 'row' work, else "flash")
               ring_plan: str = "balanced",  # with ring > 1: how a row is sharded (`workbench.sp.balance.PLANS`)
               ring_kernel: str = "plain",   # with ring > 1: the block-pair kernel (`workbench.sp.ring.KERNELS`)
-              context: str = "ring",     # the kind whose degree `ring` is (a `workbench.sp.layout.LAYOUTS` name): its bytes
+              context: str = "ring",     # the kind whose degree `ring` is (a
+                                         # `workbench.sp.layout.LAYOUTS` name): its bytes
               levers: Levers = Levers(checkpointing=False),  # checkpointing and the memory levers that change work
               zero_stage: int = 0,       # 0 all-reduce; 1-2 shard states; 3 also gather parameters
               optimizer_offload: bool = False,  # the AdamW step runs in host memory (its traffic is host bytes)
@@ -286,7 +306,8 @@ def step_cost(config,                    # a transformers config or a preset nam
         raise ValueError(f"sp={sp}, ring={ring}: {e}; pass (sp, ring) as one of those layouts") from None
     if zero_stage not in (0, 1, 2, 3): raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
     if ring_kernel not in KERNELS: raise ValueError(f"ring_kernel={ring_kernel!r}; choose one of {KERNELS}")
-    if dtype_bytes not in (2, 4, 8): raise ValueError(f"dtype_bytes must be 2 (bf16), 4 (fp32) or 8 (fp64), got {dtype_bytes!r}")
+    if dtype_bytes not in (2, 4, 8): raise ValueError("dtype_bytes must be 2 (bf16), 4 (fp32) or 8 (fp64), got "
+                                                      f"{dtype_bytes!r}")
     layout = layout_of(sp, kernel=ring_kernel, **{context: ring})  # its kind: what attention computes, what it sends
     kernel = kernel or ("dense" if attention == "row" and not layout.blocked else "flash")
     if kernel not in ATTENTION_KERNELS:
@@ -300,11 +321,13 @@ def step_cost(config,                    # a transformers config or a preset nam
         flops = _flops(d, tokens, pairs, lv, sp)
         sent = [layout.comm_bytes(config, int(r.sum()), lv.checkpointing, dtype_bytes) for r in rows]
     else:
-        lengths, work = zip(*(_ring_row(tuple(r.tolist()), sp, ring, ring_plan, d.windows, ring_kernel, layout.whole_row)
+        lengths, work = zip(*(_ring_row(tuple(r.tolist()), sp, ring, ring_plan, d.windows, ring_kernel,
+                                        layout.whole_row)
                               for r in rows))  # padded rows
         tokens = sum(lengths)
         fwd = 4 * d.heads // sp * d.head_dim * int(sum(work).max())  # the busiest ring rank sets the step
-        bwd = 2 * fwd if ring_kernel == "fused" else 10 * fwd // 4  # flash's own backward; the plain one forms the scores again
+        # flash's own backward; the plain one forms the scores again
+        bwd = 2 * fwd if ring_kernel == "fused" else 10 * fwd // 4
         flops = {**_flops(d, tokens, 0, lv, sp * ring), "forward attention": fwd, "backward attention": bwd,
                  "recompute attention": fwd if lv.checkpointing else 0}
         sent = [layout.comm_bytes(config, n, lv.checkpointing, dtype_bytes) for n in lengths]  # the padded rows
@@ -318,7 +341,8 @@ def step_cost(config,                    # a transformers config or a preset nam
               "optimizer (device)": 0 if optimizer_offload else opt,
               "optimizer (host)": opt if optimizer_offload else 0,
               "host transfers": (2 * dtype_bytes * d.params // shard if optimizer_offload else 0)
-                                + (2 * d.layers * tokens // (sp * ring) * d.hidden * dtype_bytes if lv.offload_checkpoints else 0)}
+                                + (2 * d.layers * tokens // (sp * ring) * d.hidden * dtype_bytes
+                                   if lv.offload_checkpoints else 0)}
     return StepCost(flops, bytes_, tokens // (sp * ring), kernel)
 
 # %% ../nbs/03_planning/03_flops.ipynb #1aae9700
@@ -333,7 +357,8 @@ CPU_FLOP_FORMULAS = {  # kernels that run on CPU and that torch's flop counter d
 }
 
 class FlopCount(TorchDispatchMode):
-    "Count the FLOPs of every operator that runs, with torch's own formulas (`flop_counter.flop_registry`) and `CPU_FLOP_FORMULAS`."
+    """Count the FLOPs of every operator that runs, with torch's own formulas (`flop_counter.flop_registry`) and
+    `CPU_FLOP_FORMULAS`."""
     # FlopCounterMode counts the same, but its module tracker fails inside `tile_mlp`'s autograd function
     def __init__(self):
         super().__init__()
@@ -349,7 +374,8 @@ def measured_flops(model,                       # a transformers causal LM in tr
                    batch: dict,                 # input_ids, labels and the packed (or padded) batch's other keys
                    loss_chunk: int | None = None,  # the tiled loss's tile (None: transformers' own loss)
                   ) -> int:
-    "FLOPs that run in one forward + loss + backward of `model` on `batch`, counted by `FlopCount` (gradients cleared after)."
+    """FLOPs that run in one forward + loss + backward of `model` on `batch`, counted by `FlopCount` (gradients cleared
+    after)."""
     with FlopCount() as counter:
         if loss_chunk: loss = causal_lm_loss_sum(model, batch, loss_chunk)[0]
         else: loss = model(**batch, use_cache=False).loss
@@ -358,7 +384,8 @@ def measured_flops(model,                       # a transformers causal LM in tr
     return counter.flops
 
 # %% ../nbs/03_planning/03_flops.ipynb #e724834e
-ATTENTION_PARTS = ("forward attention", "backward attention", "recompute attention")  # `_flops`'s parts that are attention
+# `_flops`'s parts that are attention
+ATTENTION_PARTS = ("forward attention", "backward attention", "recompute attention")
 
 def bin_work(config,                    # a transformers config or a preset name
              plan: Plan,                # bins from `plan_bins`

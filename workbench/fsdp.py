@@ -17,13 +17,14 @@ __all__ = ['shard_units', 'shard_mesh', 'shard_model', 'is_sharded', 'reduce_gra
 
 # %% ../nbs/04_runtime/07_fsdp.ipynb #e432bf4f
 def shard_units(model) -> list[str]:
-    "Names of the submodules `shard_model` wraps, innermost first: every decoder layer (the model's `_no_split_modules`), then the root `''`."
+    """Names of the submodules `shard_model` wraps, innermost first: every decoder layer (the model's
+    `_no_split_modules`), then the root `''`."""
     kinds = set(getattr(model, "_no_split_modules", None) or ())
     names = [n for n, m in model.named_modules() if n and type(m).__name__ in kinds]
     if not names:
-        raise ValueError(f"{type(model).__name__} declares no decoder layer classes (_no_split_modules={sorted(kinds)}) "
-                         f"or none is present: shard_model wraps each decoder layer, so it needs a transformers model "
-                         f"that declares them")
+        raise ValueError(f"{type(model).__name__} declares no decoder layer classes "
+                         f"(_no_split_modules={sorted(kinds)}) or none is present: shard_model wraps each decoder "
+                         "layer, so it needs a transformers model that declares them")
     return [*names, ""]
 
 def shard_mesh(grid: ParallelGrid):
@@ -43,12 +44,17 @@ def shard_mesh(grid: ParallelGrid):
 def shard_model(model,                         # a transformers model, built (and moved to its device) on every process
                 grid: ParallelGrid,            # the DP × SP grid; states are sharded over all of its processes
                 *,
-                cpu_offload: bool = False,     # keep the sharded parameters, gradients and the optimizer step in host memory
-                reshard_after_forward: bool = True,  # free gathered parameters after each unit's forward (ZeRO-3); False keeps them until backward (ZeRO-2-like, faster, more memory)
+                cpu_offload: bool = False,     # keep the sharded parameters, gradients
+                                               # and the optimizer step in host memory
+                reshard_after_forward: bool = True,  # free gathered parameters after each unit's
+                                                     # forward (ZeRO-3); False keeps them until
+                                                     # backward (ZeRO-2-like, faster, more memory)
                ):
-    "Shard `model`'s parameters, gradients and (through them) optimizer states over every process, like ZeRO-3; gradients are summed."
+    """Shard `model`'s parameters, gradients and (through them) optimizer states over every process, like ZeRO-3;
+    gradients are summed."""
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
-    if is_sharded(model): raise ValueError("the model is already sharded: call shard_model once, before building the optimizer")
+    if is_sharded(model): raise ValueError("the model is already sharded: call shard_model once, before building the "
+                                           "optimizer")
     mesh = shard_mesh(grid)
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     for name in shard_units(model):
@@ -70,7 +76,8 @@ def reduce_gradients(model, grid: ParallelGrid):
 # %% ../nbs/04_runtime/07_fsdp.ipynb #ee83f0a8
 def full_parameters(model) -> dict[str, torch.Tensor]:
     "Every parameter as a full, plain tensor on the CPU (gathers sharded ones: call on every process)."
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu() for n, p in model.named_parameters()}
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
+            for n, p in model.named_parameters()}
 
 def _local(t) -> torch.Tensor: return t.to_local() if hasattr(t, "to_local") else t
 
@@ -83,7 +90,8 @@ def state_bytes(model, opt=None) -> dict[str, int]:
 
 # %% ../nbs/04_runtime/07_fsdp.ipynb #139a2cee
 def full_state(model, opt) -> dict:
-    "The full model and optimizer state dicts on the CPU of rank 0 (empty on the others), for `torch.save` there. A collective."
+    """The full model and optimizer state dicts on the CPU of rank 0 (empty on the others), for `torch.save` there. A
+    collective."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
     m, o = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return {"model": m, "opt": o}
@@ -93,7 +101,8 @@ def load_full_state(model, opt, state: dict | None):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
     state = state if dist.get_rank() == 0 else {"model": {}, "opt": {}}
     if not (state and "model" in state and "opt" in state) or dist.get_rank() == 0 and not state["model"]:
-        raise ValueError("load_full_state needs, on rank 0, the dict full_state returned there: {'model': ..., 'opt': ...}")
+        raise ValueError("load_full_state needs, on rank 0, the dict full_state returned there: {'model': ..., 'opt': "
+                         "...}")
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     # two calls: set_state_dict would treat the other ranks' empty model dict as "optimizer only" and skip the broadcast
     set_model_state_dict(model, state["model"], options=options)

@@ -22,7 +22,8 @@ __all__ = ['train_steps', 'training_rows', 'reference_run', 'shard_worker', 'com
            'default_mean_ratio', 'memory_rows']
 
 # %% ../nbs/05_ecosystem/01_fsdp_proofs.ipynb #5d9a202b
-def train_steps(model,               # a (sharded or plain) model using a `ulysses_*` attention, or plain attention on one process
+def train_steps(model,               # a (sharded or plain) model using a `ulysses_*`
+                                     # attention, or plain attention on one process
                 grid: ParallelGrid,  # the process grid (`ParallelGrid()` for one process)
                 steps: list,         # per optimizer step, the packed rows of the whole step (one per DP replica)
                 lr: float = 1e-2,    # AdamW learning rate (large, so a wrong gradient shows within a few steps)
@@ -62,7 +63,8 @@ def reference_run(dp_size: int, n_steps: int = 3, dtype: str = "float32", lr: fl
 
 def shard_worker(sp_size: int, sharded: bool, cpu_offload: bool = False, n_steps: int = 3, dtype: str = "float32",
                  lr: float = 1e-2) -> dict:
-    "One process of a distributed run (what `launch` runs): Ulysses attention, sharded or not; full tensors from rank 0 only."
+    """One process of a distributed run (what `launch` runs): Ulysses attention, sharded or not; full tensors from rank
+    0 only."""
     grid = ParallelGrid.build(sp_size)
     model = tiny_model("llama", attn_implementation=register_ulysses("sdpa"), dtype=getattr(torch, dtype)).train()
     if sharded: model = shard_model(model, grid, cpu_offload=cpu_offload)
@@ -113,7 +115,8 @@ def memory_rows(worlds=(1, 2, 4), sp_size: int = 1) -> list[dict]:
     "Measured state bytes of the largest process after 1 sharded AdamW step on the tiny Llama, per world size."
     rows = []
     for w in worlds:
-        per_rank = [r["bytes"] for r in launch(shard_worker, sp_size, True, False, 1, num_processes=w, cpu=True, quiet=True)]
+        per_rank = [r["bytes"] for r in launch(shard_worker, sp_size, True, False, 1, num_processes=w, cpu=True,
+                                               quiet=True)]
         worst = {k: max(b[k] for b in per_rank) for k in per_rank[0]}
         rows.append(dict(world=w, **worst, total=sum(worst.values()), all_ranks=sum(sum(b.values()) for b in per_rank)))
     return rows

@@ -17,7 +17,8 @@ from .flops import attention_work
 from .step_balance import plan_balanced
 from .doctor import Finding, DoctorReport, check_packing, unwrap
 from .memory import Levers
-from .packing import LOSS_MASKS, FlatteningCollator, OVERLONG, PackedStream, TokenBudgetSampler, UNTRAINED, plan_bins
+from .packing import (LOSS_MASKS, FlatteningCollator, OVERLONG, PackedStream, TokenBudgetSampler, UNTRAINED,
+                               plan_bins)
 from .data import row_kind, ROW_KINDS, tokenize_rows
 from transformers import Trainer
 from trl import SFTTrainer
@@ -38,9 +39,11 @@ def _fold_row(i, ids, labels, masks: dict, seq) -> tuple[list, list | None]:
     "One example's labels with its loss masks applied, and position ids restarting per document of `seq`."
     ids = np.asarray(ids, dtype=np.int64).reshape(-1)
     out = ids.copy() if labels is None else np.asarray(labels, dtype=np.int64).reshape(-1).copy()
-    if len(out) != len(ids): raise ValueError(f"example {i}: labels has {len(out)} entries but input_ids has {len(ids)} tokens")
+    if len(out) != len(ids): raise ValueError(f"example {i}: labels has {len(out)} entries but input_ids has "
+                                              f"{len(ids)} tokens")
     for k, m in masks.items():
-        if m is None: continue  # a column on some rows only: this row trains all its tokens (as FlatteningCollator does)
+        # a column on some rows only: this row trains all its tokens (as FlatteningCollator does)
+        if m is None: continue
         m = np.asarray(m).reshape(-1)
         if len(m) != len(ids):
             raise ValueError(f"example {i}: {k} has {len(m)} entries but input_ids has {len(ids)} tokens; a loss mask "
@@ -50,8 +53,8 @@ def _fold_row(i, ids, labels, masks: dict, seq) -> tuple[list, list | None]:
     if seq is not None:
         seq = np.asarray(seq, dtype=np.int64).reshape(-1)
         if seq.sum() != len(ids) or (seq < 1).any():
-            raise ValueError(f"example {i}: seq_lengths {seq[:8].tolist()} must be positive document lengths summing to "
-                             f"its {len(ids)} tokens")
+            raise ValueError(f"example {i}: seq_lengths {seq[:8].tolist()} must be positive document lengths summing "
+                             f"to its {len(ids)} tokens")
         pos = restart_positions(seq).tolist()
     return out.tolist(), pos
 
@@ -81,9 +84,11 @@ class FoldedDataset(torch.utils.data.Dataset):
     def __init__(self, data): self.data = data
     def __len__(self): return len(self.data)
     def __getitem__(self, i): return fold_example(self.data[i], i)
-    def __iter__(self): return (self[i] for i in range(len(self)))  # bounded by len (not by an IndexError that may never come)
+    # bounded by len (not by an IndexError that may never come)
+    def __iter__(self): return (self[i] for i in range(len(self)))
 
-def prepare_dataset(ds,                      # a datasets.Dataset / IterableDataset (or a dict of them), a torch Dataset or a list of feature dicts
+def prepare_dataset(ds,                      # a datasets.Dataset / IterableDataset (or a dict of
+                                             # them), a torch Dataset or a list of feature dicts
                     num_proc: int | None = None):  # processes for `datasets.Dataset.map`
     """Fold the loss masks of `ds` into `labels` (-100 where masked) and TRL's `seq_lengths` into `position_ids`.
 
@@ -96,20 +101,23 @@ def prepare_dataset(ds,                      # a datasets.Dataset / IterableData
     if isinstance(ds, (datasets.DatasetDict, datasets.IterableDatasetDict)):  # splits: not one dataset of its keys
         return type(ds)({k: prepare_dataset(v, num_proc) for k, v in ds.items()})
     if isinstance(ds, (datasets.Dataset, datasets.IterableDataset)):
-        if ds.column_names is None:  # private, but the only way to learn a stream's columns (from its first example) without consuming it
+        # private, but the only way to learn a stream's columns (from its first example) without consuming it
+        if ds.column_names is None:
             ds = ds._resolve_features()
         cols = ds.column_names
         if "input_ids" not in cols or ("labels" in cols and not set(LOSS_MASKS) & set(cols)
                                       and ("seq_lengths" not in cols or "position_ids" in cols)): return ds
         drop = [c for c in LOSS_MASKS if c in cols]
-        kw = dict(num_proc=num_proc, desc="workbench: loss masks into labels") if isinstance(ds, datasets.Dataset) else {}
+        kw = (dict(num_proc=num_proc, desc="workbench: loss masks into labels") if isinstance(ds, datasets.Dataset)
+              else {})
         return ds.map(_fold_batch, batched=True, with_indices=True, remove_columns=drop, **kw)
     if isinstance(ds, FoldedDataset): return ds
     if isinstance(ds, torch.utils.data.IterableDataset):
         raise TypeError(f"a torch IterableDataset ({type(ds).__name__}) cannot be prepared here: fold each example "
                         f"with fold_example inside it, or use a datasets.IterableDataset")
     if not (hasattr(ds, "__getitem__") and hasattr(ds, "__len__")):
-        raise TypeError(f"cannot prepare a {type(ds).__name__}: pass a datasets.Dataset, a torch Dataset or a list of dicts")
+        raise TypeError(f"cannot prepare a {type(ds).__name__}: pass a datasets.Dataset, a torch Dataset or a list of "
+                        "dicts")
     return FoldedDataset(ds)
 
 # %% ../nbs/05_ecosystem/02_hf.ipynb #958fe0bf
@@ -122,9 +130,10 @@ class LabelGuard:
     def __call__(self, features: list[dict], *args, **kwargs):
         bare = [i for i, f in enumerate(features) if f.get("labels") is None]
         if bare:
-            raise ValueError(f"examples {bare[:5]} reach the collator without 'labels' (keys: {sorted(features[bare[0]])}): "
-                             f"Trainer removed the column because the model's forward does not name it, so the loss would "
-                             f"cover every token. Pass TrainingArguments(label_names=['labels']) to keep it")
+            raise ValueError(f"examples {bare[:5]} reach the collator without 'labels' (keys: "
+                             f"{sorted(features[bare[0]])}): Trainer removed the column because the model's forward "
+                             "does not name it, so the loss would cover every token. Pass "
+                             "TrainingArguments(label_names=['labels']) to keep it")
         flat = [i for i, f in enumerate(features) if f.get("position_ids") is None and f.get("seq_lengths") is None]
         if self.packed and flat:
             raise ValueError(f"examples {flat[:5]} are packed rows but reach the collator without position_ids or "
@@ -134,7 +143,8 @@ class LabelGuard:
 
 def _collator_of(c):
     "The collator inside Trainer's and our wrappers."
-    while hasattr(c, "data_collator") or isinstance(c, LabelGuard): c = c.collator if isinstance(c, LabelGuard) else c.data_collator
+    while hasattr(c, "data_collator") or isinstance(c, LabelGuard):
+        c = c.collator if isinstance(c, LabelGuard) else c.data_collator
     return c
 
 def _is_stream(ds) -> bool:
@@ -142,7 +152,8 @@ def _is_stream(ds) -> bool:
     return isinstance(ds, (datasets.IterableDataset, torch.utils.data.IterableDataset))
 
 class _BudgetLoader(torch.utils.data.DataLoader):
-    "A DataLoader of token-budget steps whose `set_epoch` (Trainer calls it every epoch) reaches its sampler, or its stream."
+    """A DataLoader of token-budget steps whose `set_epoch` (Trainer calls it every epoch) reaches its sampler, or its
+    stream."""
     def set_epoch(self, epoch: int):
         (self.dataset if isinstance(self.dataset, PackedStream) else self.batch_sampler).set_epoch(epoch)
 
@@ -155,8 +166,8 @@ def split_packed(x: torch.Tensor,  # [1, T, ...] a packed row's per-token values
     b = torch.as_tensor(boundaries).cpu()
     lengths = np.diff(b.numpy()) if b.ndim == 1 else lengths_from_positions(b.reshape(-1).numpy())
     if x.shape[0] != 1 or x.shape[1] != lengths.sum():
-        raise ValueError(f"x has shape {list(x.shape)} but the boundaries cover {lengths.sum()} tokens in one row: pass a "
-                         f"[1, T, ...] tensor of the same packed batch")
+        raise ValueError(f"x has shape {list(x.shape)} but the boundaries cover {lengths.sum()} tokens in one row: "
+                         "pass a [1, T, ...] tensor of the same packed batch")
     parts = x[0].split(lengths.tolist())
     return torch.nn.utils.rnn.pad_sequence(parts, batch_first=True, padding_value=pad_value)
 
@@ -168,7 +179,8 @@ def _first_row(ds) -> dict:
     return ds[0] if len(ds) else {}
 
 def raw_kind(ds) -> str | None:
-    "The kind of raw rows `ds` holds that `tokenize_rows` reads (`prompt + completion` of strings, `messages`, `text`), else None."
+    """The kind of raw rows `ds` holds that `tokenize_rows` reads (`prompt + completion` of strings, `messages`,
+    `text`), else None."""
     if ds is None or "input_ids" in _dataset_columns(ds): return None
     row = _first_row(ds)
     kind = row_kind(row)
@@ -183,21 +195,26 @@ def _tokenize_batch(batch: dict, indices: list, tokenizer, name: str) -> dict:
     features = tokenize_rows(rows, tokenizer, name, first=indices[0] + 1)
     return {k: [f[k] for f in features] for k in features[0]}
 
-def tokenize_dataset(ds,                        # a datasets.Dataset / IterableDataset, a dict of them, or a list of row dicts
-                     tokenizer,                 # the tokenizer (a processor's `.tokenizer` is used); None refuses raw rows
+def tokenize_dataset(ds,                        # a datasets.Dataset / IterableDataset,
+                                                # a dict of them, or a list of row dicts
+                     tokenizer,                 # the tokenizer (a processor's `.tokenizer`
+                                                # is used); None refuses raw rows
                      name: str = "train_dataset",  # what errors call the dataset
                     ):
-    "Raw rows (prompt/completion, messages, text) tokenized as `workbench.train.load_features` tokenizes a file; anything else as it is."
+    """Raw rows (prompt/completion, messages, text) tokenized as `workbench.train.load_features` tokenizes a file;
+    anything else as it is."""
     import datasets
     if isinstance(ds, (dict, datasets.DatasetDict, datasets.IterableDatasetDict)):
         return type(ds)({k: tokenize_dataset(v, tokenizer, f"{name}[{k!r}]") for k, v in ds.items()})
-    if isinstance(ds, datasets.IterableDataset) and ds.column_names is None: ds = ds._resolve_features()  # as prepare_dataset does
+    # as prepare_dataset does
+    if isinstance(ds, datasets.IterableDataset) and ds.column_names is None: ds = ds._resolve_features()
     kind = raw_kind(ds)
     if kind is None: return ds
     if tokenizer is None:
         raise ValueError(f"{name} holds raw {kind} rows: pass the tokenizer as processing_class= so they are tokenized "
                          f"(as workbench.train does), or tokenize them into input_ids first")
-    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor (text + images) tokenizes text with its tokenizer
+    # a processor (text + images) tokenizes text with its tokenizer
+    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)
     if isinstance(ds, (datasets.Dataset, datasets.IterableDataset)):
         return ds.map(_tokenize_batch, batched=True, with_indices=True, remove_columns=ds.column_names,
                       fn_kwargs=dict(tokenizer=tokenizer, name=name))
@@ -205,46 +222,57 @@ def tokenize_dataset(ds,                        # a datasets.Dataset / IterableD
 
 # %% ../nbs/05_ecosystem/02_hf.ipynb #3d317c47
 def checkpointing(args) -> tuple[bool, bool]:
-    "Whether `TrainingArguments` turn activation checkpointing on, and whether it recomputes reentrantly (transformers 5.24 renamed gradient_checkpointing; the 5.23 floor has only the old names)."
-    if hasattr(args, "activation_checkpointing"): on, kwargs = args.activation_checkpointing, args.activation_checkpointing_kwargs
+    """Whether `TrainingArguments` turn activation checkpointing on, and whether it recomputes reentrantly (transformers
+    5.24 renamed gradient_checkpointing; the 5.23 floor has only the old names)."""
+    if hasattr(args, "activation_checkpointing"):
+        on, kwargs = args.activation_checkpointing, args.activation_checkpointing_kwargs
     else: on, kwargs = args.gradient_checkpointing, args.gradient_checkpointing_kwargs
     return bool(on), (kwargs or {}).get("use_reentrant", False)
 
-ALST_PER_DOCUMENT = ("workbench_varlen", "flash_attention_2", "flash_attention_3")  # ALST inner attentions that attend per document from the gathered position_ids (workbench_varlen measured in tests/test_hf.py; flash: DeepSpeed's documentation, GPU only)
+# ALST inner attentions that attend per document from the gathered position_ids
+# (workbench_varlen measured in tests/test_hf.py; flash: DeepSpeed's documentation, GPU only)
+ALST_PER_DOCUMENT = ("workbench_varlen", "flash_attention_2", "flash_attention_3")
 
 def parallelism_problems(args,               # TrainingArguments (or SFTConfig) of a trainer
                          packed: bool = True, # its training rows hold several examples in one row
                         ) -> list[tuple[str, str]]:
-    "What breaks packed rows under the `parallelism_config` of `args` (context parallelism, DeepSpeed ALST): `(what goes wrong, the fix)` each."
+    """What breaks packed rows under the `parallelism_config` of `args` (context parallelism, DeepSpeed ALST): `(what
+    goes wrong, the fix)` each."""
     pc = getattr(args, "parallelism_config", None)
     if pc is None: return []
     problems = []
     if packed and (getattr(pc, "cp_size", 1) or 1) > 1:
-        problems.append((f"context parallelism (cp_size={pc.cp_size}) replaces the model's attention mask with is_causal=True "
-                         f"(accelerate's hook on every attention module): the documents of a packed row attend to each other",
-                         "train packed rows under DeepSpeed ALST (parallelism_config=workbench.engines.alst_parallelism_config("
-                         "sp_size), attn_implementation='workbench_varlen') or with the workbench's ring (python -m "
+        problems.append((f"context parallelism (cp_size={pc.cp_size}) replaces the model's attention mask with "
+                         "is_causal=True (accelerate's hook on every attention module): the documents of a packed row "
+                         "attend to each other",
+                         "train packed rows under DeepSpeed ALST "
+                         "(parallelism_config=workbench.engines.alst_parallelism_config(sp_size), "
+                         "attn_implementation='workbench_varlen') or with the workbench's ring (python -m "
                          "workbench.train --ring N)"))
     if getattr(pc, "sp_backend", None) != "deepspeed" or (getattr(pc, "sp_size", 1) or 1) < 2: return problems
     attention, sp = pc.sp_handler.sp_attn_implementation, pc.sp_size
     if packed and args.per_device_train_batch_size != 1:
-        problems.append((f"under DeepSpeed ALST (sp_size={sp}) per_device_train_batch_size={args.per_device_train_batch_size} "
-                         f"is ALST's micro batch, in rows, but the collator packs that many examples into one row, whose "
-                         f"shape DeepSpeed then refuses",
-                         "set per_device_train_batch_size=1, and pass max_tokens= to PackedTrainer for packed token-budget rows"))
+        problems.append((f"under DeepSpeed ALST (sp_size={sp}) "
+                         f"per_device_train_batch_size={args.per_device_train_batch_size} is ALST's micro batch, in "
+                         "rows, but the collator packs that many examples into one row, whose shape DeepSpeed then "
+                         "refuses",
+                         "set per_device_train_batch_size=1, and pass max_tokens= to PackedTrainer for packed "
+                         "token-budget rows"))
     if packed and attention not in ALST_PER_DOCUMENT:
-        problems.append((f"ALST's inner attention {attention!r} attends across the documents of a packed row, in training "
-                         f"and in evaluation",
-                         f"pass parallelism_config=workbench.engines.alst_parallelism_config({sp}) and load the model with "
-                         f"attn_implementation='workbench_varlen'"))
+        problems.append((f"ALST's inner attention {attention!r} attends across the documents of a packed row, in "
+                         "training and in evaluation",
+                         f"pass parallelism_config=workbench.engines.alst_parallelism_config({sp}) and load the model "
+                         "with attn_implementation='workbench_varlen'"))
     if not pc.sp_handler.sp_disable_in_eval:
-        problems.append(("sp_disable_in_eval=False: transformers hands only the train dataloader to ALST's data adapter, so "
-                         "in evaluation each rank's own rows would enter ALST's all-to-all together",
-                         "leave sp_disable_in_eval=True (accelerate's default): each rank then evaluates whole rows of its own"))
+        problems.append(("sp_disable_in_eval=False: transformers hands only the train dataloader to ALST's data "
+                         "adapter, so in evaluation each rank's own rows would enter ALST's all-to-all together",
+                         "leave sp_disable_in_eval=True (accelerate's default): each rank then evaluates whole rows of "
+                         "its own"))
     return problems
 
 def check_parallelism_args(args):
-    "Refuse `TrainingArguments` whose parallelism a packed trainer cannot train or evaluate exactly under, naming the fix."
+    """Refuse `TrainingArguments` whose parallelism a packed trainer cannot train or evaluate exactly under, naming the
+    fix."""
     problems = parallelism_problems(args)
     if problems: raise ValueError("; ".join(f"{what}: {fix}" for what, fix in problems))
 
@@ -253,65 +281,83 @@ class PackedMixin:
     does, masks folded into labels at construction, `FlatteningCollator` by default, `use_cache=False` on every forward,
     optional token-budget steps, eval split per example."""
     def __init__(self, model=None, args=None, data_collator=None, train_dataset=None, eval_dataset=None, *rest,
-                 max_tokens: int | None = None,  # token budget of one training step per rank; set, it rules and per_device_train_batch_size is unused in training (None: per_device_train_batch_size examples)
+                 max_tokens: int | None = None,  # token budget of one training step per rank; set, it
+                                                 # rules and per_device_train_batch_size is unused in
+                                                 # training (None: per_device_train_batch_size examples)
                  overlong: str = "error",        # examples over max_tokens: "error", "truncate", "split" or "drop"
-                 buffer_size: int = 2000,        # a streamed train_dataset: examples held while packing it (`PackedStream`)
-                 balance: str = "tokens",        # with max_tokens: group each optimizer step's bins over ranks by tokens, or by predicted cost (`workbench.step_balance.plan_balanced`)
-                 untrained: str = "drop",        # with max_tokens: a piece that trains no token (a prompt-only slice of a split example): "drop" (counted) or "keep"
+                 buffer_size: int = 2000,        # a streamed train_dataset: examples
+                                                 # held while packing it (`PackedStream`)
+                 balance: str = "tokens",        # with max_tokens: group each optimizer step's bins over ranks by
+                                                 # tokens, or by predicted cost (`workbench.step_balance.plan_balanced`)
+                 untrained: str = "drop",        # with max_tokens, pieces training no token: "drop" (counted) or "keep"
                  **kwargs):
         check_parallelism_args(args)
         if overlong not in OVERLONG: raise ValueError(f"overlong must be one of {OVERLONG}, got {overlong!r}")
         if untrained not in UNTRAINED:
-            raise ValueError(f"untrained must be one of {UNTRAINED} (what to do with a piece that trains no token), got {untrained!r}")
+            raise ValueError(f"untrained must be one of {UNTRAINED} (what to do with a piece that trains no token), "
+                             f"got {untrained!r}")
         if balance not in ("tokens", "cost"): raise ValueError(f"balance must be 'tokens' or 'cost', got {balance!r}")
         if balance == "cost" and max_tokens is None:
             raise ValueError("balance='cost' groups token-budget bins: pass max_tokens= as well")
         if getattr(args, "padding_free", False) or getattr(args, "packing", False):
-            raise ValueError(f"{type(self).__name__} is padding-free by itself (FlatteningCollator, one row per step); TRL "
-                             f"refuses a collator beside SFTConfig(padding_free=True) or packing=True: leave both False, and "
-                             f"pass max_tokens= for token-budget steps")
-        if kwargs.get("formatting_func") is None:  # raw rows tokenized as workbench.train does (with one, TRL formats them)
+            raise ValueError(f"{type(self).__name__} is padding-free by itself (FlatteningCollator, one row per step); "
+                             "TRL refuses a collator beside SFTConfig(padding_free=True) or packing=True: leave both "
+                             "False, and pass max_tokens= for token-budget steps")
+        # raw rows tokenized as workbench.train does (with one, TRL formats them)
+        if kwargs.get("formatting_func") is None:
             tokenizer = kwargs.get("processing_class", rest[0] if rest else None)
-            if getattr(args, "completion_only_loss", None) is False and raw_kind(train_dataset) == "prompt + completion":
-                raise ValueError("completion_only_loss=False asks to train the prompts too, but raw prompt/completion rows are "
-                                 "tokenized as workbench.train does, completions trained: leave it unset, or tokenize the rows "
-                                 "into input_ids yourself (every token then trains)")
+            if (getattr(args, "completion_only_loss", None) is False
+                    and raw_kind(train_dataset) == "prompt + completion"):
+                raise ValueError("completion_only_loss=False asks to train the prompts too, but raw prompt/completion "
+                                 "rows are tokenized as workbench.train does, completions trained: leave it unset, or "
+                                 "tokenize the rows into input_ids yourself (every token then trains)")
             train_dataset = tokenize_dataset(train_dataset, tokenizer, "train_dataset")
             eval_dataset = tokenize_dataset(eval_dataset, tokenizer, "eval_dataset")
-        prep = lambda d: None if d is None else {k: prepare_dataset(v) for k, v in d.items()} if isinstance(d, dict) else prepare_dataset(d)
-        super().__init__(model, args, data_collator or FlatteningCollator(train_all_tokens=True), prep(train_dataset), prep(eval_dataset), *rest, **kwargs)
+        prep = (lambda d: None if d is None else {k: prepare_dataset(v) for k, v in d.items()} if isinstance(d, dict)
+                else prepare_dataset(d))
+        super().__init__(model, args, data_collator or FlatteningCollator(train_all_tokens=True), prep(train_dataset),
+                         prep(eval_dataset), *rest, **kwargs)
         packed = self.train_dataset is not None and "seq_lengths" in _dataset_columns(self.train_dataset)
         self.data_collator = LabelGuard(self.data_collator, packed=packed)
-        self.max_tokens, self.overlong, self.buffer_size, self.plan, self.balanced = max_tokens, overlong, buffer_size, None, None
+        (self.max_tokens, self.overlong, self.buffer_size,
+         self.plan, self.balanced) = max_tokens, overlong, buffer_size, None, None
         self.untrained = untrained
         if max_tokens is not None:
             if self.args.train_sampling_strategy != "random":
-                raise ValueError(f"max_tokens replaces Trainer's sampler, so train_sampling_strategy="
-                                 f"{self.args.train_sampling_strategy!r} would be ignored: leave it 'random' (token-budget "
-                                 f"bins are shuffled per epoch), or drop max_tokens")
-            if self.train_dataset is None: raise ValueError("max_tokens plans the train_dataset's bins: pass a train_dataset")
-            if balance == "cost": self.balanced = self._plan_balanced()  # its predicted max/mean rank cost: repr(trainer.balanced)
+                raise ValueError("max_tokens replaces Trainer's sampler, so train_sampling_strategy="
+                                 f"{self.args.train_sampling_strategy!r} would be ignored: leave it 'random' "
+                                 "(token-budget bins are shuffled per epoch), or drop max_tokens")
+            if self.train_dataset is None: raise ValueError("max_tokens plans the train_dataset's bins: pass a "
+                                                            "train_dataset")
+            # its predicted max/mean rank cost: repr(trainer.balanced)
+            if balance == "cost": self.balanced = self._plan_balanced()
             if self.balanced: self.plan = self.balanced.plan
-            elif not _is_stream(self.train_dataset): self.plan = plan_bins(self.train_dataset, max_tokens, overlong=overlong, seed=self.args.seed, untrained=untrained)
+            elif not _is_stream(self.train_dataset):
+                self.plan = plan_bins(self.train_dataset, max_tokens, overlong=overlong, seed=self.args.seed,
+                                      untrained=untrained)
             elif self.args.dataloader_num_workers:
                 warnings.warn(f"dataloader_num_workers={self.args.dataloader_num_workers} is not used for a streamed "
                               f"train_dataset with max_tokens: PackedStream packs it in the main process (each worker "
                               f"would read the whole stream); set it to 0 to silence this")
             p = self.plan
             if p is not None and (p.truncated or p.split or p.dropped or p.untrained):
-                warnings.warn(f"max_tokens={max_tokens}, overlong={overlong!r}: {p.truncated} examples truncated, {p.split} "
-                              f"split, {p.dropped} dropped ({p.lost_tokens} tokens lost) of {p.n_examples}; {p.untrained} "
-                              f"pieces that train no token left out ({p.untrained_tokens} tokens, untrained={untrained!r})")
+                warnings.warn(f"max_tokens={max_tokens}, overlong={overlong!r}: {p.truncated} examples truncated, "
+                              f"{p.split} split, {p.dropped} dropped ({p.lost_tokens} tokens lost) of {p.n_examples}; "
+                              f"{p.untrained} pieces that train no token left out ({p.untrained_tokens} tokens, "
+                              f"untrained={untrained!r})")
 
     def _plan_balanced(self):
         "The cost-balanced grouping of the train dataset's bins over this run's ranks and accumulation steps."
-        if _is_stream(self.train_dataset): raise ValueError("balance='cost' plans the whole train_dataset: a stream is packed as it is read; use balance='tokens'")
+        if _is_stream(self.train_dataset): raise ValueError("balance='cost' plans the whole train_dataset: a stream is "
+                                                            "packed as it is read; use balance='tokens'")
         config = getattr(self.model, "config", None)
-        if config is None: raise ValueError("balance='cost' prices the bins with the model's config: pass model= (not only model_init)")
+        if config is None: raise ValueError("balance='cost' prices the bins with the model's config: pass model= (not "
+                                            "only model_init)")
         a = self.args
-        attention = attention_work(getattr(config, "_attn_implementation", None) or "sdpa", a.device.type)  # private: the attention the model runs
-        return plan_balanced(self.train_dataset, self.max_tokens, a.world_size, config, a.gradient_accumulation_steps, attention,
-                             Levers(checkpointing=checkpointing(a)[0]), overlong=self.overlong, seed=a.seed,
+        # private: the attention the model runs
+        attention = attention_work(getattr(config, "_attn_implementation", None) or "sdpa", a.device.type)
+        return plan_balanced(self.train_dataset, self.max_tokens, a.world_size, config, a.gradient_accumulation_steps,
+                             attention, Levers(checkpointing=checkpointing(a)[0]), overlong=self.overlong, seed=a.seed,
                              untrained=self.untrained)
 
     def compute_loss(self, model, inputs, *args, **kwargs):
@@ -319,7 +365,8 @@ class PackedMixin:
         return super().compute_loss(model, {**inputs, "use_cache": False}, *args, **kwargs)
 
     def get_eval_dataloader(self, eval_dataset=None):
-        # a dataset handed to evaluate() later is prepared like the ones given at construction (a str names one of those)
+        # a dataset handed to evaluate() later is prepared like the ones given at construction
+        # (a str names one of those)
         return super().get_eval_dataloader(eval_dataset if eval_dataset is None or isinstance(eval_dataset, str)
                                            else prepare_dataset(eval_dataset))
 
@@ -336,7 +383,8 @@ class PackedMixin:
         else: collate = self._get_collator_with_removed_columns(collate, description="training")
         if self.plan is None:  # a stream: packed online as it is read, each rank every world_size-th bin
             self.stream = PackedStream(ds, self.max_tokens, self.buffer_size, self.overlong, collate_fn=collate,
-                                       num_replicas=args.world_size, rank=args.process_index, untrained=self.untrained)  # .report counts its bins
+                                       # .report counts its bins
+                                       num_replicas=args.world_size, rank=args.process_index, untrained=self.untrained)
             return _BudgetLoader(self.stream, batch_size=None, pin_memory=args.dataloader_pin_memory)
         seed = args.data_seed if args.data_seed is not None else args.seed
         sampler = (self.balanced.sampler(args.process_index, seed=seed) if self.balanced else
@@ -348,10 +396,12 @@ class PackedMixin:
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
         b = inputs.get("cu_seq_lens_q", inputs.get("position_ids"))
-        if prediction_loss_only or logits is None or b is None or inputs["input_ids"].shape[0] != 1: return loss, logits, labels
+        if prediction_loss_only or logits is None or b is None or inputs["input_ids"].shape[0] != 1:
+            return loss, logits, labels
         if getattr(_collator_of(self.data_collator), "pad_to_multiple_of", None):
-            raise ValueError("the eval collator pads the row with a dummy example (pad_to_multiple_of): predictions would "
-                             "gain a row per batch; evaluate with FlatteningCollator() without pad_to_multiple_of")
+            raise ValueError("the eval collator pads the row with a dummy example (pad_to_multiple_of): predictions "
+                             "would gain a row per batch; evaluate with FlatteningCollator() without "
+                             "pad_to_multiple_of")
         split = lambda t: split_packed(t, b) if torch.is_tensor(t) and t.shape[:2] == inputs["input_ids"].shape else t
         logits = tuple(map(split, logits)) if isinstance(logits, tuple) else split(logits)
         return loss, logits, split(labels)
@@ -360,7 +410,8 @@ class PackedTrainer(PackedMixin, Trainer):
     "HF `Trainer` with padding-free batches and nothing lost (see `PackedMixin`)."
 
 class PackedSFTTrainer(PackedMixin, SFTTrainer):
-    "TRL `SFTTrainer` with padding-free batches and nothing lost (see `PackedMixin`); its dataset preparation sees labels."
+    """TRL `SFTTrainer` with padding-free batches and nothing lost (see `PackedMixin`); its dataset preparation sees
+    labels."""
 
 # %% ../nbs/05_ecosystem/02_hf.ipynb #f3707d04
 @dataclass
@@ -377,7 +428,8 @@ class TrainerReport:
     @property
     def verdict(self) -> str:
         fails, warns = (sum(f.status == s for f in self.all_findings) for s in ("fail", "warn"))
-        return f"NOT CLEAN ({fails} failed, {warns} warnings)" if fails else f"clean ({warns} warnings)" if warns else "clean"
+        return (f"NOT CLEAN ({fails} failed, {warns} warnings)" if fails else f"clean ({warns} warnings)" if warns
+                else "clean")
     def __getitem__(self, check: str) -> Finding:
         for f in self.all_findings:
             if f.check == check: return f
@@ -393,7 +445,8 @@ class TrainerReport:
     __repr__ = __str__
     def _repr_markdown_(self):
         rows = "\n".join(f"| {f.status.upper()} | {f.check} | {f.detail} | {f.fix} |" for f in self.findings)
-        head = f"**Trainer check: {self.trainer}: {self.verdict}**\n\n| status | check | seen | fix |\n|---|---|---|---|\n{rows}"
+        head = (f"**Trainer check: {self.trainer}: {self.verdict}**\n\n| status | check | seen | fix "
+                f"|\n|---|---|---|---|\n{rows}")
         return head + (f"\n\n{self.doctor._repr_markdown_()}" if self.doctor else "")
 
 def _first_batch(trainer) -> tuple[list[dict], dict]:
@@ -424,13 +477,16 @@ def _takes_kwargs(model) -> bool:
 
 _PACKED_FORWARD = "the trainer passes use_cache=False on every forward"
 
-def check_trainer(trainer,            # a configured transformers Trainer or TRL SFTTrainer (ours or plain), before train()
+def check_trainer(trainer,            # a configured transformers Trainer or TRL
+                                      # SFTTrainer (ours or plain), before train()
                   grads: bool = True, # let the doctor compare gradients too
                  ) -> TrainerReport:
-    "Check a configured Trainer for every way padding-free training goes wrong in it, on a real batch of its own dataloader; each finding names its fix."
+    """Check a configured Trainer for every way padding-free training goes wrong in it, on a real batch of its own
+    dataloader; each finding names its fix."""
     if trainer.train_dataset is None:
-        raise ValueError(f"check_trainer checks the batches a {type(trainer).__name__} trains on, but it has no train_dataset: "
-                         f"pass train_dataset= when building it (an eval-only trainer needs no check: nothing is trained)")
+        raise ValueError(f"check_trainer checks the batches a {type(trainer).__name__} trains on, but it has no "
+                         "train_dataset: pass train_dataset= when building it (an eval-only trainer needs no check: "
+                         "nothing is trained)")
     args, report = trainer.args, TrainerReport(type(trainer).__name__)
     add = report.findings.append
     runner, inner, wrappers = unwrap(trainer.model)
@@ -442,7 +498,8 @@ def check_trainer(trainer,            # a configured transformers Trainer or TRL
     add(Finding("use_cache", "fail" if cache and not forces and attn != "workbench_varlen" else "pass",
                 f"TrainingArguments(use_cache={args.use_cache}) sets model.config.use_cache={cache}"
                 + (f"; {_PACKED_FORWARD}" if cache and forces else
-                   f": with {attn!r}, a cache in training turns off packed-example detection (examples attend to each other)"
+                   f": with {attn!r}, a cache in training turns off packed-example detection (examples attend to each "
+                   "other)"
                    if cache and attn != "workbench_varlen" else ""),
                 "" if not cache or forces or attn == "workbench_varlen" else
                 "TrainingArguments(use_cache=False), or train with workbench.hf.PackedTrainer / PackedSFTTrainer"))
@@ -452,18 +509,19 @@ def check_trainer(trainer,            # a configured transformers Trainer or TRL
     if lost and "labels" not in keys:
         add(Finding("loss masks reach the collator", "fail",
                     f"the dataset has {lost} but the collator receives only {sorted(keys)}: remove_unused_columns="
-                    f"{args.remove_unused_columns} removed them ({type(inner).__name__}.forward does not name them), so the "
-                    f"loss covers the prompt tokens too",
+                    f"{args.remove_unused_columns} removed them ({type(inner).__name__}.forward does not name them), "
+                    "so the loss covers the prompt tokens too",
                     "fold the masks into labels with workbench.hf.prepare_dataset(ds), or train with PackedTrainer / "
                     "PackedSFTTrainer (they do it); or TrainingArguments(remove_unused_columns=False)"))
     elif lost:
         bad, n = _masks_ignored(trainer.train_dataset, lost)
         add(Finding("loss masks reach the collator", "fail" if bad else "pass",
-                    f"{lost} are removed before the collator and the dataset's labels train tokens they mask out in rows "
-                    f"{bad[:5]} of the first {n} (TRL applies completion_mask only with completion_only_loss=True, by "
-                    f"default only for prompt/completion text): the loss covers the prompt tokens too" if bad else
-                    f"{lost} are removed before the collator, but the dataset's labels already hold them (-100 wherever "
-                    f"a mask is 0, in the first {n} rows)",
+                    f"{lost} are removed before the collator and the dataset's labels train tokens they mask out in "
+                    f"rows {bad[:5]} of the first {n} (TRL applies completion_mask only with "
+                    "completion_only_loss=True, by default only for prompt/completion text): the loss covers the "
+                    "prompt tokens too" if bad else
+                    f"{lost} are removed before the collator, but the dataset's labels already hold them (-100 "
+                    f"wherever a mask is 0, in the first {n} rows)",
                     "fold the masks into labels with workbench.hf.prepare_dataset(ds) before the trainer, or "
                     "SFTConfig(completion_only_loss=True), or train with PackedSFTTrainer" if bad else ""))
     else:
@@ -473,33 +531,38 @@ def check_trainer(trainer,            # a configured transformers Trainer or TRL
             and not getattr(trainer, "completion_only_loss", True)):
         rows = _first_rows(trainer.train_dataset)
         if all(IGNORE_INDEX not in np.asarray(r["labels"]) for r in rows):
-            add(Finding("prompt masked", "warn", f"every token of the first {len(rows)} rows trains (no label -100): TRL "
-                        f"applies a completion_mask only with completion_only_loss=True (by default only to prompt/completion "
-                        f"text) and drops it when packing; right for plain text, wrong if the rows had a prompt mask",
-                        "SFTConfig(completion_only_loss=True), or prepare_dataset(ds) before the trainer, or PackedSFTTrainer"))
+            add(Finding("prompt masked", "warn", f"every token of the first {len(rows)} rows trains (no label -100): "
+                                                 "TRL applies a completion_mask only with completion_only_loss=True "
+                                                 "(by default only to prompt/completion text) and drops it when "
+                                                 "packing; right for plain text, wrong if the rows had a prompt mask",
+                        "SFTConfig(completion_only_loss=True), or prepare_dataset(ds) before the trainer, or "
+                        "PackedSFTTrainer"))
     if "seq_lengths" in cols and not {"seq_lengths", "position_ids"} & keys:
         add(Finding("document boundaries reach the collator", "fail",
-                    "the dataset's packed rows (seq_lengths) reach the collator without seq_lengths or position_ids: their "
-                    "documents attend to each other", "prepare_dataset(ds) (seq_lengths into position_ids)"))
+                    "the dataset's packed rows (seq_lengths) reach the collator without seq_lengths or position_ids: "
+                    "their documents attend to each other", "prepare_dataset(ds) (seq_lengths into position_ids)"))
     collator = _collator_of(trainer.data_collator)
     mask = batch.get("attention_mask")
     padded = mask is not None and not bool(mask.all())
     if mask is not None and not padded and batch["input_ids"].shape[0] == 1 and batch.get("position_ids") is not None:
         add(Finding("collator", "fail", f"{type(collator).__name__} returns an all-ones attention_mask beside packed "
                     f"position_ids: transformers then builds its mask from it and attends across examples",
-                    "use workbench.packing.FlatteningCollator (never an attention mask), or drop attention_mask from the batch"))
+                    "use workbench.packing.FlatteningCollator (never an attention mask), or drop attention_mask from "
+                    "the batch"))
     elif padded:
-        add(Finding("collator", "warn", f"{type(collator).__name__} pads ({tuple(batch['input_ids'].shape)} with padding): "
-                    "not padding-free, nothing can leak, padding is computed", "data_collator=FlatteningCollator()"))
+        add(Finding("collator", "warn", f"{type(collator).__name__} pads ({tuple(batch['input_ids'].shape)} with "
+                                        "padding): not padding-free, nothing can leak, padding is "
+                                        "computed", "data_collator=FlatteningCollator()"))
     else:
-        add(Finding("collator", "pass", f"{type(collator).__name__}: one packed row of {batch['input_ids'].shape[-1]} tokens, "
-                    f"no attention_mask"))
+        add(Finding("collator", "pass", f"{type(collator).__name__}: one packed row of {batch['input_ids'].shape[-1]} "
+                                        "tokens, no attention_mask"))
     packed = not padded and batch["input_ids"].shape[0] == 1 and batch.get("position_ids") is not None
     for what, fix in parallelism_problems(args, packed): add(Finding("parallelism", "fail", what, fix))
     extra = [k for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k") if k in batch]
     if extra and not _takes_kwargs(inner) and not all(k in inspect.signature(inner.forward).parameters for k in extra):
-        add(Finding("forward takes the varlen keys", "fail", f"the batch carries {extra} but {type(inner).__name__}.forward "
-                    "has no **kwargs: it raises", "FlatteningCollator(return_flash_attn_kwargs=False)"))
+        add(Finding("forward takes the varlen keys", "fail",
+                    f"the batch carries {extra} but {type(inner).__name__}.forward has no **kwargs: it raises",
+                    "FlatteningCollator(return_flash_attn_kwargs=False)"))
     gc, reentrant = checkpointing(args)
     frozen = not inner.get_input_embeddings().weight.requires_grad
     risky = gc and reentrant and frozen
@@ -507,13 +570,16 @@ def check_trainer(trainer,            # a configured transformers Trainer or TRL
                 f"activation_checkpointing={gc}" + (f", use_reentrant={reentrant}" if gc else "")
                 + (": reentrant recomputation with frozen input embeddings (PEFT) lets no gradient reach the layers"
                    if risky else "; checkpointed layers see the same packed boundaries" if gc else ""),
-                "activation_checkpointing_kwargs={'use_reentrant': False} (the default since transformers 5)" if risky else ""))
+                "activation_checkpointing_kwargs={'use_reentrant': False} (the default since transformers 5)" if risky
+                else ""))
     if args.label_smoothing_factor:
-        add(Finding("label smoothing", "pass", f"label_smoothing_factor={args.label_smoothing_factor}: LabelSmoother skips "
-                    f"labels -100 (each example's first label in a packed row), so no target crosses examples"))
+        add(Finding("label smoothing", "pass", f"label_smoothing_factor={args.label_smoothing_factor}: LabelSmoother "
+                                               "skips labels -100 (each example's first label in a packed row), so no "
+                                               "target crosses examples"))
     if args.world_size > 1 and not args.average_tokens_across_devices:
-        add(Finding("loss across ranks", "warn", f"average_tokens_across_devices=False on {args.world_size} ranks: the loss is "
-                    "a mean of per-rank means, not the token mean (ranks hold different token counts)",
+        add(Finding("loss across ranks", "warn", f"average_tokens_across_devices=False on {args.world_size} ranks: the "
+                                                 "loss is a mean of per-rank means, not the token mean (ranks hold "
+                                                 "different token counts)",
                     "TrainingArguments(average_tokens_across_devices=True)"))
     if padded or batch["input_ids"].shape[0] != 1: return report
     dev = {k: v.to(inner.device) if torch.is_tensor(v) else v for k, v in batch.items()}

@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 
-os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # torch.cuda.is_available() asks NVML instead of starting CUDA's driver, which no forked rank could then use
+# torch.cuda.is_available() asks NVML instead of starting CUDA's driver, which no forked rank could then use
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 # %% auto #0
 __all__ = ['Layout', 'MIXED_PRECISION', 'GRACE_S', 'WAKE_S', 'RankError', 'ProcessWorld', 'free_port', 'preflight', 'progress',
@@ -34,7 +35,8 @@ __all__ = ['Layout', 'MIXED_PRECISION', 'GRACE_S', 'WAKE_S', 'RankError', 'Proce
 
 # %% ../nbs/04_runtime/01_launch.ipynb #7020d702
 class RankError(RuntimeError):
-    "A worker rank failed: which rank, how (`cause`), and what it left: its traceback, or its Python stack at a crash or deadline."
+    """A worker rank failed: which rank, how (`cause`), and what it left: its traceback, or its Python stack at a crash
+    or deadline."""
     def __init__(self,
                  rank: int,                  # the rank that really failed
                  world_size: int,            # processes in the launch
@@ -45,7 +47,8 @@ class RankError(RuntimeError):
         self.rank, self.world_size, self.cause, self.worker_traceback = rank, world_size, cause, tb
         self.exc_type, self.exitcode = exc_type, exitcode
         kind = "traceback" if exc_type else "Python stack"
-        super().__init__(f"rank {rank} of {world_size} {cause}" + (f"\n\n--- {kind} of rank {rank} ---\n{tb}" if tb else ""))
+        super().__init__(f"rank {rank} of {world_size} {cause}"
+                         + (f"\n\n--- {kind} of rank {rank} ---\n{tb}" if tb else ""))
 
 # %% ../nbs/04_runtime/01_launch.ipynb #c41507e7
 class ProcessWorld:
@@ -56,8 +59,9 @@ class ProcessWorld:
             raise ValueError(f"sp_size={sp_size} must divide num_processes={num_processes}: the world is DP x SP; "
                              f"valid SP sizes are {[d for d in range(1, num_processes + 1) if num_processes % d == 0]}")
         if ring < 1 or num_processes % (sp_size * ring):
-            raise ValueError(f"ring={ring} must be >= 1 and sp_size x ring = {sp_size} x {ring} must divide num_processes="
-                             f"{num_processes}: the world is DP x SP (Ulysses) x ring (workbench.sp.ring)")
+            raise ValueError(f"ring={ring} must be >= 1 and sp_size x ring = {sp_size} x {ring} must divide "
+                             f"num_processes={num_processes}: the world is DP x SP (Ulysses) x ring "
+                             "(workbench.sp.ring)")
         self.num_processes, self.sp_size, self.ring = num_processes, sp_size, ring
         self.dp_size = num_processes // (sp_size * ring)
         self.cuda = torch.cuda.is_available() and not cpu
@@ -65,9 +69,11 @@ class ProcessWorld:
 
     def __repr__(self):
         where = "CUDA GPUs (nccl)" if self.cuda else "CPU processes (gloo)"
-        return f"{self.num_processes} {where}, DP={self.dp_size} x SP={self.sp_size}" + (f" x ring={self.ring}" if self.ring > 1 else "")
+        return (f"{self.num_processes} {where}, DP={self.dp_size} x SP={self.sp_size}"
+                + (f" x ring={self.ring}" if self.ring > 1 else ""))
 
-Layout = ProcessWorld  # its name before `workbench.sp.layout.Layout` (a sequence-parallel kind) took it: kept for code importing it
+# its name before `workbench.sp.layout.Layout` (a sequence-parallel kind) took it: kept for code importing it
+Layout = ProcessWorld
 
 def _sp_layout(world: ProcessWorld):
     "The sequence-parallel layout of a world given by its degrees alone: Ulysses, or the ring with Ulysses inside it."
@@ -82,7 +88,8 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0)); return s.getsockname()[1]
 
-def preflight(layout: ProcessWorld, port: int, mixed_precision: str = "no", model_config=None, seq_len: int | None = None,
+def preflight(layout: ProcessWorld, port: int, mixed_precision: str = "no", model_config=None,
+              seq_len: int | None = None,
               sp_layout=None):  # the run's `workbench.sp.layout.Layout` (None: the one its degrees give)
     "Refuse a launch that would fail late or hang: CUDA state, devices, port, precision, heads vs SP size."
     if mixed_precision not in MIXED_PRECISION:
@@ -101,7 +108,8 @@ def preflight(layout: ProcessWorld, port: int, mixed_precision: str = "no", mode
                            "torch.distributed.destroy_process_group() first, or call launch from a process without one")
     with socket.socket() as s:
         try: s.bind(("127.0.0.1", port))
-        except OSError: raise ValueError(f"port {port} is in use: pass another port, or port=None to pick a free one") from None
+        except OSError: raise ValueError(f"port {port} is in use: pass another port, or port=None to pick a free "
+                                         "one") from None
     if model_config is not None and layout.sp_size * layout.ring > 1:  # the layout's own checks: heads, world, row
         sp_layout = sp_layout or _sp_layout(layout)
         sp_layout.check(model_config, world_size=layout.num_processes, seq_len=seq_len)
@@ -130,17 +138,21 @@ def _all_finished(store, world_size: int):
 def _rank_env(layout: ProcessWorld, port: int, mixed_precision: str) -> dict[str, str]:
     "What torchrun would set for every rank, plus the loopback interface for gloo and nccl, plus what accelerate reads."
     n, lo = str(layout.num_processes), _loopback()
-    on_cpu = "false" if layout.cuda else "true"  # as `accelerate launch --cpu`: else a plain Accelerator() on CPU sees 1 process
+    # as `accelerate launch --cpu`: else a plain Accelerator() on CPU sees 1 process
+    on_cpu = "false" if layout.cuda else "true"
     env = dict(WORLD_SIZE=n, LOCAL_WORLD_SIZE=n, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME=lo,
                NCCL_SOCKET_IFNAME=lo, ACCELERATE_MIXED_PRECISION=mixed_precision, ACCELERATE_USE_CPU=on_cpu,
                OMP_NUM_THREADS="1")  # true of every rank (below); accelerate warns when it is unset
     if layout.cuda:
-        from accelerate.utils import check_cuda_p2p_ib_support  # reads nvidia-smi: CUDA stays uninitialised for the fork
-        if not check_cuda_p2p_ib_support(): env.update(NCCL_P2P_DISABLE="1", NCCL_IB_DISABLE="1")  # RTX 40 and old drivers
+        # reads nvidia-smi: CUDA stays uninitialised for the fork
+        from accelerate.utils import check_cuda_p2p_ib_support
+        # RTX 40 and old drivers
+        if not check_cuda_p2p_ib_support(): env.update(NCCL_P2P_DISABLE="1", NCCL_IB_DISABLE="1")
     return env
 
 def _no_hub_progress_bars():
-    "No transformers / hub progress bars in a rank: from a kernel's fork a widget bar only makes ipykernel warn (a message from a fork is dropped), from a script every rank would draw its own."
+    """No transformers / hub progress bars in a rank: from a kernel's fork a widget bar only makes ipykernel warn (a
+    message from a fork is dropped), from a script every rank would draw its own."""
     os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # read when transformers is first imported
     if "transformers.utils.logging" in sys.modules:  # imported before the fork: its switch was read already
         sys.modules["transformers.utils.logging"].disable_progress_bar()
@@ -152,12 +164,14 @@ def _message(e: BaseException) -> str:
 
 def _rank_main(fn, args, rank: int, layout: ProcessWorld, env: dict, listener_fd: int, exchange: Path, timeout_s: float,
                beats):
-    "One forked rank: torchrun's environment, a process group over loopback only, then `fn`'s result or failure in `exchange`."
+    """One forked rank: torchrun's environment, a process group over loopback only, then `fn`'s result or failure in
+    `exchange`."""
     global _heartbeat
     os.setsid()  # it leads a group of its own: the reaper finds what it started (workers), even once it has exited
     _heartbeat = beats, rank  # what `progress()` writes to
     os.close(listener_fd)  # the parent's rendezvous socket, inherited by the fork: the parent alone serves it
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the notebook's interrupt belongs to the parent, which ends every rank
+    # the notebook's interrupt belongs to the parent, which ends every rank
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent(mp.parent_process().pid)
     stack = open(exchange / f"stack{rank}.txt", "w")
     faulthandler.enable(stack)  # a crash (SIGSEGV, SIGABRT, ...) leaves the rank's Python stack for the parent
@@ -171,14 +185,17 @@ def _rank_main(fn, args, rank: int, layout: ProcessWorld, env: dict, listener_fd
     try:
         if layout.cuda: torch.cuda.set_device(rank)
         timeout = timedelta(seconds=timeout_s)
-        store = dist.TCPStore("127.0.0.1", int(env["MASTER_PORT"]), layout.num_processes, is_master=False, timeout=timeout)
-        dist.init_process_group(layout.backend, store=store, rank=rank, world_size=layout.num_processes, timeout=timeout)
+        store = dist.TCPStore("127.0.0.1", int(env["MASTER_PORT"]), layout.num_processes, is_master=False,
+                              timeout=timeout)
+        dist.init_process_group(layout.backend, store=store, rank=rank, world_size=layout.num_processes,
+                                timeout=timeout)
         result = fn(*args)
         beats[rank] = math.inf  # finished: waiting for its peers is no stall
         try: payload = pickle.dumps(result)
         except Exception as e:
-            raise TypeError(f"its return value, a {type(result).__module__}.{type(result).__qualname__}, cannot be pickled "
-                            f"back to the notebook ({e}): return plain data (numbers, strings, lists, dicts, tensors)") from None
+            raise TypeError(f"its return value, a {type(result).__module__}.{type(result).__qualname__}, cannot be "
+                            f"pickled back to the notebook ({e}): return plain data (numbers, strings, lists, dicts, "
+                            "tensors)") from None
         _all_finished(store, layout.num_processes)
         if dist.is_initialized(): dist.destroy_process_group()  # unless `fn` did (code written for torchrun does)
         _save(exchange / f"result{rank}.pkl", payload)
@@ -222,7 +239,8 @@ def _death(rank: int, exitcode: int, exchange: Path, world_size: int) -> RankErr
 def _raised(exchange: Path, world_size: int) -> list[tuple[float, RankError]]:
     "Every failure a rank recorded before exiting, with its time."
     records = {int(p.stem[5:]): pickle.loads(p.read_bytes()) for p in exchange.glob("error*.pkl")}
-    return [(r["time"], RankError(rank, world_size, f"raised {r['exc_type']}: {r['message']}", r["tb"], exc_type=r["exc_type"]))
+    return [(r["time"],
+             RankError(rank, world_size, f"raised {r['exc_type']}: {r['message']}", r["tb"], exc_type=r["exc_type"]))
             for rank, r in records.items()]
 
 def _first_failure(ended: dict, exchange: Path, world_size: int) -> RankError:
@@ -279,7 +297,8 @@ def _in_collective(failure: RankError) -> bool:
     return failure.exc_type is not None and bool(frames) and "torch/distributed" in frames[-1]
 
 def _culprit(failed: dict, running: dict, exchange: Path, world_size: int) -> RankError:
-    "The first real failure: when it is a failed collective, look at the peers first: one that vanished meanwhile, else one stuck outside."
+    """The first real failure: when it is a failed collective, look at the peers first: one that vanished meanwhile,
+    else one stuck outside."""
     failure = _first_failure(failed, exchange, world_size)
     if not running or not _in_collective(failure): return failure
     end = time.monotonic() + 2  # peers that failed too are on their way out: they are not the stuck one
@@ -304,7 +323,8 @@ def _watch(ranks: list, exchange: Path, deadline_s: float | None, stall_s: float
     while running:
         ready = mp.connection.wait([p.sentinel for p in running.values()], WAKE_S)
         if not ready:
-            if end is not None and time.monotonic() >= end: return _past_deadline(running, exchange, deadline_s, len(ranks))
+            if end is not None and time.monotonic() >= end:
+                return _past_deadline(running, exchange, deadline_s, len(ranks))
             if stall_s is not None and (stall := _stalled(running, exchange, stall_s, beats, started, len(ranks))):
                 return stall
             continue
@@ -344,8 +364,10 @@ def launch(fn,                                # what every rank runs; a function
            *args,                             # its arguments, the same on every rank
            num_processes: int = 2,            # ranks to fork on this machine
            sp_size: int = 1,                  # sequence-parallel group size; must divide num_processes
-           ring: int = 1,                     # ring attention degree (workbench.sp.ring): sp_size x ring processes share a row
-           sp_layout=None,                    # a `workbench.sp.layout.Layout`: its degrees and checks instead of sp_size, ring
+           ring: int = 1,                     # ring attention degree (workbench.sp.ring):
+                                              # sp_size x ring processes share a row
+           sp_layout=None,                    # a `workbench.sp.layout.Layout`: its degrees
+                                              # and checks instead of sp_size, ring
            cpu: bool = False,                 # gloo on CPU processes even where CUDA GPUs are present
            timeout_s: float = 60,             # limit of the rendezvous and each collective; not of Python between them
            port: int | None = None,           # rendezvous port on 127.0.0.1 (None: a free one)
@@ -356,11 +378,13 @@ def launch(fn,                                # what every rank runs; a function
            deadline_s: float | None = None,   # wall-clock limit of the whole launch (None: none)
            stall_s: float | None = None,      # limit of a rank's time without a `progress()` call (None: none)
           ) -> list:
-    "Run `fn(*args)` on `num_processes` forked ranks; return every rank's result, or raise the first real failure as `RankError`."
+    """Run `fn(*args)` on `num_processes` forked ranks; return every rank's result, or raise the first real failure as
+    `RankError`."""
     if sp_layout is not None: sp_size, ring = sp_layout.ulysses, sp_layout.context  # its context group: the grid's ring
     layout = ProcessWorld(num_processes, sp_size, cpu, ring)
     if not timeout_s > 0 or not (deadline_s is None or deadline_s > 0):
-        raise ValueError(f"timeout_s={timeout_s!r}, deadline_s={deadline_s!r}: both are seconds > 0 (deadline_s=None: no limit)")
+        raise ValueError(f"timeout_s={timeout_s!r}, deadline_s={deadline_s!r}: both are seconds > 0 (deadline_s=None: "
+                         "no limit)")
     if not (stall_s is None or stall_s > 0):
         raise ValueError(f"stall_s={stall_s!r}: the seconds a rank may go without calling progress() are > 0 "
                          "(None: no limit)")
@@ -370,7 +394,8 @@ def launch(fn,                                # what every rank runs; a function
                         f"deadline {'none' if deadline_s is None else f'{deadline_s:g} s'}, "
                         f"stall limit {'none' if stall_s is None else f'{stall_s:g} s'}, rendezvous 127.0.0.1:{port}")
     ranks, store, env = [], None, _rank_env(layout, port, mixed_precision)
-    with tempfile.TemporaryDirectory(prefix="workbench-launch-") as d, socket.create_server(("127.0.0.1", port)) as listener:
+    with (tempfile.TemporaryDirectory(prefix="workbench-launch-") as d,
+          socket.create_server(("127.0.0.1", port)) as listener):
         exchange = Path(d)
         beats = mp.get_context("fork").RawArray("d", [started := time.monotonic()] * num_processes)  # for `progress()`
         try:
@@ -379,7 +404,8 @@ def launch(fn,                                # what every rank runs; a function
                     fn, args, rank, layout, env, listener.fileno(), exchange, timeout_s, beats)))
                 ranks[-1].start()
             # the store starts after the last fork, so that no thread of it holds a lock at a fork (see above)
-            store = dist.TCPStore("127.0.0.1", port, num_processes, is_master=True, timeout=timedelta(seconds=timeout_s),
+            store = dist.TCPStore("127.0.0.1", port, num_processes, is_master=True,
+                                  timeout=timedelta(seconds=timeout_s),
                                   wait_for_workers=False, master_listen_fd=listener.detach())
             failure = _watch(ranks, exchange, deadline_s, stall_s, beats, started)
         finally:

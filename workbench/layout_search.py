@@ -19,7 +19,8 @@ from .sp.layout import layout_of
 __all__ = ['SPLITS', 'LAYOUT_LEVERS', 'RANK_BY', 'layout_name', 'Layouts', 'plan_layout']
 
 # %% ../nbs/03_planning/06_layout_search.ipynb #fdb6d3fd
-SPLITS = ("ulysses", "ring", "hybrid", "gather", "all")  # how `plan_layout` splits a row: Ulysses alone, ring alone, every
+# how `plan_layout` splits a row: Ulysses alone, ring alone, every
+SPLITS = ("ulysses", "ring", "hybrid", "gather", "all")
 # (ulysses, ring) pair, every (ulysses, gather) pair, or every Ulysses, Ulysses x ring and Ulysses x gather layout
 LAYOUT_LEVERS = {"no checkpointing": Levers(checkpointing=False), **LEVER_LADDER}  # each rung adds one lever
 
@@ -38,22 +39,27 @@ def _representative(plan: Plan, costs: np.ndarray, k: int) -> list[np.ndarray]:
     order = np.argsort(costs, kind="stable")
     return [plan.length[plan.bins[order[int((i + 0.5) * len(order) / k)]]] for i in range(k)]
 
-RANK_BY = {"tokens_per_s": False, "step_s": True, "mfu": False, "peak_gib": True, "max_context": False}  # column -> ascending
+# column -> ascending
+RANK_BY = {"tokens_per_s": False, "step_s": True, "mfu": False, "peak_gib": True, "max_context": False}
 
 def _pareto(df) -> np.ndarray:
-    "Rows no other row beats on all of (tokens_per_s higher, peak_gib lower, max_context higher) while strictly better on one."
+    """Rows no other row beats on all of (tokens_per_s higher, peak_gib lower, max_context higher) while strictly better
+    on one."""
     v = np.c_[-df["tokens_per_s"].to_numpy(), df["peak_gib"].to_numpy()]; c = df["max_context"].to_numpy()
     better = lambda j, i: (v[j] <= v[i]).all() and c[j] >= c[i] and ((v[j] < v[i]).any() or c[j] > c[i])
     return np.array([not any(better(j, i) for j in range(len(df)) if j != i) for i in range(len(df))], dtype=bool)
 
 def layout_name(ulysses: int, ring: int, dp: int, context: str = "ring") -> str:
-    "A layout in words: \"DP 8\", \"SP 4 x DP 2\" (Ulysses), \"ring 4\", \"SP 2 x gather 2 x DP 2\" (`context` names the kind of degree `ring`)."
-    parts = ([f"SP {ulysses}"] if ulysses > 1 else []) + ([f"{context} {ring}"] if ring > 1 else []) + ([f"DP {dp}"] if dp > 1 else [])
+    """A layout in words: \"DP 8\", \"SP 4 x DP 2\" (Ulysses), \"ring 4\", \"SP 2 x gather 2 x DP 2\" (`context` names
+    the kind of degree `ring`)."""
+    parts = (([f"SP {ulysses}"] if ulysses > 1 else []) + ([f"{context} {ring}"] if ring > 1 else [])
+             + ([f"DP {dp}"] if dp > 1 else []))
     return " x ".join(parts) or "1 GPU"
 
 @dataclass
 class Layouts:
-    "Every layout `plan_layout` found possible (with its predicted step, memory and longest context), and the refused ones."
+    """Every layout `plan_layout` found possible (with its predicted step, memory and longest context), and the refused
+    ones."""
     table: "pd.DataFrame"  # one row per layout; `frontier` marks the Pareto frontier
     refused: list          # (layout, why) for every layout the memory planner or the preflight refused
     gpus: int = 0          # the GPUs every layout uses
@@ -66,31 +72,37 @@ class Layouts:
         f = self.table[self.table.frontier] if len(self.table) else self.table
         return f.sort_values(self.rank_by, ascending=RANK_BY[self.rank_by], kind="stable") if len(f) else f
     def summary(self, top: int = 10) -> "pd.DataFrame":
-        "The frontier as a short readable table: rank, layout, levers, offload, tokens/s, step, peak memory, longest context."
+        """The frontier as a short readable table: rank, layout, levers, offload, tokens/s, step, peak memory, longest
+        context."""
         import pandas as pd
         f = self.frontier.head(top)
         return pd.DataFrame({"layout": [layout_name(r.ulysses, r.ring, r.dp, r.context) for r in f.itertuples()],
                              "levers": f.levers.to_numpy(), "offload": np.where(f.optimizer_offload, "optimizer", "-"),
-                             "tokens/s": [f"{v:,.0f}" for v in f.tokens_per_s], "step s": [f"{v:.3g}" for v in f.step_s],
-                             "peak GiB": [f"{v:.1f}" for v in f.peak_gib], "max context": [f"{v:,}" for v in f.max_context]},
+                             "tokens/s": [f"{v:,.0f}" for v in f.tokens_per_s],
+                             "step s": [f"{v:.3g}" for v in f.step_s],
+                             "peak GiB": [f"{v:.1f}" for v in f.peak_gib],
+                             "max context": [f"{v:,}" for v in f.max_context]},
                             index=pd.RangeIndex(1, len(f) + 1))
     def __repr__(self):
         head = (f"{len(self.table)} layouts fit {self.gpus} x {self.device} ({len(self.refused)} refused); "
                 f"frontier of {len(self.frontier)}, ranked by {self.rank_by}")
         if not len(self.table): return head + ": none fits (see .refused)"
         more = len(self.frontier) - 10
-        return "\n".join([head + ":", self.summary().to_string(), *([f"... {more} more in .frontier"] if more > 0 else []),
-                          self.trust])
-    def _repr_html_(self): return f"<p>{repr(self).splitlines()[0]}</p>" + self.summary().to_html() + f"<p>{self.trust}</p>"
+        return "\n".join([head + ":", self.summary().to_string(),
+                          *([f"... {more} more in .frontier"] if more > 0 else []), self.trust])
+    def _repr_html_(self):
+        return f"<p>{repr(self).splitlines()[0]}</p>" + self.summary().to_html() + f"<p>{self.trust}</p>"
     def figure(self, title: str = "Layouts: predicted step time against peak memory"):
         "Plotly figure: every layout, the frontier marked, each lever rung joined to the one before it."
         import plotly.graph_objects as go
         t = self.table
-        fig = go.Figure(layout=dict(title=title, template="plotly_white", xaxis=dict(title="predicted step (s)", type="log"),
+        fig = go.Figure(layout=dict(title=title, template="plotly_white",
+                                    xaxis=dict(title="predicted step (s)", type="log"),
                                     yaxis=dict(title="peak memory per GPU (GiB)")))
         for (u, r, kind, off), g in t.groupby(["ulysses", "ring", "context", "optimizer_offload"], sort=False):
             name = f"SP={u}" if r == 1 else f"Ulysses {u} x {kind} {r}"
-            fig.add_scatter(x=g.step_s, y=g.peak_gib, mode="lines+markers", name=f"{name}{', optimizer offload' if off else ''}",
+            fig.add_scatter(x=g.step_s, y=g.peak_gib, mode="lines+markers",
+                            name=f"{name}{', optimizer offload' if off else ''}",
                             text=[f"{r.levers}<br>max context {r.max_context:,}<br>lever: +{r.time_cost_s:.3g} s for "
                                   f"-{r.memory_saved_gib:.3g} GiB" for r in g.itertuples()], hovertemplate="%{text}")
         f = self.frontier
@@ -106,16 +118,18 @@ def plan_layout(model,                     # a transformers config or a preset n
                 *,
                 capacity: int | None = None,   # tokens per row (None: the longest document)
                 rows_per_step: int | None = None,  # rows per optimizer step over all replicas (None: `gpus`)
-                split: str = "ulysses",    # how a row is split over its SP group (`SPLITS`: Ulysses, ring, gather, or all of them)
+                split: str = "ulysses",    # how a row is split over its SP group (`SPLITS`:
+                                           # Ulysses, ring, gather, or all of them)
                 levers: dict = LAYOUT_LEVERS,  # name -> `Levers`, searched in this order (a ladder: each adds one)
                 offloads=(False, True),    # optimizer offload settings searched
                 zero_stage: int = 3,       # states sharded over all GPUs
                 host_gib: float | None = None,  # host memory per GPU for the offloads (None: not checked)
                 efficiency: Efficiency = Efficiency(),  # the predictor's factors
                 attention: str = "causal", # an `ATTENTION_WORK` key
-                rank_by: str = "tokens_per_s",  # the `RANK_BY` column the frontier is ranked by (all layouts use `gpus`)
+                rank_by: str = "tokens_per_s",  # the `RANK_BY` column ranking the frontier (all layouts use `gpus`)
                ) -> Layouts:
-    "Search the (Ulysses, ring or gather) split, DP, checkpointing, offload and memory levers; keep what the memory planner and the preflight accept."
+    """Search the (Ulysses, ring or gather) split, DP, checkpointing, offload and memory levers; keep what the memory
+    planner and the preflight accept."""
     config = preset_config(model) if isinstance(model, str) else model
     dev = device_of(device)
     if rank_by not in RANK_BY: raise ValueError(f"cannot rank by {rank_by!r}: choose one of {list(RANK_BY)}")
@@ -150,7 +164,8 @@ def plan_layout(model,                     # a transformers config or a preset n
                     refused.append((layout, f"memory: {est.gib:.1f} GiB > {memory:.1f} GiB")); continue
                 if host_gib is not None and est.host_gib > host_gib:
                     refused.append((layout, f"host memory: {est.host_gib:.1f} GiB > {host_gib:.1f} GiB")); continue
-                p = _predict_step(config, mine, dev, efficiency, sp=u, ring=r, context=context, dp=dp, attention=attention,
+                p = _predict_step(config, mine, dev, efficiency, sp=u, ring=r, context=context, dp=dp,
+                                  attention=attention,
                                  levers=lv, zero_stage=zero_stage, optimizer_offload=off)
                 limit = max_context(shape, memory, u, dp, host_gib, ring=r, context=context, levers=lv,
                                     zero_stage=zero_stage, optimizer_offload=off)
@@ -163,4 +178,5 @@ def plan_layout(model,                     # a transformers config or a preset n
     import pandas as pd
     table = pd.DataFrame(rows)
     if len(table): table["frontier"] = _pareto(table)
-    return Layouts(table, refused, gpus, dev.name, rank_by, "trust: " + held_out_errors(held_out(dev, efficiency), dev.name))
+    return Layouts(table, refused, gpus, dev.name, rank_by,
+                   "trust: " + held_out_errors(held_out(dev, efficiency), dev.name))

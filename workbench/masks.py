@@ -105,7 +105,8 @@ class MaskSpec:
 
     def __and__(self, other: "MaskSpec") -> "MaskSpec":
         "The pairs both masks allow (still a `MaskSpec`: runs of both, visible in both, the narrower window)."
-        if self.shape != other.shape: raise ValueError(f"cannot intersect masks of shapes {self.shape} and {other.shape}")
+        if self.shape != other.shape: raise ValueError(f"cannot intersect masks of shapes {self.shape} and "
+                                                       f"{other.shape}")
         for a, b in ((self, other), (other, self)):
             if a.empty_sees_all and any((a.empty_queries(r) & b.query_ok[r]).any() for r in range(a.shape[0])):
                 raise ValueError("the intersection keeps a query that sees every key (eager's fully masked rows): "
@@ -160,7 +161,8 @@ class MaskSpec:
     def count(self) -> int:
         "Allowed (query, key) pairs over the whole batch."
         T = self.shape[1]
-        return int(sum(self.block_counts(np.array([0, T]), np.array([0, T]), row).sum() for row in range(self.shape[0])))
+        return int(sum(self.block_counts(np.array([0, T]), np.array([0, T]), row).sum()
+                       for row in range(self.shape[0])))
 
 # %% ../nbs/01_packing/05_masks.ipynb #f5b51953
 SDPA_LIKE = ("sdpa", "eager", "flex_attention")  # masks built by masking_utils from position_ids / attention_mask
@@ -192,12 +194,15 @@ def _cu_segments(batch: dict, B: int, T: int) -> np.ndarray:
 
 def effective_spec(batch: dict,                    # a collated batch: input_ids [B, T] and whatever else it carries
                    attn_implementation: str = "sdpa",  # the model's attention implementation (see IMPLEMENTATIONS)
-                   use_cache: bool | None = False, # whether the forward builds a cache; None: as transformers, the config's (default True!)
+                   use_cache: bool | None = False, # whether the forward builds a cache; None: as
+                                                   # transformers, the config's (default True!)
                    sliding_window: int | None = None,  # the model's sliding window (config.sliding_window), if any
-                   config=None,                    # the model's config, read for use_cache=None (without one: True, transformers' default)
+                   # the model's config, read for use_cache=None (without one: True, transformers' default)
+                   config=None,
                    ) -> MaskSpec:
     "The mask a transformers 5.x causal LM applies to `batch`, as a `MaskSpec` whose `path` says why."
-    if use_cache is None: use_cache = bool(getattr(config, "use_cache", True))  # what the model's forward does with None
+    # what the model's forward does with None
+    if use_cache is None: use_cache = bool(getattr(config, "use_cache", True))
     if attn_implementation not in IMPLEMENTATIONS:
         raise ValueError(f"unknown attn_implementation {attn_implementation!r}; choose one of {IMPLEMENTATIONS}")
     if "input_ids" not in batch: raise ValueError(f"batch has no input_ids (keys: {sorted(batch)})")
@@ -211,7 +216,8 @@ def effective_spec(batch: dict,                    # a collated batch: input_ids
     if attn_implementation in SDPA_LIKE:
         if mask is not None:
             note = "all ones, so packed examples see each other" if mask.all() else "masked keys hidden"
-            return spec(one_row, f"attention_mask given: position_ids ignored, one causal mask per row ({note})", key_ok=mask)
+            return spec(one_row, "attention_mask given: position_ids ignored, one causal mask per row "
+                                 f"({note})", key_ok=mask)
         if use_cache: return spec(one_row, "cache active: packed-sequence detection is off, one causal mask per row")
         if pos is None: return spec(one_row, "no position_ids: one causal mask per row")
         seg = packed_segments(pos)
@@ -293,13 +299,15 @@ class MaskReport:
         "Per block, the fraction of pairs allowed within an example and the fraction leaked across examples."
         cells = np.outer(np.diff(edges_q), np.diff(edges_k))
         allowed = self.effective.block_counts(edges_q, edges_k, row)
-        leaked = self.real.block_counts(edges_q, edges_k, row) - (self.effective & self.intended).block_counts(edges_q, edges_k, row)
+        leaked = (self.real.block_counts(edges_q, edges_k, row)
+                  - (self.effective & self.intended).block_counts(edges_q, edges_k, row))
         return (allowed - leaked) / cells, leaked / cells
 
     def status(self) -> np.ndarray:
         "Dense `[B, T, T]` codes: 0 forbidden, 1 allowed, 2 leak (allowed across examples). Short rows only."
         B, T = self.examples.shape
-        eff, leak = evaluate(self.effective.function, B, T), evaluate(and_masks(self.effective.function, cross_example(self.examples)), B, T)
+        eff, leak = (evaluate(self.effective.function, B, T),
+                     evaluate(and_masks(self.effective.function, cross_example(self.examples)), B, T))
         return eff.astype(np.int8) + leak.astype(np.int8)
 
     @property
@@ -318,18 +326,22 @@ class MaskReport:
 
     def __repr__(self):
         s = self.stats()
-        return (f"MaskReport({s['examples']} examples, {s['real tokens']:,} real tokens; {s['cross-example pairs']:,} of "
-                f"{s['allowed pairs']:,} allowed pairs cross examples ({s['contamination share']:.1%}); {self.effective.path})")
+        return (f"MaskReport({s['examples']} examples, {s['real tokens']:,} real tokens; {s['cross-example pairs']:,} "
+                f"of {s['allowed pairs']:,} allowed pairs cross examples ({s['contamination share']:.1%}); "
+                f"{self.effective.path})")
 
 def mask_report(batch: dict,                     # a collated batch
-                lengths: list | np.ndarray | None = None,  # example lengths of one packed row (needed for naive concatenation)
+                lengths: list | np.ndarray | None = None,  # example lengths of one packed row
+                                                           # (needed for naive concatenation)
                 attn_implementation: str = "sdpa",  # the model's attention implementation
-                use_cache: bool | None = False,  # whether the forward builds a cache (None: the config's, see `effective_spec`)
+                use_cache: bool | None = False,  # whether the forward builds a cache (None:
+                                                 # the config's, see `effective_spec`)
                 sliding_window: int | None = None,  # the model's sliding window, if any
                 config=None,                     # the model's config, read for use_cache=None
                 ) -> MaskReport:
     "Compare the mask the model applies to `batch` with the per-example mask it should apply."
-    return MaskReport(effective_spec(batch, attn_implementation, use_cache, sliding_window, config), example_grid(batch, lengths))
+    return MaskReport(effective_spec(batch, attn_implementation, use_cache, sliding_window, config),
+                      example_grid(batch, lengths))
 
 def cross_example_pairs(batch: dict, lengths=None, **kw) -> int:
     "How many allowed (query, key) pairs join real tokens of different examples (0 when packing is correct)."
@@ -342,7 +354,8 @@ def contamination_share(batch: dict, lengths=None, **kw) -> float:
 # %% ../nbs/01_packing/05_masks.ipynb #9995e061
 def model_inputs(batch: dict) -> dict:
     "The keys of `batch` a causal LM's forward takes (drops `labels` and other collator extras)."
-    keep = ("input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+    keep = ("input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+            "max_length_k")
     return {k: batch[k] for k in keep if batch.get(k) is not None}
 
 @torch.no_grad()
@@ -351,7 +364,8 @@ def probe_mask(model,                  # a transformers causal LM; only its firs
                use_cache: bool = False,  # passed to the forward
                scale: float = 1.0,     # size of the embedding perturbation
                ) -> np.ndarray:
-    "Which query outputs change when one key's input embedding is perturbed: the `[B, T, T]` mask the model obeys, off the diagonal."
+    """Which query outputs change when one key's input embedding is perturbed: the `[B, T, T]` mask the model obeys, off
+    the diagonal."""
     base = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     layers = base.layers
     base.layers = layers[:1]
@@ -385,7 +399,8 @@ def off_diagonal(mask: np.ndarray) -> np.ndarray:
 # %% ../nbs/01_packing/05_masks.ipynb #d4fc3894
 @torch.no_grad()
 def eager_attentions(model, batch: dict, use_cache: bool = False) -> tuple[torch.Tensor, ...]:
-    "The attention probabilities of every layer, `[B, heads, T, T]` each, from an eager forward (the implementation is restored after)."
+    """The attention probabilities of every layer, `[B, heads, T, T]` each, from an eager forward (the implementation is
+    restored after)."""
     before = model.config._attn_implementation
     model.set_attn_implementation("eager")
     try: return model(**model_inputs(batch), use_cache=use_cache, output_attentions=True).attentions
@@ -394,7 +409,8 @@ def eager_attentions(model, batch: dict, use_cache: bool = False) -> tuple[torch
 @torch.no_grad()
 def attention_leakage(model,              # a transformers causal LM
                       batch: dict,        # a collated batch
-                      lengths: list | np.ndarray | None = None,  # example lengths of one packed row (needed for naive concatenation)
+                      lengths: list | np.ndarray | None = None,  # example lengths of one packed row
+                                                                 # (needed for naive concatenation)
                       use_cache: bool = False,  # passed to the forward (True reproduces the cache trap)
                       ) -> np.ndarray:
     "`[layers, heads]`: mean attention probability that real queries put on other examples' tokens (eager attention)."

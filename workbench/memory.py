@@ -47,7 +47,8 @@ def preset_config(name: str, **overrides):
 
 # %% ../nbs/03_planning/02_memory.ipynb #d069da11
 def _built_layout(config) -> tuple[int, bool]:
-    "Weight-matrix parameters and whether the attention norms queries and keys, read off the model built on the meta device."
+    """Weight-matrix parameters and whether the attention norms queries and keys, read off the model built on the meta
+    device."""
     from transformers import AutoModelForCausalLM
     with torch.device("meta"): model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
     matrices = sum(p.numel() for p in model.parameters() if p.dim() >= 2)
@@ -71,19 +72,21 @@ class Shape:
         dims = {k: getattr(config, k, None) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
                                                       "intermediate_size", "vocab_size")}
         missing = sorted(k for k, v in dims.items() if not isinstance(v, int))
-        if missing: raise ValueError(f"cannot read a {kind} config as a decoder: it has no integer {', '.join(missing)}")
+        if missing: raise ValueError(f"cannot read a {kind} config as a decoder: it has no integer "
+                                     f"{', '.join(missing)}")
         key = config.to_json_string()
         if key not in _LAYOUTS: _LAYOUTS[key] = _built_layout(config)
         matrices, qk_norm = _LAYOUTS[key]
         heads = config.num_attention_heads
-        shape = cls(config.hidden_size, config.num_hidden_layers, heads, getattr(config, "num_key_value_heads", None) or heads,
+        shape = cls(config.hidden_size, config.num_hidden_layers, heads,
+                    getattr(config, "num_key_value_heads", None) or heads,
                     getattr(config, "head_dim", None) or config.hidden_size // heads, config.intermediate_size,
                     config.vocab_size, bool(getattr(config, "tie_word_embeddings", False)), qk_norm,
                     max(layer_windows(config)) or None)
         if matrices != shape.matrices:
-            raise ValueError(f"cannot model {kind}'s memory: its weight matrices hold {matrices:,} parameters, a decoder "
-                             f"with gated MLPs of this shape {shape.matrices:,} (mixture of experts, a two-matrix MLP "
-                             f"or extra projections are not modelled)")
+            raise ValueError(f"cannot model {kind}'s memory: its weight matrices hold {matrices:,} parameters, a "
+                             f"decoder with gated MLPs of this shape {shape.matrices:,} (mixture of experts, a "
+                             "two-matrix MLP or extra projections are not modelled)")
         return shape
 
     @property
@@ -260,23 +263,27 @@ def replace_layers(config, layers: int):
 
 # %% ../nbs/03_planning/02_memory.ipynb #425a2ab7
 def local_tokens(config, seq_len: int, sp: int = 1, ring: int = 1) -> int:
-    "Tokens per rank, `seq_len / (sp * ring)`, after checking that the Ulysses degree `sp` suits the heads (the ring has no head limit) and `seq_len` splits evenly."
+    """Tokens per rank, `seq_len / (sp * ring)`, after checking that the Ulysses degree `sp` suits the heads (the ring
+    has no head limit) and `seq_len` splits evenly."""
     shape = Shape.of(config)
     for name, v in (("sp", sp), ("ring", ring)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1: raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1: raise ValueError(
+            f"{name} must be a positive integer, got {v!r}")
     if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
         raise ValueError(f"seq_len must be a positive number of tokens, got {seq_len!r}")
     if shape.heads % sp:
-        raise ValueError(f"sp={sp} does not divide the {shape.heads} attention heads: Ulysses gives each rank "
-                         f"heads/sp heads; choose sp among {[p for p in range(1, shape.heads + 1) if shape.heads % p == 0]}"
+        raise ValueError(f"sp={sp} does not divide the {shape.heads} attention heads: Ulysses gives each rank heads/sp "
+                         f"heads; choose sp among {[p for p in range(1, shape.heads + 1) if shape.heads % p == 0]}"
                          f"{'' if ring > 1 else ' (or split the rest over a ring: ring=...)'}")
     if shape.kv_heads % sp and sp % shape.kv_heads:
         raise ValueError(f"sp={sp} neither divides nor is a multiple of the {shape.kv_heads} key/value heads, so they "
                          f"can be neither split nor replicated evenly")
     if seq_len % (sp * ring):
         what = f"sp={sp}" if ring == 1 else f"sp x ring = {sp} x {ring} = {sp * ring}"
-        raise ValueError(f"seq_len={seq_len} is not a multiple of {what}: pad the row to a multiple of {sp * ring} "
-                         f"({'FlatteningCollator(pad_to_multiple_of=...)' if ring == 1 else 'workbench.sp.balance.plan_row pads it'})")
+        raise ValueError(
+            f"seq_len={seq_len} is not a multiple of {what}: pad the row to a multiple of {sp * ring} ("
+            f"{'FlatteningCollator(pad_to_multiple_of=...)' if ring == 1 else 'workbench.sp.balance.plan_row pads it'}"
+            ")")
     return seq_len // (sp * ring)
 
 # %% ../nbs/03_planning/02_memory.ipynb #e4ca9bad
@@ -285,16 +292,20 @@ def ring_attention_bytes(config,              # a transformers config or a `Shap
                          sp: int = 1,         # Ulysses degree (heads exchanged before the ring)
                          ring: int = 2,       # ring degree (at least 2)
                          dtype_bytes: int = 2,  # activation bytes (bf16)
-                         tile: int = QUERY_TILE,  # query rows computed at once (`ring_attend`'s tile; the plain kernel's)
-                         kernel: str = "plain",   # the block-pair kernel (`workbench.sp.ring.KERNELS`); "fused": its CPU path
-                         plans: list | None = None,  # fused: this rank's calls per ring step (`ring_plans`); None: the largest calls any row makes (`_bound_plans`)
+                         tile: int = QUERY_TILE,  # query rows computed at once
+                                                  # (`ring_attend`'s tile; the plain kernel's)
+                         kernel: str = "plain",   # the block-pair kernel (`workbench.sp.ring.KERNELS`);
+                                                  # "fused": its CPU path
+                         plans: list | None = None,  # fused: calls per ring step (`ring_plans`); None: `_bound_plans`
                         ) -> dict:
-    "Bytes one `ring_attend` call holds on a rank at its peak, by part: the plain kernel's at the backward of its second computed block pair, the fused kernel's at the step that holds the most."
+    """Bytes one `ring_attend` call holds on a rank at its peak, by part: the plain kernel's at the backward of its
+    second computed block pair, the fused kernel's at the step that holds the most."""
     s, b, a, m, heads, Q, K, L = _context_sizes(config, n, sp, "ring", ring, dtype_bytes, kernel)
     if kernel == "fused":
         plans = plans if plans is not None else _bound_plans(m, ring, s.window)
         return _fused_ring_bytes(heads * s.head_dim, m, Q, K, L, b, a, ring, plans)
-    if plans is not None: raise ValueError("plans are the fused kernel's calls: the plain kernel computes every met pair in tiles")
+    if plans is not None: raise ValueError("plans are the fused kernel's calls: the plain kernel computes every met "
+                                           "pair in tiles")
     return {"saved for backward": a * (Q + L), "output gradient": b * Q, "blocks in flight": 4 * b * K,
             "gradients in flight": 6 * a * K, "fp32 working copies": 5 * a * Q + a * L,
             "block scores": _tile_bytes(s, heads, m, m, Q, K, a, tile)}
@@ -304,7 +315,8 @@ def _context_sizes(config, n: int, sp: int, kind: str, degree: int, dtype_bytes:
     if dtype_bytes != 2:
         raise ValueError(f"the {kind} terms are read off bf16 training (fp32 accumulators): dtype_bytes must be 2")
     if not isinstance(degree, int) or isinstance(degree, bool) or degree < 2:
-        raise ValueError(f"{kind} attention needs {kind} >= 2 processes, got {kind}={degree!r} ({kind}=1 is Ulysses alone)")
+        raise ValueError(f"{kind} attention needs {kind} >= 2 processes, got {kind}={degree!r} ({kind}=1 is Ulysses "
+                         "alone)")
     if kernel not in KERNELS: raise ValueError(f"kernel={kernel!r}; choose one of {KERNELS}")
     s = Shape.of(config)
     m, heads = n * sp, s.heads // sp  # the block's tokens and the query heads after the all-to-all
@@ -315,14 +327,16 @@ def _tile_bytes(s: Shape, heads: int, m: int, keys: int, Q: int, K: int, a: int,
     tensors), or, for short tiles, a product beside two (dq's; dK's over every query head, and its GQA head sum); and
     the tile's mask. `Q`, `K`: dK's product and head sum over the `keys` keys."""
     if not isinstance(tile, int) or isinstance(tile, bool) or tile < 2 * s.head_dim:
-        raise ValueError(f"tile must be an integer of at least 2 x head_dim = {2 * s.head_dim} query rows, got {tile!r} (as ring_attend)")
+        raise ValueError(f"tile must be an integer of at least 2 x head_dim = {2 * s.head_dim} query rows, got "
+                         f"{tile!r} (as ring_attend)")
     c = min(tile, m)  # rows of one query tile (a short block is one short tile)
     S, M = heads * c * keys, c * keys
     return a * max(3 * S, 2 * S + heads * c * s.head_dim, 2 * S + Q + (K if Q > K else 0)) + M
 
 def _bound_plans(m: int, ring: int, window: int | None) -> list:
     """The fused kernel's calls at their largest, at every step: a whole-block call, and under a window a call of
-    `min(m, max(window, QUERY_TILE))` rows (a diagonal chunk, or a trimmed whole call) against the whole block with a causal band."""
+    `min(m, max(window, QUERY_TILE))` rows (a diagonal chunk, or a trimmed whole call) against the whole block with a
+    causal band."""
     calls = [(slice(0, m), slice(0, m), False, None)]
     if window: calls.append((slice(0, min(m, max(window, QUERY_TILE))), slice(0, m), False, (0, window, True)))
     return [calls] * ring
@@ -336,24 +350,30 @@ def _fused_call_bytes(a: int, width: int, rows: slice, keys: slice, band) -> int
     return max(gradients + mask, 2 * mask if band[2] else mask)
 
 def _largest_calls(plans: list, degree: int, kind: str, m: int, a: int, width: int) -> list:
-    "Each step's largest fused call's bytes (`_fused_call_bytes`; None at a step without a call), after checking the plans are this row's."
+    """Each step's largest fused call's bytes (`_fused_call_bytes`; None at a step without a call), after checking the
+    plans are this row's."""
     if len(plans) != degree:
-        raise ValueError(f"plans has {len(plans)} steps but the {kind} has {degree}: pass ring_plans(ring_index, doc, rank)")
+        raise ValueError(f"plans has {len(plans)} steps but the {kind} has {degree}: pass ring_plans(ring_index, doc, "
+                         "rank)")
     largest = []
     for calls in plans:
         for rows, keys, _, _ in calls:
             if max(rows.stop, keys.stop) > m:
-                raise ValueError(f"a call reaches row {max(rows.stop, keys.stop)} of a {kind} block of {m} tokens: these plans are "
-                                 f"another row's; pass ring_plans of this row's ring_index (n x sp = {m} tokens per block)")
+                raise ValueError(f"a call reaches row {max(rows.stop, keys.stop)} of a {kind} block of {m} tokens: "
+                                 "these plans are another row's; pass ring_plans of this row's ring_index (n x sp = "
+                                 f"{m} tokens per block)")
         largest.append(max((_fused_call_bytes(a, width, *call[:2], call[3]) for call in calls), default=None))
     return largest
 
 def _fused_ring_bytes(width, m, Q, K, L, b, a, ring, plans) -> dict:
-    "The fused kernel's peak (CPU path): the backward step that holds the most, by part. `width` = query heads x head_dim."
+    """The fused kernel's peak (CPU path): the backward step that holds the most, by part. `width` = query heads x
+    head_dim."""
     best, best_total = None, -1
     for step, largest in enumerate(_largest_calls(plans, ring, "ring", m, a, width)):
-        held = 2 * a * K if step == 0 else 6 * a * K  # this step's share of dK, dV; later also the sum sent on and the one arriving
-        if largest is not None:  # k, v and their gradients over every query head, beside the largest call (or a GQA group sum)
+        # this step's share of dK, dV; later also the sum sent on and the one arriving
+        held = 2 * a * K if step == 0 else 6 * a * K
+        # k, v and their gradients over every query head, beside the largest call (or a GQA group sum)
+        if largest is not None:
             pair = {"expanded blocks": 4 * a * Q, "pair working set": max(largest, a * K if Q > K else 0)}
         else:  # no call: the step's peak is handing its gradients on (the new sum and the buffer for the next)
             pair = {"expanded blocks": 0, "pair working set": 2 * a * K if step == 0 else 4 * a * K}
@@ -370,8 +390,9 @@ def gather_attention_bytes(config,              # a transformers config or a `Sh
                            gather: int = 2,     # context-group degree (at least 2)
                            dtype_bytes: int = 2,  # activation bytes (bf16)
                            tile: int = QUERY_TILE,  # query rows computed at once (the plain kernel's)
-                           kernel: str = "plain",   # the block-pair kernel (`workbench.sp.ring.KERNELS`); "fused": its CPU path
-                           plans: list | None = None,  # fused: this rank's calls per block (`ring_plans`); None: the largest calls any row makes
+                           kernel: str = "plain",   # the block-pair kernel (`workbench.sp.ring.KERNELS`);
+                                                    # "fused": its CPU path
+                           plans: list | None = None,  # fused: calls per block (`ring_plans`); None: `_bound_plans`
                           ) -> dict:
     "Bytes one `gather_attend` call holds on a rank at its peak (in its backward), by part."
     s, b, a, m, heads, Q, K, L = _context_sizes(config, n, sp, "gather", gather, dtype_bytes, kernel)
@@ -379,12 +400,14 @@ def gather_attention_bytes(config,              # a transformers config or a `Sh
     held = {"saved for backward": a * (Q + L), "gathered keys and values": b * 2 * gather * K, "output gradient": b * Q,
             "fp32 working copies": 3 * a * Q, "key/value gradients": a * 2 * gather * K}
     if kernel == "plain":
-        if plans is not None: raise ValueError("plans are the fused kernel's calls: the plain kernel computes the whole row in tiles")
+        if plans is not None: raise ValueError("plans are the fused kernel's calls: the plain kernel computes the "
+                                               "whole row in tiles")
         scores = _tile_bytes(s, heads, m, gather * m, gather * Q, gather * K, a, tile)
         return {**held, "fp32 working copies": 3 * a * Q + a * L, "expanded row": 2 * a * gather * Q,
                 "row scores": max(scores, b * gather * Q if grouped else 0)}
     plans = plans if plans is not None else _bound_plans(m, gather, s.window)
-    steps = [largest for largest in _largest_calls(plans, gather, "gather", m, a, heads * s.head_dim) if largest is not None]
+    steps = [largest for largest in _largest_calls(plans, gather, "gather", m, a, heads * s.head_dim)
+             if largest is not None]
     pair = max(steps[0], a * K if grouped else 0)  # the first computed step
     best = {"expanded blocks": 4 * a * Q, "pair working set": pair}
     for largest in steps[1:]:  # a later step: its k, v expanded beside the last step's four, then its own work
@@ -393,17 +416,21 @@ def gather_attention_bytes(config,              # a transformers config or a `Sh
         best = max(best, expand, work, key=lambda p: sum(p.values()))
     return {**held, **best}
 
-CONTEXT_BYTES = {"ring": ring_attention_bytes, "gather": gather_attention_bytes}  # a context layout's attention terms, by its degree name
+# a context layout's attention terms, by its degree name
+CONTEXT_BYTES = {"ring": ring_attention_bytes, "gather": gather_attention_bytes}
 
 def context_attention_bytes(config, n: int, sp: int, degree: int, context: str = "ring", kernel: str = "plain") -> dict:
-    "One attention call's peak bytes by part under the context layout `context` (a `CONTEXT_BYTES` key) of `degree` processes."
-    if context not in CONTEXT_BYTES: raise ValueError(f"context={context!r}: the planner models {sorted(CONTEXT_BYTES)}")
+    """One attention call's peak bytes by part under the context layout `context` (a `CONTEXT_BYTES` key) of `degree`
+    processes."""
+    if context not in CONTEXT_BYTES: raise ValueError(f"context={context!r}: the planner models "
+                                                      f"{sorted(CONTEXT_BYTES)}")
     return CONTEXT_BYTES[context](config, n, sp, degree, kernel=kernel)
 
 # %% ../nbs/03_planning/02_memory.ipynb #78d1a469
 def activation_phases(config, n: int, sp: int = 1, levers: Levers = Levers(), dtype_bytes: int = 2, ring: int = 1,
                       ring_kernel: str = "plain", context: str = "ring") -> dict:
-    "Per-rank activation bytes of each phase for `n` local tokens: kept state, layer, loss, embedding, all-to-all, context attention (`ring` > 1 processes of the `context` layout, its block-pair kernel `ring_kernel`)."
+    """Per-rank activation bytes of each phase for `n` local tokens: kept state, layer, loss, embedding, all-to-all,
+    context attention (`ring` > 1 processes of the `context` layout, its block-pair kernel `ring_kernel`)."""
     if dtype_bytes != 2: raise ValueError("the activation terms are measured for 2-byte (bf16/fp16) training only")
     s, b, lv = Shape.of(config), dtype_bytes, levers
     h, q, kv, I, V = s.hidden, s.q, s.kv, s.intermediate, s.vocab
@@ -415,7 +442,8 @@ def activation_phases(config, n: int, sp: int = 1, levers: Levers = Levers(), dt
     if s.qk_norm: attn += 4 * (s.heads + s.kv_heads) + (3 if lean else 6) * (q + kv)
     rp = context_attention_bytes(s, n, sp, ring, context, ring_kernel) if ring > 1 else {}
     row = rp.get("gathered keys and values", 0)  # the gather saves the row's keys and values for its backward
-    if ring > 1: attn += (4 - b) * q + 8 * sp * ring + row // n  # also an fp32 output (flash: bf16), every token's document (int64, whole row)
+    # also an fp32 output (flash: bf16), every token's document (int64, whole row)
+    if ring > 1: attn += (4 - b) * q + 8 * sp * ring + row // n
     mlp = 0 if lv.tiled_mlp else (3 if lean else 4) * b * I
     saved = 2 * norm + attn + mlp
     keep = (0 if lv.offload_checkpoints else b * h) if lv.checkpointing else saved
@@ -432,7 +460,8 @@ def activation_phases(config, n: int, sp: int = 1, levers: Levers = Levers(), dt
         attn_bwd = n * rest + ring_work
     else:
         gqa = s.heads // sp != max(s.kv_heads, sp) // sp              # a rank has more query than key/value heads
-        flash = 4 * s.heads * (-(-s.head_dim // 32) * 32 + 1) + (2 * b * q if gqa else 0)  # FlashAttention-2's workspace
+        # FlashAttention-2's workspace
+        flash = 4 * s.heads * (-(-s.head_dim // 32) * 32 + 1) + (2 * b * q if gqa else 0)
         attn_bwd = n * (rest + b * (q + 2 * kv_a) + flash)
     layer = max(mlp_bwd, norm_bwd, attn_bwd) + (b * V * h if s.tied else 0)
     a2a_live = a2a - (b * q if sp > 1 and attn_bwd > max(mlp_bwd, norm_bwd) else 0)  # the output copy is freed by then
@@ -446,11 +475,12 @@ def activation_phases(config, n: int, sp: int = 1, levers: Levers = Levers(), dt
                 ring=ring_work if ring > 1 and attn_bwd > max(mlp_bwd, norm_bwd) else 0)
 
 # %% ../nbs/03_planning/02_memory.ipynb #bd5e9eb5
-def planned_activations(config, seq_len: int, sp: int = 1, levers: Levers = Levers(), ring: int = 1, ring_kernel: str = "plain",
-                        context: str = "ring") -> int:
-    "The planner's per-rank activation peak in bytes (what `measure_activations` measures; `ring` > 1: with the `context` layout's attention on `ring_kernel`)."
-    ph = activation_phases(config, local_tokens(config, seq_len, sp, ring), sp, levers, ring=ring, ring_kernel=ring_kernel,
-                           context=context)
+def planned_activations(config, seq_len: int, sp: int = 1, levers: Levers = Levers(), ring: int = 1,
+                        ring_kernel: str = "plain", context: str = "ring") -> int:
+    """The planner's per-rank activation peak in bytes (what `measure_activations` measures; `ring` > 1: with the
+    `context` layout's attention on `ring_kernel`)."""
+    ph = activation_phases(config, local_tokens(config, seq_len, sp, ring), sp, levers, ring=ring,
+                           ring_kernel=ring_kernel, context=context)
     return max(ph["kept"] + max(ph["layer"], ph["loss"]), ph["embedding"])
 
 # %% ../nbs/03_planning/02_memory.ipynb #b69787bd
@@ -514,8 +544,10 @@ def estimate(config,                       # a transformers config, a preset nam
              sp: int = 1,                  # sequence-parallel (Ulysses) degree: heads exchanged by all-to-all
              dp: int = 1,                  # data-parallel degree (states are sharded over dp * sp * ring)
              *,
-             ring: int = 1,                # context degree (ring attention's by default): a rank holds seq_len / (sp * ring) tokens
-             ring_kernel: str = "plain",   # the context kernel: "plain", or "fused" (its CPU path: CUDA's is not modelled yet)
+             ring: int = 1,                # context degree (ring attention's by default):
+                                           # a rank holds seq_len / (sp * ring) tokens
+             ring_kernel: str = "plain",   # the context kernel: "plain", or "fused"
+                                           # (its CPU path: CUDA's is not modelled yet)
              context: str = "ring",        # the context layout of degree `ring` (`CONTEXT_BYTES`: "ring" or "gather")
              levers: Levers = Levers(),    # checkpointing / offload / tiled loss / tiled MLP
              zero_stage: int = 3,          # 0 none, 1 optimizer, 2 + gradients, 3 + parameters sharded
@@ -527,7 +559,8 @@ def estimate(config,                       # a transformers config, a preset nam
     "Expected per-rank peak memory of one training step, as a named breakdown."
     config = preset_config(config) if isinstance(config, str) else config
     shape, n = Shape.of(config), local_tokens(config, seq_len, sp, ring)
-    if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1: raise ValueError(f"dp must be a positive integer, got {dp!r}")
+    if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1: raise ValueError(
+        f"dp must be a positive integer, got {dp!r}")
     ph = activation_phases(shape, n, sp, levers, dtype_bytes, ring, ring_kernel, context)
     layer_binds = ph["layer"] >= ph["loss"]
     work = ph["layer"] if layer_binds else ph["loss"]
@@ -577,7 +610,8 @@ class ContextLimit:
                 f"32-bit indexing {self.index_tokens:,}{host})")
 
 def _longest(fits) -> int:
-    "The largest k >= 0 with `fits(k)`, for a `fits` that holds up to some k and fails beyond (doubling, then bisection)."
+    """The largest k >= 0 with `fits(k)`, for a `fits` that holds up to some k and fails beyond (doubling, then
+    bisection)."""
     lo, hi = 0, 1
     while fits(hi) and hi < 2**40: lo, hi = hi, hi * 2
     while hi - lo > 1:
@@ -594,7 +628,8 @@ def max_context(config,                 # a transformers config, preset name or 
                 ring: int = 1,          # ring attention degree
                 **options,              # anything `estimate` takes (levers, zero_stage, optimizer_offload, ...)
                ) -> ContextLimit:
-    "Longest sequence (a multiple of `sp * ring`) that fits in `memory_gib` per rank (and `host_gib`), and the binding limit."
+    """Longest sequence (a multiple of `sp * ring`) that fits in `memory_gib` per rank (and `host_gib`), and the binding
+    limit."""
     if memory_gib <= 0: raise ValueError(f"memory_gib must be positive, got {memory_gib}")
     if host_gib is not None and host_gib <= 0: raise ValueError(f"host_gib must be positive, got {host_gib}")
     config = preset_config(config) if isinstance(config, str) else config
@@ -651,7 +686,8 @@ ALST_LLAMA_8B = [  # (setup, gpus, sp, dp, levers, parameters offloaded, publish
 ALST_NODE_HOST_BYTES = 1.9e12  # "1.9TB CPU memory" per 8-GPU node (the recipes' README)
 
 def alst_table(memory_gib: float = H100_80GB_GIB) -> "pd.DataFrame":
-    "The planner's longest context per ALST Llama-8B setup beside the published one (`holds`), and the host memory per node."
+    """The planner's longest context per ALST Llama-8B setup beside the published one (`holds`), and the host memory per
+    node."""
     import pandas as pd
     rows = []
     for setup, gpus, sp, dp, lv, po, pub, kind in ALST_LLAMA_8B:

@@ -63,7 +63,8 @@ def build_model(cfg: TrainConfig, attn_implementation: str, device: torch.device
     torch.manual_seed(cfg.seed)
     weights = has_weights(cfg.model)
     with no_hf_bars():  # no "Loading weights" bar around a notebook's result
-        model = (AutoModelForCausalLM.from_pretrained(cfg.model, attn_implementation=attn_implementation, dtype=dtype) if weights
+        model = (AutoModelForCausalLM.from_pretrained(cfg.model, attn_implementation=attn_implementation,
+                                                      dtype=dtype) if weights
                  else AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype))
     if cfg.lora_r: add_lora(model, cfg.lora_r)  # before the patches: a tiled MLP must see the adapters' parameters
     if cfg.checkpointing: checkpoint_layers(model, offload=cfg.offload_checkpoints)
@@ -78,22 +79,24 @@ def rank_device() -> torch.device:
     return torch.device("cpu")
 
 def attention_key(cfg: TrainConfig) -> str:
-    "The attention the model runs, registered by the run's layout: `cfg.attn` itself on one process, wrapped in Ulysses, or the ring's."
+    """The attention the model runs, registered by the run's layout: `cfg.attn` itself on one process, wrapped in
+    Ulysses, or the ring's."""
     return cfg.layout.attention_key(cfg.attn)
 
 def check_world(cfg: TrainConfig) -> int:
     "The number of processes running, or an error when it is not the `sp x ring x dp` the config asks for."
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world != cfg.world:
-        raise ValueError(f"the config asks for sp x ring x dp = {cfg.sp} x {cfg.ring} x {cfg.dp} = {cfg.world} processes "
-                         f"but {world} are running: launch {cfg.world} processes or change sp/ring/dp")
+        raise ValueError(f"the config asks for sp x ring x dp = {cfg.sp} x {cfg.ring} x {cfg.dp} = {cfg.world} "
+                         f"processes but {world} are running: launch {cfg.world} processes or change sp/ring/dp")
     return world
 
 def rank_model(cfg: TrainConfig, grid, device: torch.device, world: int):
     "The model this process trains: built, its layout checked against its heads, sharded when `cfg.shard` says so."
     model = build_model(cfg, attention_key(cfg), device)
     cfg.layout.check(model.config, world_size=world)
-    if cfg.shard: model = shard_model(model, grid, cpu_offload=cfg.cpu_offload)  # before the optimizer sees the parameters
+    # before the optimizer sees the parameters
+    if cfg.shard: model = shard_model(model, grid, cpu_offload=cfg.cpu_offload)
     return model
 
 # %% ../nbs/04_runtime/11_model.ipynb #85c221e1

@@ -47,24 +47,29 @@ def _is_row(v) -> bool:
     return isinstance(v, (list, tuple)) or (isinstance(v, (np.ndarray, torch.Tensor)) and v.ndim > 0)
 
 def _imported_datasets():
-    "The `datasets` module once something imported it, else None: an object of its types exists only then (importing it to check would cost each forked rank half a second)."
+    """The `datasets` module once something imported it, else None: an object of its types exists only then (importing
+    it to check would cost each forked rank half a second)."""
     return sys.modules.get("datasets")
 
 def _as_row(v, i: int, key: str):
-    "Example `i`'s `key` as one row: a flat list as given, else a 1-D integer array from a `[T]` or `[1, T]` array, tensor or list."
+    """Example `i`'s `key` as one row: a flat list as given, else a 1-D integer array from a `[T]` or `[1, T]` array,
+    tensor or list."""
     if type(v) is list and (not v or type(v[0]) is int): return v  # the common case, checked whole in `_concat`
     if isinstance(v, torch.Tensor):
         if v.is_floating_point() or v.is_complex():
-            raise ValueError(f"example {i}: {key} must hold integers, got a {v.dtype} tensor: tokenize text first and cast ids to int")
+            raise ValueError(f"example {i}: {key} must hold integers, got a {v.dtype} tensor: tokenize text first and "
+                             "cast ids to int")
         v = v.detach().cpu().numpy()
     try: a = np.asarray(v)
-    except ValueError: raise ValueError(f"example {i}: {key} is ragged: give one flat row of integers per example") from None
+    except ValueError: raise ValueError(f"example {i}: {key} is ragged: give one flat row of integers per "
+                                        "example") from None
     if a.ndim == 2 and a.shape[0] == 1: a = a[0]  # what tokenizer(text, return_tensors="pt") gives
     elif a.ndim != 1:
         raise ValueError(f"example {i}: {key} has shape {list(a.shape)}; each example's column must be [T] or [1, T] "
                          f"(one example per feature dict: split batched rows into examples)")
     if a.dtype.kind not in "iub" and a.size:
-        raise ValueError(f"example {i}: {key} must hold integers (got dtype {a.dtype}): tokenize text first and cast ids to int")
+        raise ValueError(f"example {i}: {key} must hold integers (got dtype {a.dtype}): tokenize text first and cast "
+                         "ids to int")
     return a
 
 _INT64 = np.iinfo(np.int64)
@@ -94,14 +99,16 @@ def _concat(rows: list, key: str, total: int) -> np.ndarray:
     return np.concatenate([_int64(r, i, key) for i, r in enumerate(rows)])
 
 def _documents(features: list[dict], sizes: list[int], keys) -> list[int]:
-    "Document lengths of the batch: each example is one document unless it carries `seq_lengths` or restarting `position_ids`."
+    """Document lengths of the batch: each example is one document unless it carries `seq_lengths` or restarting
+    `position_ids`."""
     if not any(k in keys for k in _BOUNDARIES): return sizes
     docs = []
     for i, (f, n) in enumerate(zip(features, sizes)):
         seq, pos = f.get("seq_lengths"), f.get("position_ids")
         if pos is not None:
             pos = np.asarray(_as_row(pos, i, "position_ids"), dtype=np.int64)
-            if len(pos) != n: raise ValueError(f"example {i}: position_ids has {len(pos)} entries but input_ids has {n} tokens")
+            if len(pos) != n: raise ValueError(f"example {i}: position_ids has {len(pos)} entries but input_ids has "
+                                               f"{n} tokens")
             from_pos = lengths_from_positions(pos).tolist()
         if seq is not None:
             seq = np.asarray(_as_row(seq, i, "seq_lengths"), dtype=np.int64).tolist()
@@ -123,7 +130,8 @@ class Flat:
     carried: dict         # other per-token columns, each [T]
 
 def _flatten_any(features: list[dict], max_tokens: int | None = None) -> Flat:
-    """Validate `features` and concatenate them; raise `ValueError` naming the example, the column and the fix on bad input.
+    """Validate `features` and concatenate them; raise `ValueError` naming the example, the column and the fix on
+    bad input.
 
     Every example is read: the per-token columns are the union over the batch. An example without `labels` is
     labelled by its own `input_ids`; an example without a loss mask (`completion_mask`, `assistant_masks`, or `None`
@@ -138,8 +146,10 @@ def _flatten_any(features: list[dict], max_tokens: int | None = None) -> Flat:
                          "empty and the token budget is at least the shortest example")
     for i, f in enumerate(features):
         if type(f) is not dict and not isinstance(f, Mapping):
-            raise ValueError(f"example {i} is a {type(f).__name__}, not a dict of columns: pass a list of per-example dicts")
-        if f.get("input_ids") is None: raise ValueError(f"example {i} has no 'input_ids' (keys: {sorted(f)}); tokenize it first")
+            raise ValueError(f"example {i} is a {type(f).__name__}, not a dict of columns: pass a list of per-example "
+                             "dicts")
+        if f.get("input_ids") is None: raise ValueError(f"example {i} has no 'input_ids' (keys: {sorted(f)}); tokenize "
+                                                        "it first")
     ids = [_as_row(f["input_ids"], i, "input_ids") for i, f in enumerate(features)]
     sizes = [len(x) for x in ids]  # plain Python on a few numbers is cheaper than numpy calls here
     lengths, total = np.array(sizes, dtype=np.int64), sum(sizes)
@@ -169,15 +179,16 @@ def _flatten_any(features: list[dict], max_tokens: int | None = None) -> Flat:
             elif key in LOSS_MASKS or key == "attention_mask": rows.append(np.ones(sizes[i], dtype=np.int64))
             else:
                 has = [j for j, w in enumerate(values) if w is not None]
-                raise ValueError(f"example {i} lacks {key!r}, which examples {has[:5]} carry: a per-token column must be "
-                                 f"on every example of a batch or on none (fill it, or remove the column)")
+                raise ValueError(f"example {i} lacks {key!r}, which examples {has[:5]} carry: a per-token column must "
+                                 "be on every example of a batch or on none (fill it, or remove the column)")
         bad = np.flatnonzero(_lengths(rows) != lengths)
         if bad.size:
             i = int(bad[0])
             raise ValueError(f"example {i}: {key} has {len(rows[i])} entries but input_ids has {lengths[i]} tokens; "
                              f"per-token columns must align with input_ids")
         columns[key] = rows
-    if per_example: warnings.warn(f"per-example columns {per_example} are not per-token and are not part of the flattened row")
+    if per_example: warnings.warn(f"per-example columns {per_example} are not per-token and are not part of the "
+                                  "flattened row")
     docs = _documents(features, sizes, keys)
     input_ids = _concat(ids, "input_ids", total)
     labels = _concat(columns.pop("labels"), "labels", total) if "labels" in columns else input_ids.copy()  # a new array
@@ -193,8 +204,9 @@ def _flatten_any(features: list[dict], max_tokens: int | None = None) -> Flat:
     return Flat(np.array(docs, dtype=np.int64) if docs is not sizes else lengths, input_ids, labels, carried)
 
 def flatten_features(features: list[dict], max_tokens: int | None = None) -> Flat:
-    """Validate `features` and concatenate them; raise `ValueError` naming the example, the column and the fix on bad input.
-    The rules are `_flatten_any`'s; a batch of dicts with the same flat integer lists takes `_flatten_lists`, its fast path."""
+    """Validate `features` and concatenate them; raise `ValueError` naming the example, the column and the fix on
+    bad input. The rules are `_flatten_any`'s; a batch of dicts with the same flat integer lists takes
+    `_flatten_lists`, its fast path."""
     fast = _flatten_lists(features, max_tokens)  # None for any batch the fast path does not cover
     if fast is not None: return fast
     return _flatten_any(features, max_tokens)
@@ -237,10 +249,11 @@ def _tensor(a: np.ndarray, return_tensors: str, batch_dim: bool = True):
     a = a[None] if batch_dim else a  # every array here is freshly made and contiguous: torch shares its memory
     return torch.from_numpy(a) if return_tensors == "pt" else a
 
-_ALL_TOKENS = ("FlatteningCollator: no example of this batch has labels or a loss mask (completion_mask, assistant_masks), "
-               "so every token is trained, prompts too. If your dataset has completion_mask or assistant_masks, Trainer's "
-               "remove_unused_columns removed them: use prepare_dataset or PackedTrainer (workbench.hf). If training every "
-               "token is meant, say so: FlatteningCollator(train_all_tokens=True). (Said once per collator.)")
+_ALL_TOKENS = ("FlatteningCollator: no example of this batch has labels or a loss mask (completion_mask, "
+               "assistant_masks), so every token is trained, prompts too. If your dataset has completion_mask or "
+               "assistant_masks, Trainer's remove_unused_columns removed them: use prepare_dataset or PackedTrainer "
+               "(workbench.hf). If training every token is meant, say so: FlatteningCollator(train_all_tokens=True). "
+               "(Said once per collator.)")
 
 def _padding_multiple(value) -> int | None:
     "`pad_to_multiple_of` as the collators take it: None (no padding) or a positive integer."
@@ -257,7 +270,8 @@ def _chooses_targets(features: list[dict]) -> bool:
 @dataclass
 class FlatteningCollator:
     "Padding-free collator: one row per batch, position ids restarting per example, never an attention mask."
-    separator_id: int = IGNORE_INDEX   # label at every example's first token (keeps cross-example targets out of the loss)
+    separator_id: int = IGNORE_INDEX   # label at every example's first token (keeps
+                                       # cross-example targets out of the loss)
     pad_to_multiple_of: int | None = None  # pad the row to a multiple of this with one dummy example (labels -100)
     pad_token_id: int = 0              # token id of the dummy padding example
     return_flash_attn_kwargs: bool = True  # add `cu_seq_lens_q/k` and `max_length_q/k` for varlen kernels
@@ -342,7 +356,8 @@ def _arrow_lengths(ds, column: str) -> np.ndarray:
     "Row lengths of list column `column` of a `datasets.Dataset`, computed in Arrow (honours `select` and `shuffle`)."
     import pyarrow as pa, pyarrow.compute as pc
     if column not in ds.column_names:
-        raise KeyError(f"the dataset has no {column!r} column (it has {ds.column_names}): tokenize it first, or name the column")
+        raise KeyError(f"the dataset has no {column!r} column (it has {ds.column_names}): tokenize it first, or name "
+                       "the column")
     col = ds.select_columns([column]).with_format("arrow")[:][column]
     if len(col) == 0: return np.zeros(0, dtype=np.int64)
     if not pa.types.is_list(col.type) and not pa.types.is_large_list(col.type):
@@ -351,7 +366,8 @@ def _arrow_lengths(ds, column: str) -> np.ndarray:
         i = int(np.flatnonzero(pc.is_null(col).to_numpy(zero_copy_only=False))[0])
         raise ValueError(f"row {i} of {column!r} is missing (null): drop such rows first "
                          f"(`ds.filter(lambda r: r[{column!r}] is not None)`)")
-    if pa.types.is_list(col.type.value_type) or pa.types.is_large_list(col.type.value_type):  # [1, T] rows from a tokenizer
+    # [1, T] rows from a tokenizer
+    if pa.types.is_list(col.type.value_type) or pa.types.is_large_list(col.type.value_type):
         outer = pc.list_value_length(col).to_numpy(zero_copy_only=False)
         if (outer != 1).any():
             i = int(np.flatnonzero(outer != 1)[0])
@@ -371,7 +387,8 @@ def lengths_of(data, column: str = "input_ids") -> np.ndarray:
         if isinstance(data, datasets.Dataset): return _arrow_lengths(data, column)
         if isinstance(data, datasets.arrow_dataset.Column): return _arrow_lengths(data.source, data.column_name)
     if isinstance(data, (np.ndarray, torch.Tensor)) and data.ndim == 1:
-        if data.dtype.is_floating_point if isinstance(data, torch.Tensor) else not np.issubdtype(data.dtype, np.integer):
+        if (data.dtype.is_floating_point if isinstance(data, torch.Tensor)
+                else not np.issubdtype(data.dtype, np.integer)):
             raise TypeError(f"lengths must be integers, got {data.dtype}")
         return np.asarray(data, dtype=np.int64)
     data = list(data)
@@ -384,13 +401,15 @@ def lengths_of(data, column: str = "input_ids") -> np.ndarray:
         missing = next((i for i, f in enumerate(data) if column not in f), None)
         if missing is not None:
             raise KeyError(f"example {missing} has no {column!r} (it has {sorted(data[missing])}): tokenize it first")
-        return np.fromiter((len(_as_row(f[column], i, column)) for i, f in enumerate(data)), dtype=np.int64, count=len(data))
+        return np.fromiter((len(_as_row(f[column], i, column)) for i, f in enumerate(data)), dtype=np.int64,
+                           count=len(data))
     return np.fromiter((len(_as_row(r, i, column)) for i, r in enumerate(data)), dtype=np.int64, count=len(data))
 
 
 # %% ../nbs/01_packing/04_packing.ipynb #8e59e0fa
 def _bfd(lengths: np.ndarray, capacity: int, rng: np.random.Generator) -> np.ndarray:
-    "Best-fit decreasing: the bin of every item (lengths in [1, capacity]). Ties between equal lengths are shuffled by `rng`."
+    """Best-fit decreasing: the bin of every item (lengths in [1, capacity]). Ties between equal lengths are shuffled by
+    `rng`."""
     n = len(lengths)
     if n == 0: return np.zeros(0, dtype=np.int64)
     order = np.lexsort((rng.permutation(n), -lengths))
@@ -399,17 +418,20 @@ def _bfd(lengths: np.ndarray, capacity: int, rng: np.random.Generator) -> np.nda
     group_ends = np.r_[group_starts[1:], n]
     bin_sorted = np.empty(n, dtype=np.int64)
     buckets = {}        # remaining room -> arrays of the bins that have exactly that room
-    fit, short = [], [] # heaps of the rooms in `buckets`: those >= the current length (min first), the others (max first)
+    # heaps of the rooms in `buckets`: those >= the current length (min first), the others (max first)
+    fit, short = [], []
     n_bins = 0
 
     def put(room, bins, size):
         if not len(bins) or room == 0: return  # a full bin takes nothing more
-        if room not in buckets: buckets[room] = []; heapq.heappush(fit, room) if room >= size else heapq.heappush(short, -room)
+        if room not in buckets:
+            buckets[room] = []; heapq.heappush(fit, room) if room >= size else heapq.heappush(short, -room)
         buckets[room].append(bins)
 
     for start, end in zip(group_starts, group_ends):
         size, pos = int(sorted_len[start]), int(start)
-        while short and -short[0] >= size: heapq.heappush(fit, -heapq.heappop(short))  # lengths only shrink: rooms start to fit
+        # lengths only shrink: rooms start to fit
+        while short and -short[0] >= size: heapq.heappush(fit, -heapq.heappop(short))
         while pos < end:
             if fit:  # the tightest bins that still fit this length
                 room = heapq.heappop(fit)
@@ -477,7 +499,8 @@ def _arrow_targets(ds, lengths: np.ndarray) -> np.ndarray | None:
 def _piece_targets(data, lengths: np.ndarray, example: np.ndarray, offset: np.ndarray, length: np.ndarray,
                    column: str = "input_ids") -> np.ndarray | None:
     """Trained targets of every piece (`lengths[e]` tokens of example `e`, piece `[offset, offset + length)`): the
-    targets of its tokens but its first, whose label a packed row clears. None for bare lengths, which carry no labels."""
+    targets of its tokens but its first, whose label a packed row clears. None for bare lengths, which carry no
+    labels."""
     datasets = _imported_datasets()
     is_dataset = datasets is not None and isinstance(data, datasets.Dataset)
     if is_dataset: rows = data.select_columns([c for c in (column, *_TARGET_KEYS) if c in data.column_names])
@@ -488,7 +511,8 @@ def _piece_targets(data, lengths: np.ndarray, example: np.ndarray, offset: np.nd
         return length - 1  # every token trains (`FlatteningCollator` without labels or masks) but a piece's first
     t = (_arrow_targets(rows, lengths) if is_dataset and column == "input_ids" and
          not any(k in rows.column_names for k in _BOUNDARIES) else None)
-    if t is None: t = np.concatenate([_target_row(f, i, column) for i, f in enumerate(rows)]) if len(rows) else np.zeros(0, bool)
+    if t is None:
+        t = np.concatenate([_target_row(f, i, column) for i, f in enumerate(rows)]) if len(rows) else np.zeros(0, bool)
     cs = np.concatenate([[0], np.cumsum(t, dtype=np.int64)])
     start = np.concatenate([[0], np.cumsum(lengths)])[example] + offset
     return cs[start + length] - cs[start + np.minimum(length, 1)]
@@ -506,9 +530,12 @@ class Plan:
     split: int = 0        # examples split into several pieces
     dropped: int = 0      # examples left out
     lost_tokens: int = 0  # tokens removed by truncate or drop
-    untrained: int = 0    # pieces left out because they train no token (untrained='drop'): prompt-only pieces of split or truncated examples
-    untrained_tokens: int = 0  # the tokens of those pieces (no trained target among them: nothing the loss sees is lost)
-    trained: np.ndarray | None = None  # trained targets of every piece (None: planned from bare lengths, which carry no labels)
+    untrained: int = 0    # pieces left out because they train no token (untrained='drop'):
+                          # prompt-only pieces of split or truncated examples
+    untrained_tokens: int = 0  # the tokens of those pieces (no trained target
+                               # among them: nothing the loss sees is lost)
+    trained: np.ndarray | None = None  # trained targets of every piece (None: planned
+                                       # from bare lengths, which carry no labels)
 
     @property
     def bin_tokens(self) -> np.ndarray: return np.array([self.length[b].sum() for b in self.bins], dtype=np.int64)
@@ -521,8 +548,8 @@ class Plan:
 
     def __repr__(self):
         s = (f"Plan({len(self.bins)} bins of {self.capacity} tokens, fill {self.fill:.4f}, {len(self.length)} pieces "
-             f"from {self.n_examples} examples; truncated {self.truncated}, split {self.split}, dropped {self.dropped}, "
-             f"tokens lost {self.lost_tokens}")
+             f"from {self.n_examples} examples; truncated {self.truncated}, split {self.split}, dropped "
+             f"{self.dropped}, tokens lost {self.lost_tokens}")
         if self.trained is None: return s + "; trained targets unknown: planned from bare lengths)"
         return (s + f"; untrained pieces dropped {self.untrained} ({self.untrained_tokens} tokens); trained targets "
                     f"{int(self.trained.sum())}, bins training none {int((self.bin_trained == 0).sum())})")
@@ -533,12 +560,14 @@ class Plan:
 
 def plan_bins(lengths,  # per-example token counts, or anything `lengths_of` reads (a `Dataset`, feature dicts)
               capacity: int, overlong: str = "error", seed: int = 0,
-              untrained: str = "drop",  # a piece that trains no token (feature dicts or a Dataset only): "drop" (counted) or "keep"
+              # a piece that trains no token (feature dicts or a Dataset only): "drop" (counted) or "keep"
+              untrained: str = "drop",
              ) -> Plan:
     "Pack examples of `lengths` into bins of at most `capacity` tokens with global best-fit decreasing."
     if overlong not in OVERLONG: raise ValueError(f"overlong must be one of {OVERLONG}, got {overlong!r}")
     if untrained not in UNTRAINED:
-        raise ValueError(f"untrained must be one of {UNTRAINED} (what to do with a piece that trains no token), got {untrained!r}")
+        raise ValueError(f"untrained must be one of {UNTRAINED} (what to do with a piece that trains no token), got "
+                         f"{untrained!r}")
     capacity = _positive_int("capacity", capacity, "the token budget of one bin")
     data, lengths = lengths, lengths_of(lengths)
     if (lengths <= 0).any():
@@ -549,7 +578,8 @@ def plan_bins(lengths,  # per-example token counts, or anything `lengths_of` rea
     counts = {}
     if over.size and overlong == "error":
         raise ValueError(f"{over.size} examples are longer than capacity={capacity} (first: example {over[0]} with "
-                         f"{lengths[over[0]]} tokens): pass overlong='truncate', 'split' or 'drop', or raise the capacity")
+                         f"{lengths[over[0]]} tokens): pass overlong='truncate', 'split' or 'drop', or raise the "
+                         "capacity")
     if overlong == "truncate" and over.size:
         length[over] = capacity
         counts = dict(truncated=over.size, lost_tokens=int((lengths[over] - capacity).sum()))
@@ -564,7 +594,8 @@ def plan_bins(lengths,  # per-example token counts, or anything `lengths_of` rea
         length = np.minimum(lengths[example] - offset, capacity)
         counts = dict(split=over.size)
     trained = _piece_targets(data, lengths, example, offset, length)
-    if trained is not None and untrained == "drop" and (trained == 0).any():  # zero loss and zero gradient wherever placed
+    # zero loss and zero gradient wherever placed
+    if trained is not None and untrained == "drop" and (trained == 0).any():
         keep = trained > 0
         counts.update(untrained=int((~keep).sum()), untrained_tokens=int(length[~keep].sum()))
         example, offset, length, trained = example[keep], offset[keep], length[keep], trained[keep]
@@ -581,7 +612,8 @@ def _cut_documents(seq_lengths, lo: int, n: int) -> list[int]:
     return (b - a)[b > a].tolist()
 
 def _cut_example(f: dict, lo: int, n: int, T: int) -> dict:
-    "Tokens `[lo, lo + n)` of feature dict `f` whose rows have `T` tokens: every per-token column sliced, the rest kept."
+    """Tokens `[lo, lo + n)` of feature dict `f` whose rows have `T` tokens: every per-token column sliced, the rest
+    kept."""
     def cut(k, v):
         if k == "seq_lengths" and v is not None: return _cut_documents(v, lo, n)  # TRL's packed rows
         if not _is_row(v): return v
@@ -599,25 +631,30 @@ class PlannedFeatures(torch.utils.data.Dataset):
         f = self.features[e]
         lo, n, T = int(self.plan.offset[i]), int(self.plan.length[i]), len(_as_row(f["input_ids"], e, "input_ids"))
         if lo + n > T or (lo + n < T and n != self.plan.capacity):  # only a split or truncated piece ends early
-            raise ValueError(f"piece {i} is tokens [{lo}, {lo + n}) of example {e}, which has {T}: the plan was made from "
-                             f"other lengths; plan the lengths of these features (len of each example's input_ids row)")
+            raise ValueError(f"piece {i} is tokens [{lo}, {lo + n}) of example {e}, which has {T}: the plan was made "
+                             "from other lengths; plan the lengths of these features (len of each example's input_ids "
+                             "row)")
         return f if lo == 0 and n == T else _cut_example(f, lo, n, T)
 
 # %% ../nbs/01_packing/04_packing.ipynb #45dda825
 def _given_steps(steps, n_bins: int, width: int) -> np.ndarray:
-    "`steps` as an int64 `[n_steps, width]` array of bin ids (one optimizer step per row) that serves every bin, or an error naming the fix."
+    """`steps` as an int64 `[n_steps, width]` array of bin ids (one optimizer step per row) that serves every bin, or an
+    error naming the fix."""
     a = np.asarray(steps)
     if a.ndim != 2 or a.shape[1] != width:
-        raise ValueError(f"steps has shape {list(a.shape)}; it must be [n_steps, grad_accum x num_replicas = {width}]: one row "
-                         f"per optimizer step, micro-step by micro-step (a [steps, grad_accum, dp] array: reshape(len(steps), -1))")
+        raise ValueError(f"steps has shape {list(a.shape)}; it must be [n_steps, grad_accum x num_replicas = {width}]: "
+                         "one row per optimizer step, micro-step by micro-step (a [steps, grad_accum, dp] array: "
+                         "reshape(len(steps), -1))")
     if a.size and a.dtype.kind not in "iu": raise ValueError(f"steps must hold integer bin ids, got dtype {a.dtype}")
     a = a.astype(np.int64)
     bad = a[(a < 0) | (a >= n_bins)]
-    if bad.size: raise ValueError(f"steps holds bin id {int(bad[0])} ({bad.size} ids in all) outside the plan's {n_bins} bins [0, {n_bins})")
+    if bad.size: raise ValueError(f"steps holds bin id {int(bad[0])} ({bad.size} ids in all) outside the plan's "
+                                  f"{n_bins} bins [0, {n_bins})")
     unserved = np.setdiff1d(np.arange(n_bins), a)
     if unserved.size:
-        raise ValueError(f"steps never serve {unserved.size} of the plan's {n_bins} bins (e.g. bin {int(unserved[0])}): an epoch "
-                         f"must cover the plan; place them in steps (repeating bins to complete a step) or plan without them")
+        raise ValueError(f"steps never serve {unserved.size} of the plan's {n_bins} bins (e.g. bin "
+                         f"{int(unserved[0])}): an epoch must cover the plan; place them in steps (repeating bins to "
+                         "complete a step) or plan without them")
     return a
 
 class TokenBudgetSampler(torch.utils.data.Sampler):
@@ -633,20 +670,22 @@ class TokenBudgetSampler(torch.utils.data.Sampler):
     `set_epoch(e)` starts epoch `e` from its first step, unless the sampler is already in epoch `e` (for instance just
     restored), where it keeps its position.
 
-    `steps` serves a grouping made elsewhere (e.g. `workbench.step_balance.BalancedPlan.sampler`) exactly as given, one optimizer
-    step per row; shuffling moves whole rows, never what is inside one."""
+    `steps` serves a grouping made elsewhere (e.g. `workbench.step_balance.BalancedPlan.sampler`) exactly as given,
+    one optimizer step per row; shuffling moves whole rows, never what is inside one."""
     def __init__(self, plan: Plan,
                  shuffle: bool = True,  # a new order of the steps every epoch (deterministic in `seed` and the epoch)
                  seed: int = 0,         # the seed of that order; the same on every rank
                  num_replicas: int = 1, # data-parallel ranks; each micro-step holds one bin per rank
                  rank: int = 0,         # this process's rank in [0, num_replicas)
-                 steps=None,            # a grouping to serve: [n_steps, grad_accum * num_replicas] bin ids covering every bin (None: bins of similar size side by side)
+                 steps=None,            # a grouping to serve: [n_steps, grad_accum * num_replicas] bin
+                                        # ids covering every bin (None: bins of similar size side by side)
                  grad_accum: int = 1):  # micro-steps per optimizer step: each rank takes this many bins of every row
         num_replicas = _positive_int("num_replicas", num_replicas, "the data-parallel ranks")
         grad_accum = _positive_int("grad_accum", grad_accum, "the micro-steps of one optimizer step")
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} is outside num_replicas={num_replicas}: need 0 <= rank < num_replicas")
-        if not plan.bins: raise ValueError("the plan has no bins: nothing to sample (is the dataset empty, or does none of it train?)")
+        if not plan.bins: raise ValueError("the plan has no bins: nothing to sample (is the dataset empty, or does "
+                                           "none of it train?)")
         self.plan, self.shuffle, self.seed, self.num_replicas, self.rank = plan, shuffle, seed, num_replicas, rank
         self.epoch, self.consumed, self.given, self.grad_accum = 0, 0, steps is not None, grad_accum
         self.ahead = 0  # workers of the plain DataLoader iterating this sampler (0: its count is what was received)
@@ -669,7 +708,8 @@ class TokenBudgetSampler(torch.utils.data.Sampler):
         if epoch != self.epoch: self.epoch, self.consumed = epoch, 0
 
     def epoch_steps(self) -> np.ndarray:
-        "This epoch's `[optimizer steps, grad_accum * num_replicas]` bin ids, in serving order (the same on every rank)."
+        """This epoch's `[optimizer steps, grad_accum * num_replicas]` bin ids, in serving order (the same on every
+        rank)."""
         if not self.shuffle: return self.steps
         rng = np.random.default_rng([self.seed, self.epoch])
         steps = self.steps[rng.permutation(len(self.steps))]
@@ -716,13 +756,14 @@ class TokenBudgetSampler(torch.utils.data.Sampler):
         if missing: raise ValueError(f"state lacks {missing}: pass what TokenBudgetSampler.state_dict() returned")
         accum = state.get("grad_accum", 1)  # absent: saved when every rank took one bin per row
         if state["num_replicas"] * accum != self.num_replicas * self.grad_accum:
-            raise ValueError(f"state was saved with a global batch of num_replicas x grad_accum = {state['num_replicas']} x "
-                             f"{accum} bins per optimizer step but this sampler serves {self.num_replicas} x {self.grad_accum}: "
-                             f"rebuild it with the same global batch (any split of it over ranks and micro-steps)")
+            raise ValueError("state was saved with a global batch of num_replicas x grad_accum = "
+                             f"{state['num_replicas']} x {accum} bins per optimizer step but this sampler serves "
+                             f"{self.num_replicas} x {self.grad_accum}: rebuild it with the same global batch (any "
+                             "split of it over ranks and micro-steps)")
         for k, v in {"seed": self.seed, "steps": len(self.steps)}.items():
             if state[k] != v:
-                raise ValueError(f"state was saved with {k}={state[k]} but this sampler has {k}={v}: rebuild it from the "
-                                 f"same plan, seed and global batch as the run that saved it")
+                raise ValueError(f"state was saved with {k}={state[k]} but this sampler has {k}={v}: rebuild it from "
+                                 "the same plan, seed and global batch as the run that saved it")
         was = state.get("grouping")  # absent: saved before groupings were recorded, so by the default grouping
         if was != self.grouping and (was is not None or self.given):
             raise ValueError("state was saved by a sampler serving another grouping of the bins (tokens against cost "
@@ -731,14 +772,15 @@ class TokenBudgetSampler(torch.utils.data.Sampler):
             raise ValueError(f"state has consumed={state['consumed']}, outside [0, {len(self.steps) * accum}]")
         step, micro = divmod(int(state["consumed"]), accum)
         if micro and accum != self.grad_accum:
-            raise ValueError(f"state was saved after micro-step {micro} of an optimizer step of {accum}: only a state at an "
-                             f"optimizer-step boundary resumes on another split; use grad_accum={accum}")
+            raise ValueError(f"state was saved after micro-step {micro} of an optimizer step of {accum}: only a state "
+                             f"at an optimizer-step boundary resumes on another split; use grad_accum={accum}")
         self.epoch, self.consumed = int(state["epoch"]), step * self.grad_accum + micro
         self._roll()
 
 class ResumableLoader(torch.utils.data.DataLoader):
     "A `DataLoader` over a `TokenBudgetSampler` whose state is what its consumer received, whatever `num_workers`."
-    def __init__(self, dataset, sampler: TokenBudgetSampler, **kwargs):  # kwargs: the DataLoader's (collate_fn, num_workers...)
+    def __init__(self, dataset, sampler: TokenBudgetSampler, **kwargs):  # kwargs: the DataLoader's
+                                                                         # (collate_fn, num_workers...)
         if not isinstance(sampler, TokenBudgetSampler):
             raise TypeError(f"sampler must be a TokenBudgetSampler, got {type(sampler).__name__}")
         super().__init__(dataset, batch_sampler=sampler, **kwargs)
@@ -758,7 +800,8 @@ class ResumableLoader(torch.utils.data.DataLoader):
 
 # %% ../nbs/01_packing/04_packing.ipynb #226d027a
 def synthetic_lengths(kind: str = "flan", n: int = 100_000, seed: int = 0) -> np.ndarray:
-    "Lengths drawn like FLAN (lognormal, median 120, sigma 1.0, clipped to [8, 2048]) or OrcaMath (median 300, sigma 0.35, [32, 2048])."
+    """Lengths drawn like FLAN (lognormal, median 120, sigma 1.0, clipped to [8, 2048]) or OrcaMath (median 300, sigma
+    0.35, [32, 2048])."""
     median, sigma, lo = {"flan": (120, 1.0, 8), "orca": (300, 0.35, 32)}[kind]
     return np.clip(np.random.default_rng(seed).lognormal(np.log(median), sigma, n), lo, 2048).astype(np.int64)
 
@@ -777,16 +820,19 @@ class PackingReport:
     def speedup_bound(self) -> float: return float(self.padded_steps[:, 1].sum() / self.padded_steps[:, 0].sum())
     @property
     def attention_bound(self) -> float:
-        return float((self.padded_steps[:, 1].astype(float) ** 2 / self.batch_size).sum() / (self.lengths.astype(float) ** 2).sum())
+        return float((self.padded_steps[:, 1].astype(float) ** 2 / self.batch_size).sum()
+                     / (self.lengths.astype(float) ** 2).sum())
 
     def rows(self) -> list[tuple[str, str]]:
         st = lambda a: f"mean {a.mean():,.0f} / min {a.min():,} / max {a.max():,}"
-        return [("examples", f"{len(self.lengths):,} ({self.lengths.sum():,} tokens, median {np.median(self.lengths):.0f}, "
-                             f"p95 {np.percentile(self.lengths, 95):.0f}, max {self.lengths.max():,})"),
+        return [("examples", f"{len(self.lengths):,} ({self.lengths.sum():,} tokens, median "
+                             f"{np.median(self.lengths):.0f}, p95 {np.percentile(self.lengths, 95):.0f}, max "
+                             f"{self.lengths.max():,})"),
                 (f"padded batches of {self.batch_size}: padding share", f"{self.padding_share:.1%}"),
                 ("ideal padding-free speedup bound (padded / real tokens)", f"{self.speedup_bound:.2f}x"),
                 ("attention-cost bound (sum B*Lmax^2 / sum l^2)", f"{self.attention_bound:.2f}x"),
-                (f"token-budget plan ({self.plan.capacity} tokens)", f"{len(self.plan.bins):,} steps, fill {self.plan.fill:.2%}"),
+                (f"token-budget plan ({self.plan.capacity} tokens)", f"{len(self.plan.bins):,} steps, fill "
+                                                                     f"{self.plan.fill:.2%}"),
                 ("padded: tokens per step (incl. padding)", st(self.padded_steps[:, 1])),
                 ("packed: tokens per step", st(self.plan.bin_tokens))]
 
@@ -794,10 +840,13 @@ class PackingReport:
         w = max(len(k) for k, _ in self.rows())
         return "\n".join([f"Packing report: {self.name}", *(f"  {k:<{w}}  {v}" for k, v in self.rows())])
     def _repr_markdown_(self):
-        return f"**Packing report: {self.name}**\n\n| | |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in self.rows())
+        return (f"**Packing report: {self.name}**\n\n| | |\n|---|---|\n"
+                + "\n".join(f"| {k} | {v} |" for k, v in self.rows()))
 
-def packing_report(lengths, batch_size: int = 8, capacity: int | None = None, name: str = "dataset", seed: int = 0) -> PackingReport:
-    "Measure padded batching of `lengths` against a token-budget plan (default budget: `batch_size` mean-length examples)."
+def packing_report(lengths, batch_size: int = 8, capacity: int
+                   | None = None, name: str = "dataset", seed: int = 0) -> PackingReport:
+    """Measure padded batching of `lengths` against a token-budget plan (default budget: `batch_size` mean-length
+    examples)."""
     batch_size = _positive_int("batch_size", batch_size, "the examples of one padded batch, the baseline measured")
     lengths = lengths_of(lengths)
     if len(lengths) < batch_size: raise ValueError(f"{len(lengths)} examples cannot fill one batch of {batch_size}")
@@ -826,7 +875,8 @@ class OnlineBestFit:
         return [item for _, item in items]
 
     def add(self, length: int, item) -> list[list]:
-        "Put `item` of `length` tokens (1..capacity) in a bin; return the bins this closes (their items in arrival order)."
+        """Put `item` of `length` tokens (1..capacity) in a bin; return the bins this closes (their items in arrival
+        order)."""
         i = bisect.bisect_left(self.rooms, (length, -1))  # the tightest room that still fits `length`
         if i < len(self.rooms): room, b = self.rooms.pop(i)
         else: room, b, self.next_bin = self.capacity, self.next_bin, self.next_bin + 1; self.open[b] = []
@@ -884,10 +934,11 @@ class StreamReport:
         return plan_bins(np.repeat(np.arange(self.capacity + 1), self.piece_counts), self.capacity)
     def __repr__(self):
         g = self.global_plan().fill
-        return (f"StreamReport({self.examples} examples, {self.bins} bins of {self.capacity} tokens, fill {self.fill:.4f} "
-                f"vs {g:.4f} for the global plan ({self.fill / g if g else 0:.2%}), buffer {self.buffer_size}; truncated "
-                f"{self.truncated}, split {self.split}, dropped {self.dropped}, tokens lost {self.lost_tokens}, "
-                f"untrained pieces dropped {self.untrained} ({self.untrained_tokens} tokens), bins repeated {self.repeated})")
+        return (f"StreamReport({self.examples} examples, {self.bins} bins of {self.capacity} tokens, fill "
+                f"{self.fill:.4f} vs {g:.4f} for the global plan ({self.fill / g if g else 0:.2%}), buffer "
+                f"{self.buffer_size}; truncated {self.truncated}, split {self.split}, dropped {self.dropped}, tokens "
+                f"lost {self.lost_tokens}, untrained pieces dropped {self.untrained} ({self.untrained_tokens} tokens), "
+                f"bins repeated {self.repeated})")
 
 def _fingerprint(h, row):
     "Feed one example's token `row` to the running hash `h`: its length and its first, middle and last ids (cheap)."
@@ -902,13 +953,13 @@ class PackedStream(torch.utils.data.IterableDataset):
     """Bins of at most `capacity` tokens packed as a stream of feature dicts is read (`OnlineBestFit` over a buffer of
     `buffer_size` examples), each bin a list of features for `FlatteningCollator` (or `collate_fn(bin)`).
 
-    Every token is kept once unless `overlong` or `untrained` says otherwise, and the report counts it. Under data parallelism every
-    rank packs the whole stream (the same bins on every rank, no communication) and serves every `num_replicas`-th bin;
-    when the bins do not divide evenly, the ranks short of one at the end repeat a bin of the last round (counted in
-    `report.repeated`), so all ranks take the same number of steps. One pass over the source is one epoch.
-    `state_dict()` after a step resumes exactly at the next one: it holds the position in the source, a fingerprint
-    of the examples read (a resume over another source is refused) and the buffer as plain numbers (JSON and
-    `torch.load(weights_only=True)` read it back), each piece by its example and first token."""
+    Every token is kept once unless `overlong` or `untrained` says otherwise, and the report counts it. Under data
+    parallelism every rank packs the whole stream (the same bins on every rank, no communication) and serves every
+    `num_replicas`-th bin; when the bins do not divide evenly, the ranks short of one at the end repeat a bin of the
+    last round (counted in `report.repeated`), so all ranks take the same number of steps. One pass over the source is
+    one epoch. `state_dict()` after a step resumes exactly at the next one: it holds the position in the source, a
+    fingerprint of the examples read (a resume over another source is refused) and the buffer as plain numbers (JSON
+    and `torch.load(weights_only=True)` read it back), each piece by its example and first token."""
     def __init__(self, source,             # re-iterable feature dicts: an IterableDataset, a Dataset, a list...
                  capacity: int,            # token budget of one bin
                  buffer_size: int = 2000,  # examples held while packing (memory is bounded by them)
@@ -920,21 +971,25 @@ class PackedStream(torch.utils.data.IterableDataset):
                  untrained: str = "drop"): # a piece that trains no token: "drop" (counted in the report) or "keep"
         if overlong not in OVERLONG: raise ValueError(f"overlong must be one of {OVERLONG}, got {overlong!r}")
         if untrained not in UNTRAINED:
-            raise ValueError(f"untrained must be one of {UNTRAINED} (what to do with a piece that trains no token), got {untrained!r}")
+            raise ValueError(f"untrained must be one of {UNTRAINED} (what to do with a piece that trains no token), "
+                             f"got {untrained!r}")
         if num_replicas < 1 or not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} is outside num_replicas={num_replicas}: need 0 <= rank < num_replicas")
         OnlineBestFit(capacity, buffer_size)  # refuses a bad capacity or buffer before any data is read
-        self.source, self.capacity, self.buffer_size, self.overlong, self.column = source, capacity, buffer_size, overlong, column
+        (self.source, self.capacity, self.buffer_size,
+         self.overlong, self.column) = source, capacity, buffer_size, overlong, column
         self.collate_fn, self.num_replicas, self.rank, self.untrained = collate_fn, num_replicas, rank, untrained
         self.epoch, self._saved, self._live, self._passes = 0, None, None, 0
         self.report = StreamReport(capacity, buffer_size)
 
     def _row(self, f, i: int):
         "Example `i`'s token row (its `column`), or an error naming what keeps it from being packed."
-        if not isinstance(f, Mapping): raise TypeError(f"example {i} is a {type(f).__name__}: the stream must yield feature dicts")
+        if not isinstance(f, Mapping): raise TypeError(f"example {i} is a {type(f).__name__}: the stream must yield "
+                                                       "feature dicts")
         v = f.get(self.column)
         if v is None:
-            raise ValueError(f"example {i} has no {self.column!r} (it has {sorted(f)}): tokenize it first, or name the column")
+            raise ValueError(f"example {i} has no {self.column!r} (it has {sorted(f)}): tokenize it first, or name the "
+                             "column")
         if isinstance(v, str):
             raise ValueError(f"example {i}: {self.column} is text ({v[:30]!r}): tokenize it into token ids first")
         return _as_row(v, i, self.column)
@@ -955,7 +1010,8 @@ class PackedStream(torch.utils.data.IterableDataset):
                 cs = np.concatenate([[0], np.cumsum(_target_row(f, i, self.column), dtype=np.int64)])
                 kept = [(lo, k) for lo, k in spans if cs[lo + k] - cs[lo + 1] > 0]
             else: kept = [(lo, k) for lo, k in spans if k > 1]  # every token trains but a piece's first
-            r.untrained += len(spans) - len(kept); r.untrained_tokens += sum(k for _, k in spans) - sum(k for _, k in kept)
+            r.untrained += len(spans) - len(kept)
+            r.untrained_tokens += sum(k for _, k in spans) - sum(k for _, k in kept)
             spans = kept
         return [_piece(f, i, lo, k, n) for lo, k in spans]
 
@@ -971,11 +1027,12 @@ class PackedStream(torch.utils.data.IterableDataset):
 
     def __iter__(self):
         if torch.utils.data.get_worker_info() is not None:
-            raise RuntimeError("PackedStream packs in the process that iterates it and its state is that process's: use "
-                               "DataLoader(stream, batch_size=None, num_workers=0); packing costs microseconds per example")
+            raise RuntimeError("PackedStream packs in the process that iterates it and its state is that process's: "
+                               "use DataLoader(stream, batch_size=None, num_workers=0); packing costs microseconds per "
+                               "example")
         if iter(self.source) is self.source and self._passes:
-            raise TypeError("the source is a one-shot iterator and was already read: pass a re-iterable source (a list, "
-                            "a Dataset, an IterableDataset)")
+            raise TypeError("the source is a one-shot iterator and was already read: pass a re-iterable source (a "
+                            "list, a Dataset, an IterableDataset)")
         self._passes += 1
         saved, self._saved = self._saved, None
         if saved is None: self.report = StreamReport(self.capacity, self.buffer_size)
@@ -1031,7 +1088,8 @@ class PackedStream(torch.utils.data.IterableDataset):
         b = [p[3] for p in b]
         return self.collate_fn(b) if self.collate_fn else b
 
-    def set_epoch(self, epoch: int): self.epoch = epoch  # passed on to the source's own set_epoch (a shuffled IterableDataset)
+    # passed on to the source's own set_epoch (a shuffled IterableDataset)
+    def set_epoch(self, epoch: int): self.epoch = epoch
 
     def state_dict(self) -> dict:
         """Where the pass stands after the last bin handed over (the next pass if none runs): examples read and their
@@ -1050,7 +1108,8 @@ class PackedStream(torch.utils.data.IterableDataset):
     def load_state_dict(self, state: dict):
         "Resume: the next iteration skips the examples already read and continues from the saved buffer."
         for k in ("capacity", "buffer_size", "overlong", "num_replicas", "rank", "untrained"):
-            saved = state.get(k, "keep" if k == "untrained" else None)  # a state from before the policy kept every piece
+            # a state from before the policy kept every piece
+            saved = state.get(k, "keep" if k == "untrained" else None)
             if saved != getattr(self, k):
                 raise ValueError(f"state was saved with {k}={saved!r} but this stream has {k}={getattr(self, k)!r}: "
                                  f"rebuild it as the run that saved it")

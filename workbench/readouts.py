@@ -31,14 +31,17 @@ def _proc_status(key: str) -> int | None:
     return int(kib.group(1)) * 1024 if kib else None
 
 def peak_memory_bytes(device: torch.device) -> int:
-    "Peak memory of this process since `watch_memory`: CUDA's max allocated on a GPU, the peak resident set size on a CPU."
+    """Peak memory of this process since `watch_memory`: CUDA's max allocated on a GPU, the peak resident set size on a
+    CPU."""
     if device.type == "cuda": return int(torch.cuda.max_memory_allocated(device))
     peak = _proc_status("VmHWM")
     if peak is not None: return peak
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # not Linux: since the process started (KiB on most)
+    # not Linux: since the process started (KiB on most)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 def watch_memory(device: torch.device):
-    "Count this process's peak memory from now: a forked rank otherwise starts from its parent's peak (a notebook's, say)."
+    """Count this process's peak memory from now: a forked rank otherwise starts from its parent's peak (a notebook's,
+    say)."""
     if device.type == "cuda": torch.cuda.reset_peak_memory_stats(device)
     else:
         try: Path("/proc/self/clear_refs").write_text("5")  # Linux: VmHWM restarts from VmRSS
@@ -48,11 +51,13 @@ def watch_memory(device: torch.device):
 _SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
 
 def expected_memory(cfg: TrainConfig, dtype: torch.dtype = torch.bfloat16):
-    "The planner's per-rank peak for this run in `dtype` (a GPU run's bf16 by default): a `workbench.memory.Estimate` with named parts."
+    """The planner's per-rank peak for this run in `dtype` (a GPU run's bf16 by default): a `workbench.memory.Estimate`
+    with named parts."""
     levers = Levers(checkpointing=cfg.checkpointing, offload_checkpoints=cfg.offload_checkpoints,
                     tiled_loss=bool(cfg.loss_chunk), loss_chunk=cfg.loss_chunk or 1024,
                     tiled_mlp=bool(cfg.mlp_chunk), mlp_chunk=cfg.mlp_chunk or None, lean_kernels=cfg.lean_kernels)
-    seq = cfg.layout.padded_tokens(cfg.max_tokens)  # the row as the layout pads it: a multiple of sp, or the ring's plan's
+    # the row as the layout pads it: a multiple of sp, or the ring's plan's
+    seq = cfg.layout.padded_tokens(cfg.max_tokens)
     return estimate(model_config(cfg), seq, dp=cfg.dp, **cfg.layout.memory_options(), levers=levers,
                     zero_stage=3 if cfg.shard else 0,
                     optimizer_offload=cfg.cpu_offload, param_offload=cfg.cpu_offload, runtime_gib=0,
@@ -62,17 +67,20 @@ def memory_readout(cfg: TrainConfig,                    # the run
                    dtype: torch.dtype = torch.bfloat16,  # its training dtype
                    device_type: str = "cpu",             # where its ranks train: "cpu" or "cuda"
                   ) -> tuple[int | None, str]:
-    "The planned per-rank peak in `dtype` in bytes and the line saying it, or None and the line saying why the planner cannot."
+    """The planned per-rank peak in `dtype` in bytes and the line saying it, or None and the line saying why the planner
+    cannot."""
     layout = cfg.layout
     fused = layout.blocked and layout.kernel == "fused"
     if fused and device_type == "cuda":
-        return None, ("expected per-rank peak: not planned for the fused ring kernel on CUDA (its varlen gathers and flash's "
-                      "workspace are not measured yet; the plain kernel, --ring-kernel plain, is planned)")
+        return None, ("expected per-rank peak: not planned for the fused ring kernel on CUDA (its varlen gathers and "
+                      "flash's workspace are not measured yet; the plain kernel, --ring-kernel plain, is planned)")
     where = "the fused ring kernel's CPU path" if fused else "on a GPU"
-    if dtype.itemsize != 2:  # the planner's activation terms are measured for bf16/fp16: no figure to compare with this run
+    # the planner's activation terms are measured for bf16/fp16: no figure to compare with this run
+    if dtype.itemsize != 2:
         try: same = f"; the same run in bf16 ({where}) is planned at {expected_memory(cfg).gib:.3f} GiB per rank"
         except ValueError: same = ""
-        return None, f"expected per-rank peak: not planned for {_SHORT[dtype]} training (the planner models bf16/fp16){same}"
+        return None, (f"expected per-rank peak: not planned for {_SHORT[dtype]} training (the planner models "
+                      f"bf16/fp16){same}")
     try: plan = expected_memory(cfg, dtype)
     except ValueError as e: return None, f"memory readout: none for this model ({e}); training anyway"
     host = f"; host memory for the offloads {plan.host_gib:.3f} GiB" if plan.host_gib else ""
@@ -81,22 +89,27 @@ def memory_readout(cfg: TrainConfig,                    # the run
 
 # %% ../nbs/04_runtime/09_readouts.ipynb #194884c3
 def plan_readout(plan) -> str:
-    "One line on the plan a run trains: steps, fill, every example split because it exceeds max_tokens, and the pieces left out because they train nothing."
-    line = f"plan: {len(plan.bins)} bins of at most {plan.capacity} tokens from {plan.n_examples} examples, fill {plan.fill:.1%}"
+    """One line on the plan a run trains: steps, fill, every example split because it exceeds max_tokens, and the pieces
+    left out because they train nothing."""
+    line = (f"plan: {len(plan.bins)} bins of at most {plan.capacity} tokens from {plan.n_examples} examples, fill "
+            f"{plan.fill:.1%}")
     if plan.split:
         line = (f"{line}; {plan.split} examples longer than max_tokens (--max-tokens) are split into "
                 f"{len(plan.length) + plan.untrained - plan.n_examples + plan.split} pieces, each trained without the "
                 f"tokens before it: raise --max-tokens to keep them whole")
     if not plan.untrained: return line
-    return (f"{line}; {plan.untrained} pieces ({plan.untrained_tokens} tokens) train no token (prompt only) and are left "
-            f"out: they would add nothing to the loss or the gradient")
+    return (f"{line}; {plan.untrained} pieces ({plan.untrained_tokens} tokens) train no token (prompt only) and are "
+            "left out: they would add nothing to the loss or the gradient")
 
 def balance_readout(cfg: TrainConfig, imbalance: dict | None) -> str:
-    "One line on how evenly the ranks' predicted work is spread: the tokens grouping's, and the cost grouping's where it was computed."
+    """One line on how evenly the ranks' predicted work is spread: the tokens grouping's, and the cost grouping's where
+    it was computed."""
     if imbalance is None: return f"balance: {cfg.balance}; no cost prediction for this architecture"
-    line = f"balance: {cfg.balance}; predicted max/mean rank cost per optimizer step: token-balanced {imbalance['tokens']:.3f}"
+    line = (f"balance: {cfg.balance}; predicted max/mean rank cost per optimizer step: token-balanced "
+            f"{imbalance['tokens']:.3f}")
     if "cost" in imbalance: return f"{line}, cost-balanced {imbalance['cost']:.3f}"
-    return line + (" (--balance cost groups each step's bins by predicted cost)" if cfg.dp > 1 else " (one data-parallel rank)")
+    return line + (" (--balance cost groups each step's bins by predicted cost)" if cfg.dp > 1
+                   else " (one data-parallel rank)")
 
 def memory_comparison(rows: list[dict],       # the run's metrics rows (`read_metrics`)
                       planned: int | None,    # the planner's per-rank peak in the run's dtype (`memory_readout`)
@@ -106,10 +119,12 @@ def memory_comparison(rows: list[dict],       # the run's metrics rows (`read_me
     peak = {}
     for row in rows: peak[row["rank"]] = max(peak.get(row["rank"], 0), row["peak_mem_bytes"])
     what = "max allocated" if device_type == "cuda" else "peak resident memory of the process"
-    measured = f"measured per-rank peak ({what}): " + ", ".join(f"rank {r} {peak[r] / 2**30:.3f} GiB" for r in sorted(peak))
+    measured = (f"measured per-rank peak ({what}): "
+                + ", ".join(f"rank {r} {peak[r] / 2**30:.3f} GiB" for r in sorted(peak)))
     if device_type != "cuda":
-        return (f"{measured}\n  not compared with the planner: a CPU process's resident memory also holds the Python runtime, "
-                f"the libraries, the dataset and the allocator's caches; the planner counts device tensor bytes")
+        return (f"{measured}\n  not compared with the planner: a CPU process's resident memory also holds the Python "
+                "runtime, the libraries, the dataset and the allocator's caches; the planner counts device tensor "
+                "bytes")
     if planned is None: return measured
     largest = max(peak.values())
     return (f"{measured}\n  peak memory of the largest rank: predicted {planned / 2**30:.3f} GiB (planner), measured "

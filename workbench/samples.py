@@ -50,7 +50,8 @@ def tokenize_records(records: list[dict], tokenizer=None) -> list[dict]:
     prompts = tokenizer([r["prompt"] for r in records], add_special_tokens=False)["input_ids"]
     answers = tokenizer([r["completion"] for r in records], add_special_tokens=False)["input_ids"]
     bos, eos = bos_eos(tokenizer)
-    return [{"input_ids": [*bos, *p, *a, *eos], "completion_mask": [0] * (len(bos) + len(p)) + [1] * (len(a) + len(eos))}
+    return [{"input_ids": [*bos, *p, *a, *eos],
+             "completion_mask": [0] * (len(bos) + len(p)) + [1] * (len(a) + len(eos))}
             for p, a in zip(prompts, answers)]
 
 def load_sample(name: str, tokenizer=None, limit: int | None = None) -> list[dict]:

@@ -72,7 +72,8 @@ def example_sums(logits: torch.Tensor,     # [1, n, vocab]: this process's logit
                  examples: torch.Tensor,   # [documents] the example of each document of the row
                  n_examples: int,          # examples evaluated
                 ) -> torch.Tensor:
-    "`[3, n_examples]` float64: summed token loss, correct argmaxes and trained targets of each example, from this process's tokens."
+    """`[3, n_examples]` float64: summed token loss, correct argmaxes and trained targets of each example, from this
+    process's tokens."""
     labels = shard["shift_labels"][0].cpu()
     trained = labels != IGNORE_INDEX
     logits = logits[0].to(torch.promote_types(logits.dtype, torch.float32)).cpu()  # as the training loss: fp32 at least
@@ -88,7 +89,8 @@ def example_sums(logits: torch.Tensor,     # [1, n, vocab]: this process's logit
 
 # %% ../nbs/04_runtime/10_scoring.ipynb #29ae9144
 def eval_shard(row: dict, grid: ParallelGrid, cfg: TrainConfig) -> tuple[dict, torch.Tensor]:
-    "This process's shard of a packed row and the row position of each of its tokens (the ring deals them out of order)."
+    """This process's shard of a packed row and the row position of each of its tokens (the ring deals them out of
+    order)."""
     layout = cfg.layout
     shard = layout.shard(row, grid)  # a plan only balances work: evaluation is exact under any plan
     return shard, layout.token_positions(shard, grid)
@@ -97,15 +99,17 @@ def check_documents(row: dict, pieces: int):
     "Refuse a row whose documents are not its pieces (examples that carry several documents each: `seq_lengths`)."
     documents = len(row["cu_seq_lens_q"]) - 1
     if documents not in (pieces, pieces + 1):  # + 1: the padding document to a multiple of the processes
-        raise ValueError(f"a row of {pieces} examples holds {documents} documents: evaluation reports one result per example, "
-                         f"and these examples are packed rows themselves (seq_lengths or position_ids): evaluate unpacked examples")
+        raise ValueError(f"a row of {pieces} examples holds {documents} documents: evaluation reports one result per "
+                         "example, and these examples are packed rows themselves (seq_lengths or position_ids): "
+                         "evaluate unpacked examples")
 
 def check_eval_features(features: list[dict],  # the examples to evaluate, tokenized
                         max_tokens: int,        # the token budget of a row (every example must fit whole)
                         vocab_size: int,        # the model's vocabulary
                         data: str,              # the data's name, for the message
                        ):
-    "Refuse, before any process starts, examples an evaluation cannot score: token ids outside the vocabulary, an example over `max_tokens`, no trained target at all."
+    """Refuse, before any process starts, examples an evaluation cannot score: token ids outside the vocabulary, an
+    example over `max_tokens`, no trained target at all."""
     check_token_ids(features, vocab_size, data)
     try: plan = plan_bins(features, max_tokens, overlong="error", untrained="keep")
     except ValueError as e:
@@ -115,12 +119,14 @@ def check_eval_features(features: list[dict],  # the examples to evaluate, token
         raise ValueError(f"{data}: none of the {len(features)} examples has a trained target (every label is -100 or "
                          f"masked out): there is nothing to evaluate")
 
-def evaluate_model(model,                 # this process's model, as training built it (its attention registered for the layout)
+def evaluate_model(model,                 # this process's model, as training built it
+                                          # (its attention registered for the layout)
                    grid: ParallelGrid,    # this process's place in the dp x sp x ring grid
                    cfg: TrainConfig,      # the layout (sp, ring, ring_kernel, dp) and the token budget (max_tokens)
                    features: list[dict],  # the examples to evaluate, tokenized
                   ) -> EvalResult:
-    "Evaluate `features` with this process's `model` as one process of the grid; every process returns the whole result."
+    """Evaluate `features` with this process's `model` as one process of the grid; every process returns the whole
+    result."""
     plan = plan_bins(features, cfg.max_tokens, overlong="error", untrained="keep")
     replica = grid.rank("dp")
     served = TokenBudgetSampler(plan, shuffle=False, num_replicas=cfg.dp, rank=replica).epoch_steps()[:, replica]
@@ -139,8 +145,10 @@ def evaluate_model(model,                 # this process's model, as training bu
             check_documents(row, len(piece_ids))
             shard, positions = eval_shard(row, grid, cfg)
             logits, _ = layout.forward(model, shard, grid)  # the full logits: every token is scored
-            repeated = k * cfg.dp + replica >= len(plan.bins)  # the table's last row repeats bins so every replica takes as many
-            if not repeated: sums += example_sums(logits, shard, positions, torch.as_tensor(plan.example[piece_ids]), plan.n_examples)
+            # the table's last row repeats bins so every replica takes as many
+            repeated = k * cfg.dp + replica >= len(plan.bins)
+            if not repeated: sums += example_sums(logits, shard, positions, torch.as_tensor(plan.example[piece_ids]),
+                                                  plan.n_examples)
             progress()  # a row scored: the launcher's stall clock (`stall_s`) starts again
     model.train(was_training)
     if dist.is_initialized():

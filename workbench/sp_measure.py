@@ -26,7 +26,8 @@ __all__ = ['holdings', 'exchange_views', 'exchange_figure', 'saved_bytes', 'memo
 
 # %% ../nbs/04_runtime/06_sp_measure.ipynb #1d225f40
 def _labelled_shards(p: int, n_heads: int, n_tokens: int) -> list:
-    "P sequence shards `[1, heads, tokens/P, 1]` whose entries are the cell ids head * tokens + token of the full tensor."
+    """P sequence shards `[1, heads, tokens/P, 1]` whose entries are the cell ids head * tokens + token of the full
+    tensor."""
     ids = torch.arange(n_heads * n_tokens, dtype=torch.float64).reshape(1, n_heads, n_tokens, 1)
     return list(ids.chunk(p, dim=2))
 
@@ -70,7 +71,8 @@ def saved_bytes(model,                  # the model whose forward pass `fn` runs
                 fn,                     # a function running the forward pass (and the loss)
                 attention: str = "self_attn",  # the attribute name of the attention modules in a decoder layer
                ) -> dict[str, int]:
-    "Bytes autograd saves for backward while `fn()` runs, per model part (each storage once; parameters and buffers left out)."
+    """Bytes autograd saves for backward while `fn()` runs, per model part (each storage once; parameters and buffers
+    left out)."""
     fixed = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     stack, seen, parts = ["loss (outside the model)"], set(), {}
     def enter(name):
@@ -107,7 +109,8 @@ def memory_table(case: Case = Case(packed=False, tokens=1024),  # the row: one 1
                  sizes=(1, 2, 4),                                # SP sizes to measure, one launch each
                  attention: str = "self_attn",                   # attention modules' name (reported apart)
                 ) -> list[dict]:
-    "Per SP size: bytes saved for backward per process (attention apart) and all-to-all elements per layer, against SP=1."
+    """Per SP size: bytes saved for backward per process (attention apart) and all-to-all elements per layer, against
+    SP=1."""
     one_process(case)  # imports the model classes and the tokenizer here, so that forked processes start warm
     rows = []
     for p in sizes:
@@ -115,7 +118,8 @@ def memory_table(case: Case = Case(packed=False, tokens=1024),  # the row: one 1
         rows.append(dict(sp=p, other=sum(v for k, v in r["parts"].items() if k != attention),
                          attention=r["parts"].get(attention, 0), a2a=r["a2a"],
                          a2a_formula=a2a_elements(tiny_config(case.family), case.tokens, p)))
-    for r in rows: r["other_vs_sp1"], r["attention_vs_sp1"] = r["other"] / rows[0]["other"], r["attention"] / rows[0]["attention"]
+    for r in rows:
+        r["other_vs_sp1"], r["attention_vs_sp1"] = r["other"] / rows[0]["other"], r["attention"] / rows[0]["attention"]
     return rows
 
 def memory_markdown(rows: list) -> str:
@@ -123,8 +127,9 @@ def memory_markdown(rows: list) -> str:
     head = ("| SP | saved outside attention, MiB | vs SP=1 (limit 1.1/P) | saved in attention modules, MiB | vs SP=1 "
             "| all-to-all elements per layer per process, measured | 4·N·h/P (kv replication included) |\n"
             "|---|---|---|---|---|---|---|")
-    return "\n".join([head, *(f"| {r['sp']} | {r['other'] / 2**20:.2f} | {r['other_vs_sp1']:.4f} ({1.1 / r['sp']:.3f}) | "
-                               f"{r['attention'] / 2**20:.2f} | {r['attention_vs_sp1']:.4f} | {r['a2a']:,} | {r['a2a_formula']:,} |"
+    return "\n".join([head, *(f"| {r['sp']} | {r['other'] / 2**20:.2f} | {r['other_vs_sp1']:.4f} ({1.1 / r['sp']:.3f}) "
+                              f"| {r['attention'] / 2**20:.2f} | {r['attention_vs_sp1']:.4f} | {r['a2a']:,} | "
+                              f"{r['a2a_formula']:,} |"
                                for r in rows)])
 
 def memory_figure(rows: list, title: str = ""):
@@ -158,14 +163,15 @@ def balance_table(capacities=(8192, 32768),  # row lengths (token budget of a pa
                 for s, plan in (("contiguous", contiguous_plan(n, p)), ("zigzag", zigzag_plan(n, p)),
                                 ("balanced", balanced_plan(cu, p, chunks))):
                     seen[s].append(imbalance(plan, work))
-            out.append(dict(capacity=cap, ring=p, rows=len(rows), **{f"{s}_mean": float(np.mean(v)) for s, v in seen.items()},
+            out.append(dict(capacity=cap, ring=p, rows=len(rows),
+                            **{f"{s}_mean": float(np.mean(v)) for s, v in seen.items()},
                             **{f"{s}_worst": float(np.max(v)) for s, v in seen.items()}))
     return out
 
 def balance_markdown(rows: list) -> str:
     "The imbalance table as markdown (for BENCHMARKS.md)."
-    head = ("| row tokens | ring degree | rows | contiguous mean (worst) | zigzag mean (worst) | document-aware mean (worst) |\n"
-            "|---|---|---|---|---|---|")
+    head = ("| row tokens | ring degree | rows | contiguous mean (worst) | zigzag mean (worst) | document-aware mean "
+            "(worst) |\n|---|---|---|---|---|---|")
     cell = lambda r, s: f"{r[s + '_mean']:.3f} ({r[s + '_worst']:.3f})"
     return "\n".join([head, *(f"| {r['capacity']:,} | {r['ring']} | {r['rows']} | {cell(r, 'contiguous')} | "
                                f"{cell(r, 'zigzag')} | {cell(r, 'balanced')} |" for r in rows)])

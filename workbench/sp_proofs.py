@@ -41,12 +41,14 @@ class Case:
     loss_chunk: int | None = None  # tiled loss with tiles of this many tokens (`workbench.tiling`)
     mlp_chunk: int | None = None   # tiled MLP with tiles of this many tokens
     lean: bool = False             # `lean_kernels` (here and in the reference: they change fp64 norms' rounding)
-    reentrant: bool = False        # with checkpointing: the reentrant variant, after `enable_input_require_grads` (PEFT recipes)
+    reentrant: bool = False        # with checkpointing: the reentrant variant, after
+                                   # `enable_input_require_grads` (PEFT recipes)
     lora: tuple = ()               # PEFT LoRA adapters (r=4, random init) on these module names: only they train
     lora_save: tuple = ()          # with lora: modules trained whole beside the adapters (PEFT's `modules_to_save`)
 
 def case_model(case: Case, attn_implementation: str, tiled: bool = False):
-    "The tiny model of a case (same seed: same weights in every process) with lean kernels, LoRA adapters and (`tiled`) the tiled MLP when it asks."
+    """The tiny model of a case (same seed: same weights in every process) with lean kernels, LoRA adapters and
+    (`tiled`) the tiled MLP when it asks."""
     model = tiny_model(case.family, attn_implementation=attn_implementation, dtype=getattr(torch, case.dtype))
     if case.lean: lean_kernels(model)
     if case.lora:
@@ -64,7 +66,8 @@ def case_rows(case: Case, n_rows: int = 1) -> list:
     tok = load_tokenizer()
     if not case.packed:
         docs = load_records("long_docs")
-        return [FlatteningCollator(train_all_tokens=True)([{"input_ids": tok(docs[r]["text"][: 8 * case.tokens])["input_ids"][: case.tokens]}])
+        return [FlatteningCollator(train_all_tokens=True)(
+                    [{"input_ids": tok(docs[r]["text"][: 8 * case.tokens])["input_ids"][: case.tokens]}])
                 for r in range(n_rows)]
     records, rows = load_records("flan_like"), []
     for r in range(n_rows):
@@ -79,7 +82,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp(min=torch.finfo(b.dtype).tiny)).item()
 
 def one_process(case: Case, n_rows: int = 1) -> dict:
-    "The reference: one process, plain inner attention, every row; logits of token i score label i + 1 (no shifted labels)."
+    """The reference: one process, plain inner attention, every row; logits of token i score label i + 1 (no shifted
+    labels)."""
     if case.requires: __import__(case.requires)
     rows = case_rows(case, n_rows)
     model = case_model(case, case.inner)
@@ -96,11 +100,13 @@ def one_process(case: Case, n_rows: int = 1) -> dict:
     return dict(rows=rows, logits=logits, loss=loss, grads=[p.grad for p in model.parameters()])
 
 def _grad_error(model, ref_grads: list) -> float:
-    "Largest relative error of the gradients against the reference's; a parameter trained in only one of them is an error."
+    """Largest relative error of the gradients against the reference's; a parameter trained in only one of them is an
+    error."""
     errors = []
     for (name, p), g in zip(model.named_parameters(), ref_grads):
         if (p.grad is None) != (g is None):
-            raise ValueError(f"{name} has a gradient {'here' if g is None else 'in the reference'} only: the runs train different parameters")
+            raise ValueError(f"{name} has a gradient {'here' if g is None else 'in the reference'} only: the runs "
+                             "train different parameters")
         if g is not None: errors.append(_rel(p.grad, g))
     return max(errors)
 
@@ -114,7 +120,8 @@ def check_equivalence(cases: list,        # the `Case`s to check
         ref = references[i] if references else one_process(case, grid.dp_size)
         model = case_model(case, register_ulysses(case.inner), tiled=True)
         if case.checkpointing: model.train().activation_checkpointing_enable({"use_reentrant": case.reentrant})
-        if case.reentrant: model.enable_input_require_grads()  # else the frozen embeddings' output needs no grad: nothing recomputes
+        # else the frozen embeddings' output needs no grad: nothing recomputes
+        if case.reentrant: model.enable_input_require_grads()
         row = ref["rows"][grid.rank("dp")]
         logits, loss = sp_forward(model, shard_batch(row, grid.sp_rank, grid.sp_size), grid, case.loss_chunk)
         loss.backward()
@@ -149,7 +156,8 @@ def prove_equivalence(cases: list,        # the `Case`s to check
     return worst
 
 # %% ../nbs/04_runtime/05_sp_proofs.ipynb #9405420e
-class CountComm(torch.utils._python_dispatch.TorchDispatchMode):  # c10d's collectives are dispatcher ops: no public hook counts them
+# c10d's collectives are dispatcher ops: no public hook counts them
+class CountComm(torch.utils._python_dispatch.TorchDispatchMode):
     """Counts the elements sent while active: by point-to-point sends (`p2p`, the ring; `p2p_bytes` their bytes), by
     all-to-alls (`a2a`, Ulysses), into all-gathers and reduce-scatters (`gathered`, `scattered` and their bytes: the
     all-gather layout), each as a bandwidth-optimal collective moves them: into an all-gather a process sends G - 1
@@ -161,7 +169,8 @@ class CountComm(torch.utils._python_dispatch.TorchDispatchMode):  # c10d's colle
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.name()
         if name == "c10d::send":
-            self.p2p += sum(t.numel() for t in args[0]); self.p2p_bytes += sum(t.numel() * t.element_size() for t in args[0])
+            self.p2p += sum(t.numel() for t in args[0]); self.p2p_bytes += sum(t.numel() * t.element_size()
+                                                                               for t in args[0])
         elif name.startswith("c10d::alltoall"): self.a2a += args[1].numel()  # the input: every piece, own one included
         elif name == "c10d::_allgather_base_":  # (output, input, group, ...)
             sent = args[0].numel() - args[1].numel()
@@ -174,12 +183,14 @@ class CountComm(torch.utils._python_dispatch.TorchDispatchMode):  # c10d's colle
         return func(*args, **(kwargs or {}))
 
 # %% ../nbs/04_runtime/05_sp_proofs.ipynb #7c2d9e41
-def skipped_blocks(position_ids: torch.Tensor,  # [1, T] positions of the (padded) row: a document starts where they restart
+def skipped_blocks(position_ids: torch.Tensor,  # [1, T] positions of the (padded) row:
+                                                # a document starts where they restart
                    ring_index: torch.Tensor,    # [ring, m] global token indices of every ring block
                    block: int,                  # the query block (a process's `grid.rank("ring")`)
                    window: int | None = None,   # sliding window
                   ) -> int:
-    "Key/value blocks holding no key that a query of ring block `block` may see (causal): the pairs its ring step should skip."
+    """Key/value blocks holding no key that a query of ring block `block` may see (causal): the pairs its ring step
+    should skip."""
     pos = position_ids.flatten().tolist()
     doc = [0]
     for before, p in zip(pos, pos[1:]): doc.append(doc[-1] + (p != before + 1))
@@ -199,7 +210,8 @@ def check_ring(cases: list,                # the `workbench.sp_proofs.Case`s to 
                references: dict | None = None,  # {dp_size: [one_process(case, dp_size) for case in cases]}
                kernel: str = "plain",      # the ring's block-pair kernel (`ring_attend`)
               ) -> list[dict]:
-    "Per layout, plan and case, on this process: relative errors of logits, loss and every gradient against one process; p2p elements sent and by formula; block pairs skipped and counted by `skipped_blocks`."
+    """Per layout, plan and case, on this process: relative errors of logits, loss and every gradient against one
+    process; p2p elements sent and by formula; block pairs skipped and counted by `skipped_blocks`."""
     results = []
     for u, r in layouts:
         grid = ParallelGrid.build(u, r)
@@ -209,7 +221,8 @@ def check_ring(cases: list,                # the `workbench.sp_proofs.Case`s to 
             if case.checkpointing: model.train().activation_checkpointing_enable({"use_reentrant": case.reentrant})
             cfg, layers = model.config, model.config.num_hidden_layers
             row = ref["rows"][grid.rank("dp")]
-            batch, plan = plan_row(row, grid.sp_size, strategy, window=plan_window(cfg))  # as training cuts it; the padded row: its length is in the formulas
+            # as training cuts it; the padded row: its length is in the formulas
+            batch, plan = plan_row(row, grid.sp_size, strategy, window=plan_window(cfg))
             shard = ring_shard(batch, plan, grid.sp_rank, u)
             skipped = grid.stats.skipped
             with CountComm() as fwd: logits, loss = ring_forward(model, shard, grid, kernel)
@@ -218,16 +231,22 @@ def check_ring(cases: list,                # the `workbench.sp_proofs.Case`s to 
             idx = shard["token_index"]
             real = idx < row["input_ids"].shape[1]  # the padding's logits have no reference
             n = batch["input_ids"].shape[1]
-            skip = skipped_blocks(batch["position_ids"], shard["ring_index"], grid.rank("ring"), getattr(cfg, "sliding_window", None))
-            results.append(dict(case=case, ulysses=u, ring=r, dp=grid.dp_size, strategy=strategy, kernel=kernel, rank=dist.get_rank() if grid.mesh else 0,
-                                logits=_rel(logits[0, real].detach(), ref["logits"][grid.rank("dp")][0, idx[real]]) if real.any() else 0.0,
+            skip = skipped_blocks(batch["position_ids"], shard["ring_index"], grid.rank("ring"),
+                                  getattr(cfg, "sliding_window", None))
+            results.append(dict(case=case, ulysses=u, ring=r, dp=grid.dp_size, strategy=strategy, kernel=kernel,
+                                rank=dist.get_rank() if grid.mesh else 0,
+                                logits=_rel(logits[0, real].detach(), ref["logits"][grid.rank("dp")][0, idx[real]])
+                                if real.any() else 0.0,
                                 loss=abs(global_loss(loss, grid) - ref["loss"]) / abs(ref["loss"]),
                                 grads=_grad_error(model, ref["grads"]),
                                 n_params=sum(p.grad is not None for p in model.parameters()),
-                                p2p=(fwd.p2p, bwd.p2p), a2a=(fwd.a2a, bwd.a2a), p2p_bytes=(fwd.p2p_bytes, bwd.p2p_bytes),
+                                p2p=(fwd.p2p, bwd.p2p), a2a=(fwd.a2a, bwd.a2a),
+                                p2p_bytes=(fwd.p2p_bytes, bwd.p2p_bytes),
                                 p2p_formula=_volume(comm_elements(cfg, n, u, r)["ring"], layers, case.checkpointing),
-                                a2a_formula=_volume(comm_elements(cfg, n, u, r)["all_to_all"], layers, case.checkpointing),
-                                skipped=grid.stats.skipped - skipped, skipped_predicted=layers * (1 + case.checkpointing) * skip,
+                                a2a_formula=_volume(comm_elements(cfg, n, u, r)["all_to_all"], layers,
+                                                    case.checkpointing),
+                                skipped=grid.stats.skipped - skipped,
+                                skipped_predicted=layers * (1 + case.checkpointing) * skip,
                                 trained=int((shard["shift_labels"] != IGNORE_INDEX).sum())))
     return results
 
@@ -239,19 +258,21 @@ def prove_ring(cases: list,          # the `Case`s to check
               ) -> list[dict]:
     "Start `world_size` CPU processes, check every case under every layout and plan, and return every process's result."
     references = {dp: [one_process(c, dp) for c in cases] for dp in {world_size // (u * r) for u, r in layouts}}
-    per_rank = launch(check_ring, cases, layouts, strategies, references, num_processes=world_size, cpu=True, quiet=True,
-                      timeout_s=120, deadline_s=deadline_s)
+    per_rank = launch(check_ring, cases, layouts, strategies, references, num_processes=world_size, cpu=True,
+                      quiet=True, timeout_s=120, deadline_s=deadline_s)
     return [row for rank in per_rank for row in rank]
 
 # %% ../nbs/04_runtime/05_sp_proofs.ipynb #e28b5e2f
 def ring_losses(make_model,          # attn_implementation -> model (the same weights on every call)
                 rows: list,          # packed rows, one per step
-                layout: tuple | None = None,  # (ulysses, ring) over the running processes; None: one process, plain sdpa
+                layout: tuple | None = None,  # (ulysses, ring) over the running
+                                              # processes; None: one process, plain sdpa
                 strategy: str = "balanced",   # sharding plan
                 lr: float = 1e-2,    # AdamW learning rate
                 kernel: str = "plain",  # the ring's block-pair kernel (`ring_attend`)
                ) -> dict:
-    "The global loss of every step of AdamW training on `rows` and the first step's gradients, under a hybrid layout or (None) as one process."
+    """The global loss of every step of AdamW training on `rows` and the first step's gradients, under a hybrid layout
+    or (None) as one process."""
     grid = None if layout is None else ParallelGrid.build(*layout)
     model = make_model("sdpa" if grid is None else register_ring()).train()
     opt, losses, grads = torch.optim.AdamW(model.parameters(), lr=lr), [], None
@@ -259,9 +280,11 @@ def ring_losses(make_model,          # attn_implementation -> model (the same we
         if grid is None:
             n = int((row["labels"][0, 1:] != IGNORE_INDEX).sum())
             logits = model(**{k: row[k] for k in SHARD_KEYS}, use_cache=False).logits
-            loss = F.cross_entropy(logits[0, :-1].to(torch.promote_types(logits.dtype, torch.float32)), row["labels"][0, 1:], ignore_index=IGNORE_INDEX, reduction="sum") / max(n, 1)
+            loss = F.cross_entropy(logits[0, :-1].to(torch.promote_types(logits.dtype, torch.float32)),
+                                   row["labels"][0, 1:], ignore_index=IGNORE_INDEX, reduction="sum") / max(n, 1)
         else:
-            _, loss = ring_forward(model, ring_batch(row, grid, strategy, window=plan_window(model.config)), grid, kernel)
+            _, loss = ring_forward(model, ring_batch(row, grid, strategy, window=plan_window(model.config)), grid,
+                                   kernel)
         loss.backward()
         if grid is not None: sync_gradients(model, grid)
         grads = grads or [p.grad.clone() for p in model.parameters()]

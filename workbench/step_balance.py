@@ -29,7 +29,8 @@ class BalancedPlan:
     cost_steps: np.ndarray  # [optimizer steps, grad_accum, dp] bin ids balanced by cost
 
     def rank_costs(self, steps: np.ndarray) -> np.ndarray:
-        "[steps, dp] predicted cost of each rank's micro-steps in each optimizer step (ranks wait at the gradient reduction)."
+        """[steps, dp] predicted cost of each rank's micro-steps in each optimizer step (ranks wait at the gradient
+        reduction)."""
         return self.costs[steps].sum(1)
     @staticmethod
     def imbalance(rank_costs: np.ndarray) -> float:
@@ -42,14 +43,16 @@ class BalancedPlan:
     def rows(self) -> list[tuple[str, str]]:
         p = self.plan
         return [("bins", f"{len(p.bins):,} of {p.capacity:,} tokens, fill {p.fill:.2%}"),
-                ("optimizer steps", f"{len(self.cost_steps):,} x {self.cost_steps.shape[1]} micro-steps x {self.cost_steps.shape[2]} ranks"),
+                ("optimizer steps", f"{len(self.cost_steps):,} x {self.cost_steps.shape[1]} micro-steps x "
+                                    f"{self.cost_steps.shape[2]} ranks"),
                 ("max/mean rank cost, token-balanced", f"{self.token_imbalance:.3f}"),
                 ("max/mean rank cost, cost-balanced", f"{self.cost_imbalance:.3f}")]
     def sampler(self, rank: int = 0,   # this process's data-parallel rank
                 shuffle: bool = True,  # a new order of the optimizer steps every epoch (each kept whole)
                 seed: int = 0,         # the seed of that order; the same on every rank
                ) -> TokenBudgetSampler:
-        "The `TokenBudgetSampler` that serves `cost_steps` to `rank`: one optimizer step per row, micro-step by micro-step."
+        """The `TokenBudgetSampler` that serves `cost_steps` to `rank`: one optimizer step per row, micro-step by
+        micro-step."""
         n_steps, grad_accum, dp = self.cost_steps.shape
         steps = self.cost_steps.reshape(n_steps, grad_accum * dp)  # column a * dp + r: micro-step a of rank r
         return TokenBudgetSampler(self.plan, shuffle, seed, dp, rank, steps=steps, grad_accum=grad_accum)
@@ -59,13 +62,15 @@ class BalancedPlan:
         "`[optimizer steps, grad_accum, dp]` bin ids of the first epoch as a run with `--balance balance` serves them."
         if balance not in BALANCES: raise ValueError(f"balance={balance!r}; choose one of {BALANCES}")
         if balance == "tokens": return self.token_steps
-        table = self.sampler(seed=seed).epoch_steps()  # the cost grouping, its steps in the order the run's sampler serves them
+        # the cost grouping, its steps in the order the run's sampler serves them
+        table = self.sampler(seed=seed).epoch_steps()
         return table.reshape(len(table), *self.cost_steps.shape[1:])
     def step_table(self, step: int,            # the optimizer step (of the first epoch; wraps around)
                    balance: str = "tokens",    # `--balance`: one of `BALANCES`
                    seed: int = 0,              # the run's seed
                   ) -> "pd.DataFrame":
-        "One optimizer step as `--balance balance` deals it: per data-parallel rank its bins, tokens, examples, predicted FLOPs and their attention part, each also over the ranks' mean."
+        """One optimizer step as `--balance balance` deals it: per data-parallel rank its bins, tokens, examples,
+        predicted FLOPs and their attention part, each also over the ranks' mean."""
         import pandas as pd
         served = self.served(balance, seed)
         bins = served[step % len(served)]  # [grad_accum, dp]: each rank's micro-steps
@@ -74,17 +79,21 @@ class BalancedPlan:
             mine = bins[:, rank]
             rows.append({"rank": rank, "bins": mine.tolist(), "tokens": int(self.plan.bin_tokens[mine].sum()),
                          "examples": sum(len(self.plan.bins[b]) for b in mine),
-                         "predicted FLOPs": float(self.costs[mine].sum()), "attention FLOPs": float(self.attention[mine].sum())})
+                         "predicted FLOPs": float(self.costs[mine].sum()),
+                         "attention FLOPs": float(self.attention[mine].sum())})
         table = pd.DataFrame(rows)
-        for column in ("tokens", "predicted FLOPs", "attention FLOPs"): table[f"{column} / mean"] = table[column] / table[column].mean()
+        for column in ("tokens", "predicted FLOPs", "attention FLOPs"):
+            table[f"{column} / mean"] = table[column] / table[column].mean()
         return table
     def __repr__(self): return "\n".join(f"{k}: {v}" for k, v in self.rows())
     def _repr_markdown_(self): return "\n".join(["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in self.rows()])
 
 def _deal(order: np.ndarray, costs: np.ndarray, dp: int, grad_accum: int) -> np.ndarray:
-    "Groups of `dp * grad_accum` consecutive bins of `order`, each dealt to the rank with the least cost that has room (LPT)."
+    """Groups of `dp * grad_accum` consecutive bins of `order`, each dealt to the rank with the least cost that has room
+    (LPT)."""
     per = dp * grad_accum
-    order = np.resize(order, -(-len(order) // per) * per)  # like the sampler: the costliest bins again fill the last step
+    # like the sampler: the costliest bins again fill the last step
+    order = np.resize(order, -(-len(order) // per) * per)
     steps = np.empty((len(order) // per, grad_accum, dp), dtype=np.int64)
     for k, group in enumerate(order.reshape(-1, per)):
         load, filled = np.zeros(dp), np.zeros(dp, dtype=np.int64)
@@ -98,8 +107,10 @@ def served_steps(plan: Plan,      # the bins (`plan_bins`)
                 grad_accum: int,  # micro-steps per optimizer step
                 seed: int = 0,    # the sampler's seed
                ) -> np.ndarray:
-    "The bins the token-budget sampler serves, `[optimizer steps, grad_accum, dp]`, as training reads them (the last step completed by repeating bins)."
-    served = TokenBudgetSampler(plan, seed=seed, num_replicas=dp, grad_accum=grad_accum).epoch_steps()  # [steps, grad_accum * dp]
+    """The bins the token-budget sampler serves, `[optimizer steps, grad_accum, dp]`, as training reads them (the last
+    step completed by repeating bins)."""
+    # [steps, grad_accum * dp]
+    served = TokenBudgetSampler(plan, seed=seed, num_replicas=dp, grad_accum=grad_accum).epoch_steps()
     return served.reshape(len(served), grad_accum, dp)
 
 def plan_balanced(lengths,                 # per-example token counts (or anything `plan_bins` reads)
@@ -111,15 +122,19 @@ def plan_balanced(lengths,                 # per-example token counts (or anythi
                   levers: Levers = Levers(checkpointing=False),  # checkpointing and the levers that change work
                   overlong: str = "error", # as `plan_bins`
                   seed: int = 0,           # as `plan_bins` and `TokenBudgetSampler`
-                  untrained: str = "drop", # as `plan_bins`: a piece that trains no token (features only) is left out, counted in `plan.untrained`
+                  # as `plan_bins`: a piece training no token (features only) is left out, counted in `plan.untrained`
+                  untrained: str = "drop",
                  ) -> BalancedPlan:
-    "The bins of `plan_bins`, grouped into optimizer steps so that every rank's predicted cost is close (and, for comparison, as the token-balanced sampler groups them)."
+    """The bins of `plan_bins`, grouped into optimizer steps so that every rank's predicted cost is close (and, for
+    comparison, as the token-balanced sampler groups them)."""
     for name, v in (("dp", dp), ("grad_accum", grad_accum)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1: raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1: raise ValueError(
+            f"{name} must be a positive integer, got {v!r}")
     plan = plan_bins(lengths, capacity, overlong=overlong, seed=seed, untrained=untrained)
     if not plan.bins: raise ValueError("no bins to balance: the lengths are empty (or every example was dropped)")
     work = bin_work(config, plan, attention, levers)
     costs = sum(work.values())
     cost_steps = _deal(np.argsort(-costs, kind="stable"), costs, dp, grad_accum)
-    cost_steps = cost_steps[np.random.default_rng(seed).permutation(len(cost_steps))]  # order of steps: no effect on balance
+    # order of steps: no effect on balance
+    cost_steps = cost_steps[np.random.default_rng(seed).permutation(len(cost_steps))]
     return BalancedPlan(plan, costs, attention_flops(work), served_steps(plan, dp, grad_accum, seed), cost_steps)

@@ -58,7 +58,8 @@ class Patch:
     def __repr__(self): return f"Patch({self.name!r}, {len(self.modules)} modules)"
 
 def override_forward(name: str, modules: list, make) -> Patch:
-    "Give each module *instance* the forward `make(module, current_forward)`; the patch's `undo()` puts the old one back."
+    """Give each module *instance* the forward `make(module, current_forward)`; the patch's `undo()` puts the old one
+    back."""
     old = {id(m): m.__dict__.get("forward") for m in modules}
     for m in modules: m.forward = make(m, m.forward)
     def restore(m):
@@ -98,7 +99,8 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 class LeanRMSNorm(torch.autograd.Function):
-    "transformers' RMSNorm, `weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)` in fp32, saving only `x` and the per-row scale."
+    """transformers' RMSNorm, `weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)` in fp32, saving only `x` and the
+    per-row scale."""
     @staticmethod
     def forward(ctx, x, weight, eps: float):
         ct = _compute_dtype(x)
@@ -116,7 +118,8 @@ class LeanRMSNorm(torch.autograd.Function):
         x, weight, rstd = ctx.saved_tensors
         ct = _compute_dtype(x)
         grad_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros(weight.shape, dtype=_compute_dtype(weight), device=x.device) if ctx.needs_input_grad[1] else None
+        grad_w = (torch.zeros(weight.shape, dtype=_compute_dtype(weight), device=x.device) if ctx.needs_input_grad[1]
+                  else None)
         for xc, gc, rc, *dxc in _row_chunks(x, grad_out, rstd, *([grad_x] if grad_x is not None else [])):
             xf = xc.to(ct)
             if grad_w is not None: grad_w += (gc * (xf * rc).to(x.dtype)).to(grad_w.dtype).sum(0)
@@ -127,10 +130,12 @@ class LeanRMSNorm(torch.autograd.Function):
 
 def _own(t: torch.Tensor) -> torch.Tensor:
     "`t` if a backward may overwrite it (a contiguous intermediate, not a view), else a private contiguous copy."
-    return t if t.is_contiguous() and not t.is_leaf and t._base is None else t.clone(memory_format=torch.contiguous_format)
+    return (t if t.is_contiguous() and not t.is_leaf and t._base is None
+            else t.clone(memory_format=torch.contiguous_format))
 
 class LeanSiluMul(torch.autograd.Function):
-    "`silu(gate) * up` (SwiGLU's core) saving only `gate` and `up`, whose buffers the backward reuses for their gradients."
+    """`silu(gate) * up` (SwiGLU's core) saving only `gate` and `up`, whose buffers the backward reuses for their
+    gradients."""
     @staticmethod
     def forward(ctx, gate, up):
         ctx.save_for_backward(*(_own(t) if needs else t for t, needs in zip((gate, up), ctx.needs_input_grad)))

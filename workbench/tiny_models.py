@@ -22,7 +22,8 @@ def model_families() -> list[str]:
     return sorted(p.name for p in (data_dir() / "configs").iterdir() if (p / "config.json").exists())
 
 def tiny_config(family: str = "llama", **overrides):
-    "The tiny config of a shipped family name, or of a directory holding a `config.json` (e.g. one `shrink_config` saved)."
+    """The tiny config of a shipped family name, or of a directory holding a `config.json` (e.g. one `shrink_config`
+    saved)."""
     from transformers import AutoConfig
     if family in model_families(): return AutoConfig.from_pretrained(str(data_dir() / "configs" / family), **overrides)
     if (Path(family) / "config.json").is_file(): return AutoConfig.from_pretrained(str(family), **overrides)
@@ -47,25 +48,33 @@ def release(package: str = "transformers") -> tuple[int, int]:
 
 # %% ../nbs/01_packing/03_tiny_models.ipynb #f445ee7a
 def layer_windows(config) -> tuple[int, ...]:
-    "Each decoder layer's sliding window (0: full attention): by `layer_types`, or `sliding_window` on every layer of a config without them."
+    """Each decoder layer's sliding window (0: full attention): by `layer_types`, or `sliding_window` on every layer of
+    a config without them."""
     window = getattr(config, "sliding_window", None) or 0
-    types = getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * config.num_hidden_layers
+    types = (getattr(config, "layer_types", None)
+             or ["sliding_attention" if window else "full_attention"] * config.num_hidden_layers)
     return tuple(window if t == "sliding_attention" else 0 for t in types)
 
 # %% ../nbs/01_packing/03_tiny_models.ipynb #c9b2bec8
 SHRINK = dict(head_dim=16, intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=64,
               vocab_size=8192,     # the shipped tokenizer's: the proof rows are its token ids
-              sliding_window=16,   # shorter than a proof row (203 tokens) and than its documents: a dropped window shows
-              experts=4, top_k=2,  # routed experts; experts per token (top-k) stays below the experts, as the original's
-              min_heads=4,         # query heads at least (kv heads doubled, the ratio kept, while the original has them)
+              # shorter than a proof row (203 tokens) and than its documents: a dropped window shows
+              sliding_window=16,
+              # routed experts; experts per token (top-k) stays below the experts, as the original's
+              experts=4, top_k=2,
+              # query heads at least (kv heads doubled, the ratio kept, while the original has them)
+              min_heads=4,
               max_params=20_000_000)  # a copy larger than this is refused: an attribute left unshrunk
-EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")  # names configs give the expert count
+# names configs give the expert count
+EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 TOP_K = ("num_experts_per_tok", "moe_topk", "top_k")
 LAYER_KINDS = ("full_attention", "sliding_attention")  # attention layers: what the SP engines shard
-NOT_PER_LAYER = ("architectures", "eos_token_id", "bos_token_id", "pad_token_id")  # lists that are not one entry per layer
+# lists that are not one entry per layer
+NOT_PER_LAYER = ("architectures", "eos_token_id", "bos_token_id", "pad_token_id")
 
 def as_config(model):
-    "The transformers config of a model directory (path with a config.json), a `PretrainedConfig` or a `PreTrainedModel` (a copy)."
+    """The transformers config of a model directory (path with a config.json), a `PretrainedConfig` or a
+    `PreTrainedModel` (a copy)."""
     import copy
     from transformers import AutoConfig, PretrainedConfig
     if isinstance(model, (str, Path)):
@@ -75,11 +84,13 @@ def as_config(model):
         return AutoConfig.from_pretrained(str(model))
     cfg = getattr(model, "config", model)
     if not isinstance(cfg, PretrainedConfig):
-        raise TypeError(f"expected a model directory, a transformers PretrainedConfig or a PreTrainedModel, got {type(model).__name__}")
+        raise TypeError("expected a model directory, a transformers PretrainedConfig or a PreTrainedModel, got "
+                        f"{type(model).__name__}")
     return copy.deepcopy(cfg)
 
 def _layer_kind(cfg, i: int) -> tuple:
-    "What makes layer `i` of a config differ from the others: its entry in every per-layer list, and index rules of MoE layers."
+    """What makes layer `i` of a config differ from the others: its entry in every per-layer list, and index rules of
+    MoE layers."""
     n = cfg.num_hidden_layers
     kind = [(k, v[i]) for k, v in sorted(vars(cfg).items()) if isinstance(v, (list, tuple)) and len(v) == n > 1
             and not k.startswith("_") and k not in NOT_PER_LAYER]
@@ -87,7 +98,8 @@ def _layer_kind(cfg, i: int) -> tuple:
     if getattr(cfg, "decoder_sparse_step", None): kind.append(("sparse_step", (i + 1) % cfg.decoder_sparse_step == 0))
     if getattr(cfg, "first_k_dense_replace", None) is not None: kind.append(("dense", i < cfg.first_k_dense_replace))
     if getattr(cfg, "moe_layer_freq", None): kind.append(("moe_freq", i % cfg.moe_layer_freq == 0))
-    if getattr(cfg, "interleave_moe_layer_step", None): kind.append(("moe_step", (i + 1) % cfg.interleave_moe_layer_step == 0))
+    if getattr(cfg, "interleave_moe_layer_step", None): kind.append(("moe_step",
+                                                                     (i + 1) % cfg.interleave_moe_layer_step == 0))
     return tuple(kind)
 
 def _refuse(cfg):
@@ -95,31 +107,36 @@ def _refuse(cfg):
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     mt = cfg.model_type
     if getattr(cfg, "is_encoder_decoder", False):
-        raise ValueError(f"model_type {mt!r} is an encoder-decoder (is_encoder_decoder=True): the engines train causal LMs")
+        raise ValueError(f"model_type {mt!r} is an encoder-decoder (is_encoder_decoder=True): the engines train causal "
+                         "LMs")
     if getattr(cfg, "text_config", None) is not None and cfg.get_text_config() is not cfg:
         raise ValueError(f"model_type {mt!r} is a composite model (text_config): shrink its language model, "
                          f"config.text_config (model_type {getattr(cfg.text_config, 'model_type', None)!r})")
     if mt not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise ValueError(f"model_type {mt!r} has no causal-LM class in transformers (AutoModelForCausalLM): the engines "
-                         f"train causal LMs")
+        raise ValueError(f"model_type {mt!r} has no causal-LM class in transformers (AutoModelForCausalLM): the "
+                         "engines train causal LMs")
     for attr, why in (("kv_lora_rank", "multi-head latent attention: its query/key/value head sizes (kv_lora_rank, "
-                       "qk_nope_head_dim, qk_rope_head_dim, v_head_dim) are tied, and shrinking them is not implemented"),
+                                       "qk_nope_head_dim, qk_rope_head_dim, v_head_dim) are tied, and shrinking them "
+                                       "is not implemented"),
                       ("attention_chunk_size", "chunked attention: a layer kind the workbench's masks do not model"),
                       ("encoder_layers", "encoder layers: not a decoder-only causal LM")):
         if getattr(cfg, attr, None): raise ValueError(f"model_type {mt!r}: {attr}={getattr(cfg, attr)!r} is {why}")
     other = sorted({t for t in getattr(cfg, "layer_types", None) or [] if t not in LAYER_KINDS})
     if other:
         raise ValueError(f"model_type {mt!r}: layer_types holds {other}, layers without attention heads to shard (the "
-                         f"engines proven here, Ulysses and ALST, shard attention only); its {LAYER_KINDS} layers alone "
-                         f"would not be the same architecture")
+                         f"engines proven here, Ulysses and ALST, shard attention only); its {LAYER_KINDS} layers "
+                         "alone would not be the same architecture")
     heads, kv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     if heads % kv:
-        raise ValueError(f"model_type {mt!r}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
+        raise ValueError(f"model_type {mt!r}: num_attention_heads={heads} is not a multiple of "
+                         f"num_key_value_heads={kv}")
 
 def shrink_config(model,           # a model directory (config.json), a `PretrainedConfig` or a `PreTrainedModel`
-                  sp_size: int = 2, # the SP size the copy must run (several: their lcm): kv heads split or replicate as the original's
+                  sp_size: int = 2, # the SP size the copy must run (several: their lcm):
+                                    # kv heads split or replicate as the original's
                  ):
-    "A tiny config of the same class: fewer layers (every layer kind kept), small widths, the head ratio, window and MoE routing kept."
+    """A tiny config of the same class: fewer layers (every layer kind kept), small widths, the head ratio, window and
+    MoE routing kept."""
     cfg = as_config(model)
     _refuse(cfg)
     heads, kv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
@@ -151,7 +168,8 @@ def shrink_config(model,           # a model directory (config.json), a `Pretrai
             if d.get(k): new[k] = SHRINK[k]
         for k in ("n_group", "topk_group"):
             if d.get(k): new[k] = 1
-    if d.get("query_pre_attn_scalar") == config_sizes(cfg)["head_dim"]: new["query_pre_attn_scalar"] = SHRINK["head_dim"]
+    if d.get("query_pre_attn_scalar") == config_sizes(cfg)["head_dim"]:
+        new["query_pre_attn_scalar"] = SHRINK["head_dim"]
     if d.get("mlp_only_layers"): new["mlp_only_layers"] = [i for i in d["mlp_only_layers"] if i < layers]
     window = d.get("sliding_window") if d.get("use_sliding_window", True) is not False else None
     if window and window < (d.get("max_position_embeddings") or float("inf")):  # else no row reaches it: kept as it is
@@ -176,7 +194,8 @@ def config_sizes(cfg) -> dict:
     "What `shrink_config` changes or keeps, read off a config: layers, widths, heads, experts, window, layer kinds."
     heads = cfg.num_attention_heads
     ex = next((getattr(cfg, k) for k in EXPERTS if getattr(cfg, k, None)), None)
-    return {"layers": cfg.num_hidden_layers, "layer kinds": len({_layer_kind(cfg, i) for i in range(cfg.num_hidden_layers)}),
+    return {"layers": cfg.num_hidden_layers,
+            "layer kinds": len({_layer_kind(cfg, i) for i in range(cfg.num_hidden_layers)}),
             "hidden": cfg.hidden_size, "heads": heads, "kv heads": getattr(cfg, "num_key_value_heads", None) or heads,
             "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
             "intermediate": getattr(cfg, "intermediate_size", None), "experts": ex,
@@ -210,7 +229,8 @@ _quiet_deepspeed_cpu_guess()
 # %% ../nbs/01_packing/03_tiny_models.ipynb #98a450eb
 @contextmanager
 def no_hf_bars():
-    "transformers' and datasets' progress bars off inside the block (loading or writing weights, reading a data file), as they were after it."
+    """transformers' and datasets' progress bars off inside the block (loading or writing weights, reading a data file),
+    as they were after it."""
     import datasets
     from transformers.utils import logging as hf_logging
     bars, data_bars = hf_logging.is_progress_bar_enabled(), datasets.is_progress_bar_enabled()

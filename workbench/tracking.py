@@ -23,7 +23,8 @@ __all__ = ['EVALUATIONS', 'PROJECT', 'process_rank', 'write_metrics', 'write_eva
 # %% ../nbs/04_runtime/04_tracking.ipynb #41bff324
 def process_rank() -> int: return dist.get_rank() if dist.is_initialized() else 0
 
-EVALUATIONS = "evaluations.jsonl"  # one row per evaluation during training: its step, the summary and every example's loss
+# one row per evaluation during training: its step, the summary and every example's loss
+EVALUATIONS = "evaluations.jsonl"
 
 def write_metrics(out: Path, **row):
     "Append one JSON line to `out/metrics.jsonl`."
@@ -34,7 +35,8 @@ def write_evaluation(out: Path, row: dict):
     with (out / EVALUATIONS).open("a") as f: f.write(json.dumps(row) + "\n")
 
 def read_metrics(out: Path, name: str = "metrics.jsonl") -> list[dict]:
-    "The rows of `out/metrics.jsonl` (or of `name`, as `EVALUATIONS`), skipping a line a killed process left half-written."
+    """The rows of `out/metrics.jsonl` (or of `name`, as `EVALUATIONS`), skipping a line a killed process left
+    half-written."""
     path = Path(out) / name
     rows = []
     for line in (path.read_text().splitlines() if path.exists() else []):
@@ -48,7 +50,8 @@ def replace_file(path: Path, text: str):
     tmp.write_text(text); tmp.replace(path)
 
 def truncate_metrics(out: Path, step: int):
-    "Keep only the rows of steps before `step` (the steps a resumed run will not train again), and the evaluations after them."
+    """Keep only the rows of steps before `step` (the steps a resumed run will not train again), and the evaluations
+    after them."""
     for name in ("metrics.jsonl", EVALUATIONS):
         if name == "metrics.jsonl" or (out / name).exists():
             kept = [r for r in read_metrics(out, name) if r["step"] < step]
@@ -64,41 +67,47 @@ def hparams(cfg: TrainConfig) -> dict:
 def open_trackers(cfg: TrainConfig,  # the run: `cfg.report_to` names the trackers, `cfg.out` holds their files
                   start: int = 0,    # the step training starts at (a resumed run's checkpoint step)
                  ) -> list:
-    "Start `cfg.report_to`'s accelerate trackers on rank 0, files under `cfg.out/<name>`, the config stored as hyperparameters; none elsewhere."
+    """Start `cfg.report_to`'s accelerate trackers on rank 0, files under `cfg.out/<name>`, the config stored as
+    hyperparameters; none elsewhere."""
     if process_rank() != 0 or not cfg.report_to: return []
     from accelerate import PartialState
     from accelerate.tracking import LOGGER_TYPE_TO_CLASS
-    PartialState()  # accelerate's trackers log through its logger, which raises before a state exists (CPU ranks: no process group)
+    # accelerate's trackers log through its logger, which raises before a state exists (CPU ranks: no process group)
+    PartialState()
     started = []
     for name in cfg.report_to:
         cls = LOGGER_TYPE_TO_CLASS[name]
-        extra = {"purge_step": start} if name == "tensorboard" and start else {}  # hides the old events of the steps trained again
+        # hides the old events of the steps trained again
+        extra = {"purge_step": start} if name == "tensorboard" and start else {}
         try:
-            t = cls(PROJECT, str(Path(cfg.out) / name), **extra) if cls.requires_logging_directory else cls(PROJECT, **extra)
+            t = (cls(PROJECT, str(Path(cfg.out) / name), **extra) if cls.requires_logging_directory
+                 else cls(PROJECT, **extra))
             t.main_process_only = False  # this is rank 0 already: accelerate's state (one process on CPU) has no say
             t.start(); started.append(t)
             t.store_init_configuration(hparams(cfg))
         except Exception as e:
             TrackerSink(started).finish()  # the ones that started, this one too if it did
-            raise RuntimeError(f"report_to (--report-to) {name!r} failed to start ({type(e).__name__}: {e}): fix its setup "
-                               f"or drop it; nothing was trained") from e
+            raise RuntimeError(f"report_to (--report-to) {name!r} failed to start ({type(e).__name__}: {e}): fix its "
+                               "setup or drop it; nothing was trained") from e
     return started
 
 class TrackerSink:
-    "Send each metrics row to trackers; `metrics.jsonl` stays the record, so a tracker that raises is named once and training goes on."
+    """Send each metrics row to trackers; `metrics.jsonl` stays the record, so a tracker that raises is named once and
+    training goes on."""
     def __init__(self, trackers: list):
         self.trackers, self.failures = trackers, {}
         self.stop = None  # the signal that asked this process to end (`reporting`), acted on once a row is logged
 
     def log(self, row: dict, prefix: str = "train"):
         "Log the scalars of one `write_metrics` row (`train/<key>`; an evaluation's: `eval/<key>`) at its step."
-        values = {f"{prefix}/{k}": v for k, v in row.items() if k not in ("step", "rank") and isinstance(v, (int, float))}
+        values = {f"{prefix}/{k}": v for k, v in row.items()
+                  if k not in ("step", "rank") and isinstance(v, (int, float))}
         for t in self.trackers:
             try: t.log(values, step=row["step"])
             except Exception as e:
                 if t.name not in self.failures:
-                    print(f"warning: tracker {t.name} failed to log step {row['step']} ({type(e).__name__}: {e}); training "
-                          f"goes on, metrics.jsonl keeps every row", file=sys.stderr)
+                    print(f"warning: tracker {t.name} failed to log step {row['step']} ({type(e).__name__}: {e}); "
+                          "training goes on, metrics.jsonl keeps every row", file=sys.stderr)
                 self.failures[t.name] = self.failures.get(t.name, 0) + 1
         if self.stop is not None: raise SystemExit(128 + self.stop)  # every tracker has the row: the run ends here
 
@@ -106,17 +115,20 @@ class TrackerSink:
         "Close every tracker (after a success, an error or an interrupt); name those that failed and how often."
         for t in self.trackers:
             try: t.finish()
-            except Exception as e: print(f"warning: tracker {t.name} failed to finish ({type(e).__name__}: {e})", file=sys.stderr)
+            except Exception as e: print(f"warning: tracker {t.name} failed to finish ({type(e).__name__}: "
+                                         f"{e})", file=sys.stderr)
         for name, n in self.failures.items():
             print(f"warning: tracker {name} missed {n} step(s); metrics.jsonl has them all", file=sys.stderr)
 
 @contextlib.contextmanager
 def reporting(cfg: TrainConfig, start: int = 0):
     """A `TrackerSink` of `open_trackers(cfg, start)`, finished however the block ends: success, error, or SIGTERM (how
-    `launch` and torchrun end a rank after Ctrl-C), which ends the run as `SystemExit` once the row in progress is logged."""
+    `launch` and torchrun end a rank after Ctrl-C), which ends the run as `SystemExit` once the row in progress is
+    logged."""
     sink = TrackerSink(open_trackers(cfg, start))
     handle = bool(sink.trackers) and threading.current_thread() is threading.main_thread()  # only it may set handlers
-    def ask_to_stop(signum, frame): sink.stop = signum  # raised here, it could cut a tracker off mid-write (then finish hangs)
+    # raised here, it could cut a tracker off mid-write (then finish hangs)
+    def ask_to_stop(signum, frame): sink.stop = signum
     old = signal.signal(signal.SIGTERM, ask_to_stop) if handle else None
     try: yield sink
     finally:

@@ -29,8 +29,8 @@ from .launch import launch, progress
 from .model import check_attention, check_world, random_start, rank_device, rank_model, run_dtype
 from .packing import FlatteningCollator, TokenBudgetSampler, plan_bins
 from .scoring import check_eval_features, evaluate_model
-from .readouts import (START_STEP, balance_readout, memory_comparison, memory_readout, peak_memory_bytes, plan_readout,
-                                prediction_comparison, segment_rows, watch_memory)
+from .readouts import (START_STEP, balance_readout, memory_comparison, memory_readout, peak_memory_bytes,
+                                plan_readout, prediction_comparison, segment_rows, watch_memory)
 from .tracking import process_rank, replace_file, reporting, truncate_metrics, write_evaluation, write_metrics
 from .sp.balance import plan_window
 from .sp.grid import ParallelGrid
@@ -47,20 +47,23 @@ def _endless(sampler):
     while True: yield from sampler  # the sampler moves to the next epoch (new order) at the end of each pass
 
 def cost_modelled(cfg: TrainConfig, config) -> bool:
-    "Whether `workbench.cost` models this architecture's steps; where `cfg.balance` is 'cost' and it does not, an error naming the fix."
+    """Whether `workbench.cost` models this architecture's steps; where `cfg.balance` is 'cost' and it does not, an
+    error naming the fix."""
     try: return bool(Dims.of(config))
     except ValueError as e:
         if cfg.balance != "cost": return False
-        raise ValueError(f"balance (--balance) 'cost' needs the cost of this model's steps: {e}; use --balance tokens") from None
+        raise ValueError(f"balance (--balance) 'cost' needs the cost of this model's steps: {e}; use --balance "
+                         "tokens") from None
 
 def token_imbalance(cfg: TrainConfig, plan, costs) -> float:
-    "Predicted max/mean rank cost per optimizer step as the token-budget sampler serves `plan`, given each bin's `costs` (what `BalancedPlan.token_imbalance` says, without dealing the cost grouping)."
+    """Predicted max/mean rank cost per optimizer step as the token-budget sampler serves `plan`, given each bin's
+    `costs` (what `BalancedPlan.token_imbalance` says, without dealing the cost grouping)."""
     if cfg.dp == 1: return 1.0  # one rank is its own slowest and its own mean
     served = served_steps(plan, cfg.dp, cfg.grad_accum, cfg.seed)
     return BalancedPlan.imbalance(costs[served].sum(1))
 
 def plan_run(cfg: TrainConfig, config,
-             lengths,  # the run's features (their masks say which pieces train: those that train nothing are left out), or bare lengths
+             lengths,  # the run's features (a piece whose masks train nothing is left out), or bare lengths
              rank: int = 0):
     """The run's plan, `rank`'s sampler grouped as `cfg.balance` says, the predicted max/mean rank cost of the groupings
     computed (`tokens`, both with `balance='cost'`), every bin's predicted FLOPs and their attention part (all three
@@ -75,17 +78,20 @@ def plan_run(cfg: TrainConfig, config,
     plan = plan_bins(lengths, cfg.max_tokens, overlong="split", seed=cfg.seed)
     sampler = TokenBudgetSampler(plan, seed=cfg.seed, num_replicas=cfg.dp, rank=rank, grad_accum=cfg.grad_accum)
     if not modelled: return plan, sampler, None, None, None
-    work = bin_work(config, plan, opts["attention"], opts["levers"])  # once: the imbalance and every step's prediction read it
+    # once: the imbalance and every step's prediction read it
+    work = bin_work(config, plan, opts["attention"], opts["levers"])
     costs = sum(work.values())
     return plan, sampler, {"tokens": token_imbalance(cfg, plan, costs)}, costs, attention_flops(work)
 
 def check_trained(trained: int, step: int, rows) -> None:
-    "Refuse an optimizer step whose bins train no token on any rank: its loss would read 0.0 and AdamW would still move the weights."
+    """Refuse an optimizer step whose bins train no token on any rank: its loss would read 0.0 and AdamW would still
+    move the weights."""
     if trained: return
-    raise ValueError(f"step {step}: its bins (this rank's: {[list(map(int, b)) for b in rows]}) train no token on any rank: "
-                     f"every piece is prompt only (a loss-masked slice of a split example), so the loss would read 0.0 and "
-                     f"the optimizer would still step on momentum and weight decay alone. Plan the features with "
-                     f"plan_bins(features, ..., untrained='drop') (the default; bare lengths cannot tell which pieces train)")
+    raise ValueError(f"step {step}: its bins (this rank's: {[list(map(int, b)) for b in rows]}) train no token on any "
+                     "rank: every piece is prompt only (a loss-masked slice of a split example), so the loss would "
+                     "read 0.0 and the optimizer would still step on momentum and weight decay alone. Plan the "
+                     "features with plan_bins(features, ..., untrained='drop') (the default; bare lengths cannot tell "
+                     "which pieces train)")
 
 def step_bytes(config,            # the model config
                rows: list[int],   # tokens of every micro-step's (padded) row
@@ -100,7 +106,8 @@ def step_bytes(config,            # the model config
 # %% ../nbs/04_runtime/12_train.ipynb #3809c823
 @dataclass
 class RankRun:
-    "What one process holds while it trains: the run, its place in the grid, the model and optimizer, the plan and its packing."
+    """What one process holds while it trains: the run, its place in the grid, the model and optimizer, the plan and its
+    packing."""
     cfg: TrainConfig
     device: torch.device
     grid: ParallelGrid
@@ -115,10 +122,12 @@ class RankRun:
     tokenizer: object            # saved beside the model in every checkpoint (None: token-id data)
     save_group: object           # the gloo group checkpoint saves wait on, outside the collective timeout
     eval_features: list | None   # the held-out examples evaluated during training (`--eval-data`; None: none)
-    bin_flops: dict | None       # predicted FLOPs of every bin and their attention part, by its pieces (`plan_run`; None: not modelled)
+    bin_flops: dict | None       # predicted FLOPs of every bin and their attention
+                                 # part, by its pieces (`plan_run`; None: not modelled)
 
 def read_run_data(cfg: TrainConfig, config) -> tuple[list[dict], object, list[dict] | None]:
-    "The run's token features, their tokenizer and the held-out features (`--eval-data`; None without), each checked against the model's `config`."
+    """The run's token features, their tokenizer and the held-out features (`--eval-data`; None without), each checked
+    against the model's `config`."""
     features, tokenizer = run_features(cfg)  # the model directory's tokenizer (or --tokenizer)
     check_token_ids(features, config.vocab_size, cfg.data)
     if not cfg.eval_data: return features, tokenizer, None
@@ -128,7 +137,8 @@ def read_run_data(cfg: TrainConfig, config) -> tuple[list[dict], object, list[di
     return features, tokenizer, eval_features
 
 def setup_rank(cfg: TrainConfig,
-               prepared: tuple | None = None,  # `(features, tokenizer, eval_features)` as `preflight_run` returned them (None: read the data here)
+               # `(features, tokenizer, eval_features)` as `preflight_run` returned them (None: read the data here)
+               prepared: tuple | None = None,
               ) -> RankRun:
     "Everything this process needs before its first step; rank 0 prints the plan, the balance and the step prediction."
     world = check_world(cfg)
@@ -139,22 +149,28 @@ def setup_rank(cfg: TrainConfig,
     save_group = dist.new_group(backend="gloo", timeout=SAVE_WAIT) if dist.is_initialized() else None
     watch_memory(device)
     model = rank_model(cfg, grid, device, world)
-    if prepared is None: prepared = read_run_data(cfg, model.config)  # else `preflight_run` read and checked them once for every rank
+    # else `preflight_run` read and checked them once for every rank
+    if prepared is None: prepared = read_run_data(cfg, model.config)
     features, tokenizer, eval_features = prepared
-    plan, sampler, imbalance, costs, attention = plan_run(cfg, model.config, features, grid.rank("dp"))  # pieces that train nothing are left out
-    predicted = run_prediction(cfg, model.config, plan, sampler=sampler)  # workbench.cost's roofline (None: not modelled)
+    # pieces that train nothing are left out
+    plan, sampler, imbalance, costs, attention = plan_run(cfg, model.config, features, grid.rank("dp"))
+    # workbench.cost's roofline (None: not modelled)
+    predicted = run_prediction(cfg, model.config, plan, sampler=sampler)
     if process_rank() == 0:
         print(plan_readout(plan))
         print(balance_readout(cfg, imbalance))
         print(predicted or f"no step prediction: {unmodelled(cfg, model.config)}")
     pieces = plan.dataset(features)
-    bin_flops = None  # each bin's predicted work and its attention part, by its pieces: the per-rank view sets a rank's measured time beside them
-    if costs is not None: bin_flops = {tuple(b.tolist()): (float(c), float(a)) for b, c, a in zip(plan.bins, costs, attention)}
+    # each bin's predicted work and its attention part, by its pieces:
+    # the per-rank view sets a rank's measured time beside them
+    bin_flops = None
+    if costs is not None:
+        bin_flops = {tuple(b.tolist()): (float(c), float(a)) for b, c, a in zip(plan.bins, costs, attention)}
     collate = FlatteningCollator(pad_to_multiple_of=cfg.sp, train_all_tokens=True)  # load_features decided the masks
     trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
     opt = torch.optim.AdamW(trainable, lr=cfg.lr)
-    return RankRun(cfg, device, grid, model, opt, plan, sampler, imbalance, predicted, pieces, collate, tokenizer, save_group,
-                   eval_features, bin_flops)
+    return RankRun(cfg, device, grid, model, opt, plan, sampler, imbalance, predicted, pieces, collate, tokenizer,
+                   save_group, eval_features, bin_flops)
 
 def write_run_config(out: Path, rank_run: RankRun,
                      start: int,  # the step this run begins at (a resume's checkpoint step): what its readouts cover
@@ -189,7 +205,7 @@ def step_shards(bins: list,       # this replica's plan bins of one optimizer st
                 collate,          # the collator that packs a bin's pieces into one row
                 grid,             # the `ParallelGrid` of this process
                 cfg: TrainConfig,
-                window: int | None = None,  # the sliding window the ring's document-aware plan balances by (`plan_window`)
+                window: int | None = None,  # the sliding window the ring's document-aware plan uses (`plan_window`)
                ) -> list[dict]:
     "Each micro-step's packed row, cut into this process's shard (labels shifted over the whole row first)."
     layout, shards = cfg.layout, []
@@ -199,18 +215,21 @@ def step_shards(bins: list,       # this replica's plan bins of one optimizer st
     return shards
 
 def forward_backward(model, shards: list[dict], grid, cfg: TrainConfig) -> torch.Tensor:
-    "Forward and backward every micro-step's shard; this process's share of the step's loss (summed token losses / the step's trained tokens)."
+    """Forward and backward every micro-step's shard; this process's share of the step's loss (summed token losses / the
+    step's trained tokens)."""
     step_trained = sum(shard["num_items_in_batch"] for shard in shards)  # every micro-step's row: the loss denominator
     layout, losses = cfg.layout, []
     for shard in shards:
-        micro = {**shard, "num_items_in_batch": step_trained}  # the shard keeps its own row's count (the metrics read it)
+        # the shard keeps its own row's count (the metrics read it)
+        micro = {**shard, "num_items_in_batch": step_trained}
         _, loss = layout.forward(model, micro, grid, cfg.loss_chunk)
         loss.backward()
         losses.append(loss.detach())
     return torch.stack(losses).sum()  # in the loss's own dtype: a float64 run's loss is not rounded to float32
 
 def step_totals(bins: list, shards: list[dict], plan, grid, device: torch.device) -> torch.Tensor:
-    "The plan's tokens and the trained targets of the whole step, over every replica: `[real, trained]` (one all-reduce)."
+    """The plan's tokens and the trained targets of the whole step, over every replica: `[real, trained]` (one
+    all-reduce)."""
     real = sum(int(plan.length[b].sum()) for b in bins)
     trained = sum(shard["num_items_in_batch"] for shard in shards)
     replica = [float(real), float(trained)] if grid.sp_rank == 0 else [0.0, 0.0]  # once per replica
@@ -226,7 +245,8 @@ def optimizer_step(model, opt, grid):
 
 def shard_tokens(shard: dict, real: int, grid, cfg: TrainConfig) -> int:
     "Tokens of the plan (not padding) in this process's shard of a row holding `real` of them."
-    return cfg.layout.shard_tokens(shard, real, grid)  # the ring deals tokens out of order; Ulysses cuts the row in order
+    # the ring deals tokens out of order; Ulysses cuts the row in order
+    return cfg.layout.shard_tokens(shard, real, grid)
 
 def row_tokens(shard: dict, cfg: TrainConfig) -> int:
     "Tokens of the whole (padded) row a shard was cut from."
@@ -235,7 +255,8 @@ def row_tokens(shard: dict, cfg: TrainConfig) -> int:
 def step_metrics(rank_run: RankRun, step: int, loss: float, bins: list, shards: list[dict],
                  totals: torch.Tensor,  # the step's `[real, trained]` over every replica (`step_totals`)
                  seconds: float,        # this step's wall time
-                 compute_s: float,      # of which in this rank's forward and backward (before the gradients wait for the other ranks)
+                 compute_s: float,      # of which in this rank's forward and backward
+                                        # (before the gradients wait for the other ranks)
                  a2a_s: float,          # of which in the all-to-alls
                  ring_s: float,         # of which in the ring's exchanges
                  elapsed: float,        # since the run started
@@ -250,7 +271,9 @@ def step_metrics(rank_run: RankRun, step: int, loss: float, bins: list, shards: 
         row_sizes.append(row_tokens(shard, cfg))
     sent = step_bytes(model.config, row_sizes, cfg, model.dtype.itemsize)
     mfu = measured_mfu(model.config, [plan.length[b] for b in bins], cfg, seconds, rank_run.predicted)
-    work = {}  # this replica's bins' predicted FLOPs and their attention part: the per-rank view's prediction (none for a bin the plan does not hold)
+    # this replica's bins' predicted FLOPs and their attention part: the
+    # per-rank view's prediction (none for a bin the plan does not hold)
+    work = {}
     flops = [rank_run.bin_flops.get(tuple(b)) for b in bins] if rank_run.bin_flops is not None else [None]
     if None not in flops:
         work["predicted_flops"] = sum(total for total, _ in flops)
@@ -269,7 +292,8 @@ def train_step(rank_run: RankRun, step: int, bins: list,
     t0 = time.perf_counter()
     a2a_before = grid.clock.seconds   # seconds in the all-to-alls so far
     ring_before = grid.stats.seconds  # and in the ring's exchanges
-    shards = step_shards(bins, rank_run.pieces, rank_run.collate, grid, rank_run.cfg, plan_window(rank_run.model.config))
+    shards = step_shards(bins, rank_run.pieces, rank_run.collate, grid, rank_run.cfg,
+                         plan_window(rank_run.model.config))
     totals = step_totals(bins, shards, rank_run.plan, grid, rank_run.device)
     check_trained(int(totals[1]), step, bins)  # before any forward: no step is taken on nothing
     t_compute = time.perf_counter()
@@ -283,7 +307,8 @@ def train_step(rank_run: RankRun, step: int, bins: list,
                         elapsed=time.perf_counter() - started)
 
 def evaluate_during_training(rank_run: RankRun, step: int, sink):
-    "Evaluate `--eval-data` after `step` under the run's layout; rank 0 records the row (`evaluations.jsonl`) and prints one line, and the trackers get its `eval/` scalars."
+    """Evaluate `--eval-data` after `step` under the run's layout; rank 0 records the row (`evaluations.jsonl`) and
+    prints one line, and the trackers get its `eval/` scalars."""
     result = evaluate_model(rank_run.model, rank_run.grid, rank_run.cfg, rank_run.eval_features)
     example_loss = [r["loss"] for r in result.rows()]  # None: an example with no trained target
     row = dict(step=step, examples=len(result.tokens), tokens=int(result.tokens.sum()), loss=result.mean_loss(),
@@ -305,7 +330,8 @@ def progressing(every_s: float = 1.0):  # seconds between two `progress()` calls
     finally: done.set(); beating.join()
 
 def train_rank(cfg: TrainConfig,
-               prepared: tuple | None = None,  # `(features, tokenizer, eval_features)` as `preflight_run` returned them (None: read the data here)
+               # `(features, tokenizer, eval_features)` as `preflight_run` returned them (None: read the data here)
+               prepared: tuple | None = None,
               ) -> list[float]:
     "Train on this process as one rank of the `cfg.dp` x `cfg.sp` grid; return the loss of every step it trained."
     rank_run = setup_rank(cfg, prepared)
@@ -341,18 +367,21 @@ def train_rank(cfg: TrainConfig,
 
 # %% ../nbs/04_runtime/12_train.ipynb #d147a1b7
 def preflight_run(cfg: TrainConfig) -> tuple[list[dict], object, list[dict] | None]:
-    "Refuse, before any process starts, a run that would fail inside one: model, attention, run directory, data; return the run's `(features, tokenizer, eval_features)`, read once for every rank it forks."
+    """Refuse, before any process starts, a run that would fail inside one: model, attention, run directory, data;
+    return the run's `(features, tokenizer, eval_features)`, read once for every rank it forks."""
     device = rank_device().type
-    if cfg.block_kernel == "fused" and device == "cuda" and run_dtype(cfg, device) not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"ring_kernel (--ring-kernel) 'fused' runs CUDA's flash attention, which computes in bfloat16, and this "
-                         f"run trains in {cfg.dtype}: use --dtype bfloat16 or --ring-kernel plain (exact in any dtype)")
+    if (cfg.block_kernel == "fused" and device == "cuda"
+            and run_dtype(cfg, device) not in (torch.float16, torch.bfloat16)):
+        raise ValueError("ring_kernel (--ring-kernel) 'fused' runs CUDA's flash attention, which computes in bfloat16, "
+                         f"and this run trains in {cfg.dtype}: use --dtype bfloat16 or --ring-kernel plain (exact in "
+                         "any dtype)")
     if cfg.block_kernel == "fused" and device not in ("cpu", "cuda"):
-        raise ValueError(f"ring_kernel (--ring-kernel) 'fused' runs PyTorch's flash attention on CPU or CUDA and this run trains "
-                         f"on {device}: use --ring-kernel plain there (exact on any device)")
+        raise ValueError("ring_kernel (--ring-kernel) 'fused' runs PyTorch's flash attention on CPU or CUDA and this "
+                         f"run trains on {device}: use --ring-kernel plain there (exact on any device)")
     config = model_config(cfg)
     if cfg.block_kernel == "fused" and device == "cuda" and windowed(config):
-        raise ValueError("ring_kernel (--ring-kernel) 'fused' has no sliding window on CUDA yet and this model's layers use one: "
-                         "use --ring-kernel plain (exact with a window on any device)")
+        raise ValueError("ring_kernel (--ring-kernel) 'fused' has no sliding window on CUDA yet and this model's "
+                         "layers use one: use --ring-kernel plain (exact with a window on any device)")
     cfg.layout.check(config, world_size=cfg.world)  # Ulysses degree vs heads; a ring the rest
     check_attention(cfg, config)
     if (line := random_start(cfg)) and int(os.environ.get("RANK", 0)) == 0: print(line)  # once, also under torchrun
@@ -367,31 +396,37 @@ def run(cfg: TrainConfig) -> list[float]:
     planned, line = memory_readout(cfg, dtype, rank_device().type)
     print(line)
     fresh_cpu()  # a CPU measured more than a minute ago is measured again: the box's load may have changed
-    run_device(cfg.world); run_efficiency(cfg.world, cfg.sp)  # measured once here (cached; its ranks computing at once), so that every forked rank uses the same peak and factors
-    results = launch(train_rank, cfg, prepared, num_processes=cfg.world, sp_layout=cfg.layout, model_config=model_config(cfg),
-                     timeout_s=cfg.timeout_s, stall_s=cfg.stall_s or None)
-    print(memory_comparison(segment_rows(cfg.out), planned, rank_device().type))  # this run's rows, not a resume's older
+    # measured once here (cached; its ranks computing at once), so that every forked rank uses the same peak and factors
+    run_device(cfg.world); run_efficiency(cfg.world, cfg.sp)
+    results = launch(train_rank, cfg, prepared, num_processes=cfg.world, sp_layout=cfg.layout,
+                     model_config=model_config(cfg), timeout_s=cfg.timeout_s, stall_s=cfg.stall_s or None)
+    # this run's rows, not a resume's older
+    print(memory_comparison(segment_rows(cfg.out), planned, rank_device().type))
     if comparison := prediction_comparison(cfg.out): print(comparison)  # recorded: later predictions carry it, held out
     return results[0]
 
-_INTERRUPTS = ("KeyboardInterrupt",)  # what SIGINT becomes in this process (launch's ranks ignore it; the parent ends them)
+# what SIGINT becomes in this process (launch's ranks ignore it; the parent ends them)
+_INTERRUPTS = ("KeyboardInterrupt",)
 
 def _interrupted(e: BaseException) -> bool:
-    "Whether `e` came of Ctrl-C: an interrupt itself, raised while handling one (a torn write), or a rank's error that did."
+    """Whether `e` came of Ctrl-C: an interrupt itself, raised while handling one (a torn write), or a rank's error that
+    did."""
     chain = []
     while e is not None and e not in chain: chain.append(e); e = e.__cause__ or e.__context__
     text = " ".join(getattr(x, "worker_traceback", "") for x in chain)  # a RankError carries the rank's own traceback
     return any(type(x).__name__ in _INTERRUPTS for x in chain) or any(f"{n}:" in text for n in _INTERRUPTS)
 
 def main(argv=None) -> list[float]:
-    "Command line: `python -m workbench.train --sp 2 --nproc 2 --steps 5 --out runs/x` (or under torchrun without --nproc)."
+    """Command line: `python -m workbench.train --sp 2 --nproc 2 --steps 5 --out runs/x` (or under torchrun without
+    --nproc)."""
     p = _parser()
     world = int(os.environ.get("WORLD_SIZE", 1))  # > 1 when torchrun / accelerate launch started the processes
     cfg = _config(p, p.parse_args(argv), world)
     try:
         if world > 1:  # join the launcher's process group
             prepared = preflight_run(cfg)
-            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(seconds=cfg.timeout_s))
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                                    timeout=timedelta(seconds=cfg.timeout_s))
             try: losses = train_rank(cfg, prepared)
             finally: dist.destroy_process_group()
         else: losses = run(cfg)  # checks the config before it forks anything
@@ -399,7 +434,8 @@ def main(argv=None) -> list[float]:
     except BaseException as e:
         if not _interrupted(e): raise
         found = latest_checkpoint(Path(cfg.out), say=lambda _: None)
-        where = f"the last complete checkpoint is {found[0]}; --resume continues from it" if found else "no checkpoint was written yet"
+        where = (f"the last complete checkpoint is {found[0]}; --resume continues from it" if found
+                 else "no checkpoint was written yet")
         print(f"interrupted: {where}", file=sys.stderr)
         raise SystemExit(130) from None
     if int(os.environ.get("RANK", 0)) == 0: print(json.dumps({"out": cfg.out, "losses": losses}))
@@ -407,6 +443,7 @@ def main(argv=None) -> list[float]:
 
 # %% ../nbs/04_runtime/12_train.ipynb #7c4027cd
 #| eval: false
-if __name__ == "__main__":  # the package's module, not this __main__ copy: fastcore's docments (the flags' help) skips __main__
+# the package's module, not this __main__ copy: fastcore's docments (the flags' help) skips __main__
+if __name__ == "__main__":
     from workbench.train import main as package_main
     package_main()

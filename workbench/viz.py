@@ -62,7 +62,8 @@ def bin_batch(features: list[dict],  # the examples the plan was made from
               plan,                  # a `plan_bins` plan of them
               bin_id: int,           # which of its bins
               ) -> dict:
-    "One bin of a token-budget plan as one packed row (`FlatteningCollator`, every token trained: a picture, not a training step)."
+    """One bin of a token-budget plan as one packed row (`FlatteningCollator`, every token trained: a picture, not a
+    training step)."""
     pieces = plan.dataset(features)  # an example longer than the budget is split into pieces, as training splits it
     return FlatteningCollator(train_all_tokens=True)([pieces[int(i)] for i in plan.bins[bin_id]])
 
@@ -72,27 +73,32 @@ def strategy_batch(features: list[dict],  # tokenized examples (`load_sample`)
                    step: int = 0,         # which batch (wraps around the dataset)
                    plan=None,             # a precomputed `plan_bins` plan for token-budget packing (else planned here)
                    ) -> tuple[dict, np.ndarray | None]:
-    "The collated batch of one step of `strategy`, and the example lengths when the batch itself cannot tell them (naive concatenation)."
+    """The collated batch of one step of `strategy`, and the example lengths when the batch itself cannot tell them
+    (naive concatenation)."""
     if strategy not in STRATEGIES: raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
     if size < 1: raise ValueError(f"size must be a positive number of examples or tokens, got {size}")
     if strategy == "token-budget packing":
-        plan = plan or plan_bins([len(f["input_ids"]) for f in features], capacity=size, overlong="split")  # as training plans
+        # as training plans
+        plan = plan or plan_bins([len(f["input_ids"]) for f in features], capacity=size, overlong="split")
         order = TokenBudgetSampler(plan, seed=0).epoch_steps()[:, 0]  # the shuffled order training would see
         return bin_batch(features, plan, order[step % len(order)]), None
     start = (step * size) % max(len(features) - size + 1, 1)
     feats = features[start:start + size]
-    collate = {"padded": PaddingCollator(), "naive concatenation": NaiveConcatCollator(), "flattening": FlatteningCollator(train_all_tokens=True)}
+    collate = {"padded": PaddingCollator(), "naive concatenation": NaiveConcatCollator(),
+               "flattening": FlatteningCollator(train_all_tokens=True)}
     lengths = np.array([len(f["input_ids"]) for f in feats]) if strategy == "naive concatenation" else None
     return collate[strategy](feats), lengths
 
 # %% ../nbs/01_packing/07_viz.ipynb #5662e6fb
-EXAMPLE_COLORS = ["#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#EECA3B", "#B279A2", "#FF9DA6", "#9D755D", "#76B7B2"]
+EXAMPLE_COLORS = ["#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#EECA3B", "#B279A2", "#FF9DA6", "#9D755D",
+                  "#76B7B2"]
 PAD, UNUSED = -1, -2  # layout codes: padding hidden by a mask, and unused token budget
 
 PAD_COLOR = "#bdbdbd"
 
 def layout_rows(grids: list[np.ndarray]) -> np.ndarray:
-    "Stack example grids of different widths into one `[rows, width]` array (examples numbered on), filling with `UNUSED`."
+    """Stack example grids of different widths into one `[rows, width]` array (examples numbered on), filling with
+    `UNUSED`."""
     width, out, seen = max(g.shape[1] for g in grids), [], 0
     for g in grids:
         out.append(np.pad(np.where(g >= 0, g + seen, g), ((0, 0), (0, width - g.shape[1])), constant_values=UNUSED))
@@ -119,7 +125,8 @@ def layout_bars(grid: np.ndarray) -> dict:
 
 def layout_title(name: str, grid: np.ndarray) -> str:
     "`name`, the grid's shape and its padding share."
-    return f"{name}: {len(grid)} row(s) x {grid.shape[1]:,}, {(grid == PAD).sum() / max((grid != UNUSED).sum(), 1):.0%} padding"
+    return (f"{name}: {len(grid)} row(s) x {grid.shape[1]:,}, "
+            f"{(grid == PAD).sum() / max((grid != UNUSED).sum(), 1):.0%} padding")
 
 def _bar(grid) -> go.Bar:
     return go.Bar(**layout_bars(grid), orientation="h", width=0.9, textposition="none", showlegend=False,
@@ -146,7 +153,8 @@ def plot_batch_layout(layouts: dict,          # name -> example grid [rows, T] (
 # %% ../nbs/01_packing/07_viz.ipynb #3a796e97
 CATEGORIES = ("masked", "allowed", "leak", "padding")  # what a cell of the mask view shows, by its code 0..3
 CATEGORY_COLORS = ("#eeeeee", "#2a62a8", "#d62728", "#bdbdbd")
-MASK_COLORSCALE = [[i / 4 + d, c] for i, c in enumerate(CATEGORY_COLORS) for d in (0, 0.25)]  # discrete: z codes, zmin -0.5, zmax 3.5
+# discrete: z codes, zmin -0.5, zmax 3.5
+MASK_COLORSCALE = [[i / 4 + d, c] for i, c in enumerate(CATEGORY_COLORS) for d in (0, 0.25)]
 
 def _window_counts(spec, edges_q: np.ndarray, edges_k: np.ndarray, row: int) -> np.ndarray:
     "`spec.block_counts` for query edges covering only a part of the row (the outer blocks are computed and dropped)."
@@ -238,13 +246,15 @@ def _axis_labels(name, edges, ex, tokens):
     "Hover label of each block of one axis: its token (and text) when it is one token, else its range."
     span = lambda a, b: f"{a}" if a == b else f"{a}-{b}"
     return [f"{name} {a} {tokens[a - edges[0]]} (example {ex[a]})" if b - a == 1 and tokens else
-            f"{name} {a}-{b - 1} (example {span(ex[a], ex[b - 1])})" for a, b in zip(edges[:-1].tolist(), edges[1:].tolist())]
+            f"{name} {a}-{b - 1} (example {span(ex[a], ex[b - 1])})"
+            for a, b in zip(edges[:-1].tolist(), edges[1:].tolist())]
 
 def _axis(lo, hi, reverse, tokens, label_tokens):
     "An axis showing tokens [lo, hi): fixed range (queries run down), and the tokens' text as ticks when they are few."
     ax = dict(range=[hi, lo] if reverse else [lo, hi], autorange=False, tickmode="auto", tickvals=None, ticktext=None)
     if tokens is not None and hi - lo <= label_tokens:
-        ax.update(tickmode="array", tickvals=(np.arange(lo, hi) + 0.5).tolist(), ticktext=tokens, tickfont=dict(size=10))
+        ax.update(tickmode="array", tickvals=(np.arange(lo, hi) + 0.5).tolist(), ticktext=tokens,
+                  tickfont=dict(size=10))
     return ax
 
 def mask_traces(report: MaskReport,     # from `workbench.masks.mask_report`
@@ -266,7 +276,8 @@ def mask_traces(report: MaskReport,     # from `workbench.masks.mask_report`
     ids = None if input_ids is None else np.asarray(input_ids[row])
     text = lambda lo, hi, edges: (readable_tokens(ids[lo:hi], tokenizer) if ids is not None else [""] * (hi - lo)) \
         if len(edges) - 1 == hi - lo else None  # token text only where a cell is one token
-    escape = lambda ts: ts and [t.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;") for t in ts]  # plotly reads tags
+    # plotly reads tags
+    escape = lambda ts: ts and [t.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;") for t in ts]
     tq, tk = escape(text(q0, q1, eq)), escape(text(k0, k1, ek))
     qs, ks = _axis_labels("query", eq, ex, tq or []), _axis_labels("key", ek, ex, tk or [])
     status = np.array(CATEGORIES)[code]
@@ -274,9 +285,11 @@ def mask_traces(report: MaskReport,     # from `workbench.masks.mask_report`
         shares = ""
         for k in ("leak", "allowed", "padding"):
             p = np.round(100 * n[k] / n["cells"]).astype(int)
-            shares = np.strings.add(shares, np.where(p > 0, np.strings.add(f"{k} ", np.strings.add(p.astype(str), "% ")), ""))
+            shares = np.strings.add(shares,
+                                    np.where(p > 0, np.strings.add(f"{k} ", np.strings.add(p.astype(str), "% ")), ""))
         shares = np.strings.strip(shares)
-        status = np.where(shares != "", np.strings.add(status, np.strings.add(" (", np.strings.add(shares, ")"))), status)
+        status = np.where(shares != "", np.strings.add(status, np.strings.add(" (", np.strings.add(shares, ")"))),
+                          status)
     cell = np.strings.add(np.strings.add(np.array(qs)[:, None], "<br>"), np.strings.add(np.array(ks)[None, :], "<br>"))
     heat = dict(z=code, x=ek.astype(np.int32), y=eq.astype(np.int32), zmin=-0.5, zmax=3.5, colorscale=MASK_COLORSCALE,
                 hovertemplate="%{text}<extra></extra>", text=np.strings.add(cell, status),
@@ -286,8 +299,8 @@ def mask_traces(report: MaskReport,     # from `workbench.masks.mask_report`
     s = report.stats()
     zoomed = (q0, q1, k0, k1) != (0, T, 0, T)
     blocks = "one token per cell" if bq == bk == 1 else f"{bq}x{bk}-token blocks"
-    title = (f"{s['cross-example pairs']:,} cross-example pairs ({s['contamination share']:.1%} of allowed) · {T:,} tokens"
-             f"<br><sub>{blocks}" + (f" · queries {q0}-{q1 - 1}, keys {k0}-{k1 - 1}" if zoomed else "") +
+    title = (f"{s['cross-example pairs']:,} cross-example pairs ({s['contamination share']:.1%} of allowed) · {T:,} "
+             f"tokens<br><sub>{blocks}" + (f" · queries {q0}-{q1 - 1}, keys {k0}-{k1 - 1}" if zoomed else "") +
              f"<br>{report.effective.path}</sub>")
     axes = dict(xaxis=_axis(k0, k1, False, tk, label_tokens), yaxis=_axis(q0, q1, True, tq, label_tokens))
     return heat, lines, title, axes
@@ -332,7 +345,8 @@ def plot_attention(model,                 # a transformers causal LM
     leaked = attention_leakage(model, batch, lengths, use_cache)[layer, head]
     starts = np.flatnonzero(np.diff(ex) != 0) + 1
     fig = go.Figure(go.Heatmap(z=att, x=np.arange(T + 1) - 0.5, y=np.arange(T + 1) - 0.5, colorscale="Viridis",
-                               colorbar=dict(title="p"), hovertemplate="query %{y} · key %{x}: p = %{z:.3f}<extra></extra>"),
+                               colorbar=dict(title="p"),
+                               hovertemplate="query %{y} · key %{x}: p = %{z:.3f}<extra></extra>"),
                     layout=mask_layout(f"layer {layer}, head {head}: attention probabilities; mass on other examples "
                                        f"{leaked:.1%} (mean over real queries)"))
     for s in starts:
@@ -352,10 +366,13 @@ def mask_figures(sample: str = "flan_like",   # a shipped sample (workbench.samp
     naive, lengths = strategy_batch(feats, "naive concatenation", n_examples)
     ones = {**batch, "attention_mask": torch.ones_like(batch["input_ids"])}
     budget = int(batch["input_ids"].shape[1])
-    grid = lambda s, step=0: example_grid(*strategy_batch(feats, s, n_examples if s != "token-budget packing" else budget, step))
+    grid = lambda s, step=0: example_grid(*strategy_batch(feats, s,
+                                                          n_examples if s != "token-budget packing" else budget, step))
     figs = {"batch layouts": plot_batch_layout({"padded": grid("padded"), "flattening": grid("flattening"),
-                                                "token-budget packing": layout_rows([grid("token-budget packing", s) for s in range(4)])},
-                                               title=f"{sample}: {n_examples} examples per step, budget {budget} tokens")}
+                                                "token-budget packing": layout_rows([grid("token-budget packing", s)
+                                                                                     for s in range(4)])},
+                                               title=f"{sample}: {n_examples} examples per step, budget {budget} "
+                                                     "tokens")}
     cases = {"correct packing": (batch, None, False), "naive concatenation": (naive, lengths, False),
              "trap: cache active": (batch, None, True), "trap: all-ones attention_mask": (ones, None, False)}
     for name, (b, lens, cache) in cases.items():
@@ -377,16 +394,19 @@ def render_alone(name: str,        # the figure's name, for the error
             return
         except Exception as e:  # on a busy machine kaleido's page can be called before its script loaded
             error = e
-    raise RuntimeError(f"figure {name!r} was not written to {path}: kaleido failed in the batch and {tries} times alone ({error}). "
-                       "Check that chromium starts (plotly_get_chrome), or pass formats=('html',)") from error
+    raise RuntimeError(f"figure {name!r} was not written to {path}: kaleido failed in the batch and {tries} times "
+                       f"alone ({error}). Check that chromium starts (plotly_get_chrome), or pass "
+                       "formats=('html',)") from error
 
 def save_figures(figs: dict[str, go.Figure],  # name -> figure
                  out_dir,                     # folder to write into (created)
                  formats=("html", "png"),     # "html" (self-contained but for plotly.js from a CDN) and/or "png"
                  scale: float = 1.0,          # PNG pixel scale
                  ) -> list[Path]:
-    "Write every figure as `<slug>.html` and/or `<slug>.png` into `out_dir`; PNGs in one kaleido batch, each one checked."
-    if unknown := set(formats) - {"html", "png"}: raise ValueError(f"formats {sorted(unknown)}: only 'html' and 'png' are written")
+    """Write every figure as `<slug>.html` and/or `<slug>.png` into `out_dir`; PNGs in one kaleido batch, each one
+    checked."""
+    if unknown := set(formats) - {"html", "png"}: raise ValueError(f"formats {sorted(unknown)}: only 'html' and 'png' "
+                                                                   "are written")
     slugs = {n: "".join(c if c.isalnum() else "_" for c in n.lower()).strip("_") for n in figs}
     counts = Counter(slugs.values())
     if clash := sorted(n for n, slug in slugs.items() if counts[slug] > 1):
@@ -398,11 +418,13 @@ def save_figures(figs: dict[str, go.Figure],  # name -> figure
             p = out / f"{slugs[name]}.html"; fig.write_html(p, include_plotlyjs="cdn"); paths.append(p)
     if "png" in formats:
         pngs = {n: out / f"{slugs[n]}.png" for n in figs}
-        sizes = {n: dict(width=f.layout.width or 700, height=f.layout.height or 500) for n, f in figs.items()}  # kaleido ignores the layout's
+        # kaleido ignores the layout's
+        sizes = {n: dict(width=f.layout.width or 700, height=f.layout.height or 500) for n, f in figs.items()}
         for p in pngs.values(): p.unlink(missing_ok=True)  # a reused folder: an old PNG must not pass for a new one
-        pio.write_images(list(figs.values()), list(pngs.values()), scale=scale, width=[d["width"] for d in sizes.values()],
-                         height=[d["height"] for d in sizes.values()])
-        for name, p in pngs.items():  # plotly drops the errors kaleido's batch returns (a render past its timeout writes nothing)
+        pio.write_images(list(figs.values()), list(pngs.values()), scale=scale,
+                         width=[d["width"] for d in sizes.values()], height=[d["height"] for d in sizes.values()])
+        # plotly drops the errors kaleido's batch returns (a render past its timeout writes nothing)
+        for name, p in pngs.items():
             if p.exists(): continue
             render_alone(name, figs[name], p, scale, sizes[name])
         paths += pngs.values()

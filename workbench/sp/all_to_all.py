@@ -59,7 +59,8 @@ def all_to_all(x: torch.Tensor,  # this process's tensor; its `scatter_dim` must
 
 # %% ../../nbs/02_sequence_parallel/02_sp_all_to_all.ipynb #5fab6347
 def a2a_elements(config, n_tokens: int, sp_size: int) -> int:
-    "Elements one process sends into the all-to-alls of one layer's forward pass (q, k, v, output; kv replication included)."
+    """Elements one process sends into the all-to-alls of one layer's forward pass (q, k, v, output; kv replication
+    included)."""
     heads, kv, _ = _head_counts(config)
     d = getattr(config, "head_dim", None) or config.hidden_size // heads
     if sp_size == 1: return 0

@@ -18,7 +18,8 @@ __all__ = ['PLANS', 'token_work', 'shard_work', 'imbalance', 'zigzag_plan', 'bal
 def token_work(cu_seq_lens,                # global document boundaries [n + 1] (tensor or array)
                window: int | None = None,  # sliding window: a query sees at most this many keys
               ) -> torch.Tensor:
-    "Keys each query attends to `[T]`: its position in its document plus one (capped by the window). A document of s tokens sums to s(s+1)/2."
+    """Keys each query attends to `[T]`: its position in its document plus one (capped by the window). A document of s
+    tokens sums to s(s+1)/2."""
     cu = torch.as_tensor(np.asarray(cu_seq_lens), dtype=torch.long)
     pos = torch.arange(int(cu[-1])) - torch.repeat_interleave(cu[:-1], cu.diff())
     return pos + 1 if window is None else (pos + 1).clamp(max=window)
@@ -38,7 +39,8 @@ def imbalance(plan: torch.Tensor, work: torch.Tensor) -> float:
 def zigzag_plan(n_tokens: int,  # tokens of the (padded) row: a multiple of 2 · parts
                 parts: int,     # shards
                ) -> torch.Tensor:
-    "Head-tail sharding: the row in 2·parts chunks, shard s holds chunk s and chunk 2·parts − 1 − s (balanced for one causal document)."
+    """Head-tail sharding: the row in 2·parts chunks, shard s holds chunk s and chunk 2·parts − 1 − s (balanced for one
+    causal document)."""
     chunks = contiguous_plan(n_tokens, 2 * parts)
     return torch.cat([chunks[:parts], chunks.flip(0)[:parts]], dim=1)
 
@@ -47,7 +49,8 @@ def balanced_plan(cu_seq_lens,          # global document boundaries of the (pad
                   chunks: int = 8,      # chunks per shard: finer balances better, coarser keeps documents whole
                   window: int | None = None,  # sliding window, when the model has one
                  ) -> torch.Tensor:
-    "Document-aware sharding: the row in parts·chunks equal chunks, each (heaviest first) to the lightest shard with room; never worse than contiguous or zigzag."
+    """Document-aware sharding: the row in parts·chunks equal chunks, each (heaviest first) to the lightest shard with
+    room; never worse than contiguous or zigzag."""
     work = token_work(cu_seq_lens, window)
     n = len(work)
     pieces = contiguous_plan(n, parts * chunks)     # [parts·chunks, n / (parts·chunks)]
@@ -78,18 +81,21 @@ def plan_row(batch: dict,                 # a packed batch (the contract)
     return batch, balanced_plan(cu_seq_lens(check_packed_batch(batch)), parts, chunks, window)
 
 # %% ../../nbs/02_sequence_parallel/07_sp_balance.ipynb #28732776
-def ring_batch(batch: dict,                 # a packed batch (the contract): the same row on every process of an SP group
+def ring_batch(batch: dict,                 # a packed batch (the contract): the same
+                                            # row on every process of an SP group
                grid,                        # the `ParallelGrid` of this process
                strategy: str = "balanced",  # one of `PLANS`
                chunks: int = 8,             # with "balanced": chunks per shard
                window: int | None = None,   # with "balanced": the model's sliding window
               ) -> dict:
-    "This process's shard of a packed row under a plan: what `ring_forward` takes (every process computes the same plan)."
+    """This process's shard of a packed row under a plan: what `ring_forward` takes (every process computes the same
+    plan)."""
     padded, plan = plan_row(batch, grid.sp_size, strategy, chunks, window)
     return ring_shard(padded, plan, grid.sp_rank, grid.ulysses)
 
 def plan_window(config) -> int | None:
-    "The sliding window the document-aware plan balances by: the model's, when every layer attends through it (else None)."
+    """The sliding window the document-aware plan balances by: the model's, when every layer attends through it (else
+    None)."""
     window = getattr(config, "sliding_window", None)
     if not window or getattr(config, "use_sliding_window", True) is False: return None
     types = getattr(config, "layer_types", None) or []

@@ -39,8 +39,8 @@ def grid_degrees(world_size: int,  # processes in total
         raise ValueError(f"sp_size and world_size must be positive, got sp_size={sp_size}, world_size={world_size}")
     if world_size % sp_size:
         fits = [p for p in range(1, world_size + 1) if world_size % p == 0]
-        raise ValueError(f"world_size={world_size} is not a multiple of sp_size={sp_size}: the processes form a DP × SP "
-                         f"grid (dp_size = world_size / sp_size). With {world_size} processes use sp_size in {fits}")
+        raise ValueError(f"world_size={world_size} is not a multiple of sp_size={sp_size}: the processes form a DP × "
+                         f"SP grid (dp_size = world_size / sp_size). With {world_size} processes use sp_size in {fits}")
     return world_size // sp_size
 
 def sp_sizes(config, world_size: int | None = None) -> list[int]:
@@ -68,22 +68,26 @@ def check_sp(config,                       # a transformers config (or any objec
     "Refuse an SP size the model or the world cannot run, before any work; list the SP sizes that do work."
     heads, kv, name = _head_counts(config)
     valid = sp_sizes(config, world_size)
-    works = f"SP sizes that work for this {name} model{'' if world_size is None else f' on {world_size} processes'}: {valid}"
-    if not isinstance(sp_size, int) or sp_size < 1: raise ValueError(f"sp_size must be a positive integer, got {sp_size!r}. {works}")
+    works = (f"SP sizes that work for this {name} model{'' if world_size is None else f' on {world_size} processes'}: "
+             f"{valid}")
+    if not isinstance(sp_size, int) or sp_size < 1: raise ValueError("sp_size must be a positive integer, got "
+                                                                     f"{sp_size!r}. {works}")
     if sp_size > heads:
         raise ValueError(f"sp_size={sp_size} is more than the {heads} attention heads of this {name} model: after the "
-                         f"all-to-all every process owns heads/sp_size heads, so Ulysses needs heads >= sp_size. {works}")
+                         "all-to-all every process owns heads/sp_size heads, so Ulysses needs heads >= sp_size. "
+                         f"{works}")
     if heads % sp_size:
         raise ValueError(f"sp_size={sp_size} does not divide the {heads} attention heads of this {name} model: every "
                          f"process must own a whole number of heads after the all-to-all. {works}")
     rep = kv_repeat(kv, sp_size)
     if rep is None:
-        raise ValueError(f"sp_size={sp_size} cannot split the {kv} key/value heads of this {name} model: they must be a "
-                         f"multiple of sp_size, or sp_size a multiple of them (then each kv head is replicated). {works}")
+        raise ValueError(f"sp_size={sp_size} cannot split the {kv} key/value heads of this {name} model: they must be "
+                         "a multiple of sp_size, or sp_size a multiple of them (then each kv head is replicated). "
+                         f"{works}")
     dp = None if world_size is None else grid_degrees(world_size, sp_size)
     if seq_len is not None and seq_len < sp_size:
-        raise ValueError(f"a row of {seq_len} tokens cannot be split over sp_size={sp_size} processes: each shard needs "
-                         f"at least one real token. Use sp_size <= {seq_len} or pack longer rows")
+        raise ValueError(f"a row of {seq_len} tokens cannot be split over sp_size={sp_size} processes: each shard "
+                         f"needs at least one real token. Use sp_size <= {seq_len} or pack longer rows")
     return SPCheck(sp_size, dp, heads, kv, rep, valid)
 
 # %% ../../nbs/02_sequence_parallel/01_sp_grid.ipynb #d8c91e04
@@ -102,7 +106,8 @@ def sp_layouts(config,                       # a transformers config (or any obj
                world_size: int,              # processes in total
                sp_size: int | None = None,   # only the splits of this SP size (None: every SP size dividing world_size)
               ) -> list[tuple[int, int]]:
-    "Every (ulysses, ring) pair a model and world size allow: Ulysses takes a degree `check_sp` accepts, the ring any rest."
+    """Every (ulysses, ring) pair a model and world size allow: Ulysses takes a degree `check_sp` accepts, the ring any
+    rest."""
     allowed = set(sp_sizes(config))  # Ulysses degrees suiting the heads and kv heads
     sizes = [p for p in range(1, world_size + 1) if world_size % p == 0] if sp_size is None else [sp_size]
     return [(u, p // u) for p in sizes if p >= 1 and world_size % p == 0 for u in range(1, p + 1)
@@ -130,9 +135,12 @@ def choose_layout(config,                     # a transformers config
                   sp_size: int,               # processes sharing one row
                   per_node: int | None = None,  # processes per node: a Ulysses group stays inside one (None: no limit)
                  ) -> tuple[int, int]:
-    "The (ulysses, ring) split to run: the largest Ulysses degree the heads allow that fits in a node, the ring the rest."
-    if not isinstance(sp_size, int) or sp_size < 1: raise ValueError(f"sp_size must be a positive integer, got {sp_size!r}")
-    return max((u, r) for u, r in sp_layouts(config, sp_size, sp_size) if per_node is None or per_node % u == 0)  # (1, sp) always fits
+    """The (ulysses, ring) split to run: the largest Ulysses degree the heads allow that fits in a node, the ring the
+    rest."""
+    if not isinstance(sp_size, int) or sp_size < 1: raise ValueError("sp_size must be a positive integer, got "
+                                                                     f"{sp_size!r}")
+    # (1, sp) always fits
+    return max((u, r) for u, r in sp_layouts(config, sp_size, sp_size) if per_node is None or per_node % u == 0)
 
 # %% ../../nbs/02_sequence_parallel/01_sp_grid.ipynb #172a9120
 class CommClock:

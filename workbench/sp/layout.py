@@ -83,7 +83,8 @@ class Layout(ABC):
         "Bytes one process sends for a row of `n_tokens`, per grid group: `all_to_all` (Ulysses) and `ring` (context)."
     @abstractmethod
     def memory_options(self) -> dict:
-        "The memory planner's degrees for this kind (`workbench.memory.estimate`'s sp, ring, ring_kernel, context), or a ValueError saying it does not plan it."
+        """The memory planner's degrees for this kind (`workbench.memory.estimate`'s sp, ring, ring_kernel, context), or
+        a ValueError saying it does not plan it."""
 
 # %% ../../nbs/02_sequence_parallel/09_sp_layout.ipynb #602541e0
 class UlyssesLayout(Layout):
@@ -143,7 +144,8 @@ class RingLayout(Layout):
     def row_tokens(self, shard): return shard["ring_index"].numel()
     def comm_bytes(self, config, n_tokens, recompute=False, dtype_bytes=2):
         return comm_bytes(config, n_tokens, self.ulysses, self.context, recompute, dtype_bytes)
-    def memory_options(self): return dict(sp=self.ulysses, ring=self.context, ring_kernel=self.kernel, context=self.degree)
+    def memory_options(self): return dict(sp=self.ulysses, ring=self.context, ring_kernel=self.kernel,
+                                          context=self.degree)
 
 # %% ../../nbs/02_sequence_parallel/09_sp_layout.ipynb #75ddf9ad
 LAYOUTS = {}  # the context kinds by degree name: what `layout_of` builds from `TrainConfig`'s fields of those names

@@ -26,8 +26,10 @@ def sp_loss(logits: torch.Tensor,  # [1, N/P, vocab]: this process's logits
             shard: dict,           # this process's shard from `shard_batch`
             grid: ParallelGrid,    # the process grid
            ) -> torch.Tensor:
-    "This process's share of the exact loss: its token-loss sum over the trained tokens of all rows of the DP × SP grid."
-    total = F.cross_entropy(logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)), shard["shift_labels"].flatten().to(logits.device),
+    """This process's share of the exact loss: its token-loss sum over the trained tokens of all rows of the DP × SP
+    grid."""
+    total = F.cross_entropy(logits.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)),
+                            shard["shift_labels"].flatten().to(logits.device),
                             ignore_index=IGNORE_INDEX, reduction="sum")
     return total / trained_tokens(shard, grid, logits.device)
 
@@ -132,7 +134,8 @@ _shift_labels = shift_labels  # the argument `shift_labels` shadows the function
 
 # %% ../../nbs/02_sequence_parallel/04_sp_loss.ipynb #a70bf8be
 _HEAD_MODIFIERS = ("final_logit_softcapping", "logits_scaling", "logit_scale")  # config fields that change the logits
-_MODEL_INPUTS = ("input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+_MODEL_INPUTS = ("input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
+                 "seq_idx")
 
 def causal_lm_loss_sum(model,                         # a transformers `*ForCausalLM` (decoder + plain lm_head)
                        batch: dict,                   # a packed batch (the contract of `workbench.core`)

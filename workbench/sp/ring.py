@@ -52,10 +52,12 @@ def _expand(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)  # [B, H_kv, m, D] -> [B, H, m, D]
 
 def _grouped(x: torch.Tensor, groups: int) -> torch.Tensor:
-    return x if groups == 1 else x.unflatten(1, (-1, groups)).sum(2)  # [B, H, m, D] -> [B, H_kv, m, D]: `_expand`'s gradient
+    # [B, H, m, D] -> [B, H_kv, m, D]: `_expand`'s gradient
+    return x if groups == 1 else x.unflatten(1, (-1, groups)).sum(2)
 
 def block_attention(q, k, v, allowed, scale):
-    "One block pair: unnormalised-free partial output `[B, H, m, D]` and log-sum-exp `[B, H, m]` (-inf where a query sees nothing)."
+    """One block pair: unnormalised-free partial output `[B, H, m, D]` and log-sum-exp `[B, H, m]` (-inf where a query
+    sees nothing)."""
     s = (q @ k.transpose(-1, -2) * scale).masked_fill(~allowed, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - _finite(lse)[..., None])
@@ -82,9 +84,12 @@ def merge_(out, lse, out_b, lse_b):
     lse.copy_(new)
 
 # %% ../../nbs/02_sequence_parallel/06_sp_ring.ipynb #e4f02931
-_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # private: the only CPU kernel that returns the log-sum-exp
-_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward  # its own backward, from out and lse
-_flash_cuda = torch.ops.aten._flash_attention_forward  # private: varlen_attn's backward cannot take the merged out and lse
+# private: the only CPU kernel that returns the log-sum-exp
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+# its own backward, from out and lse
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+# private: varlen_attn's backward cannot take the merged out and lse
+_flash_cuda = torch.ops.aten._flash_attention_forward
 _flash_cuda_backward = torch.ops.aten._flash_attention_backward  # the backward every flash ring calls with them
 
 KERNELS = ("plain", "fused")  # a block pair as masked matrix products, or as fused flash calls per document stretch
@@ -92,7 +97,8 @@ KERNELS = ("plain", "fused")  # a block pair as masked matrix products, or as fu
 def stretches(index: torch.Tensor,  # [m] global indices of a block's tokens
               doc: torch.Tensor,    # [T] document of every token of the row
              ) -> list[tuple[int, int, int, int]]:
-    "A block cut where its global positions jump or its document changes: `(first row, end row, first position, document)` each."
+    """A block cut where its global positions jump or its document changes: `(first row, end row, first position,
+    document)` each."""
     positions = index.cpu()  # a plan: computed on the CPU, whatever device the tensors live on
     if len(positions) == 0: return []
     docs = doc.cpu()[positions]
@@ -104,9 +110,11 @@ def stretches(index: torch.Tensor,  # [m] global indices of a block's tokens
 def _windowed(rows: slice, keys: slice, q_index, k_index, window: int):
     """A whole call's query rows trimmed to those the window lets see a key, and its band (None where the window hides
     nothing). Positions are consecutive within a call's rows and within its keys, so a row's nearest key decides."""
-    offset = int(q_index[rows.start]) - int(k_index[keys.start])  # position of the first query less that of the first key
+    # position of the first query less that of the first key
+    offset = int(q_index[rows.start]) - int(k_index[keys.start])
     n_keys = keys.stop - keys.start
-    seen = min(rows.stop - rows.start, max(0, window - offset + n_keys - 1))  # row i sees key n_keys - 1 while offset + i - (n_keys - 1) < window
+    # row i sees key n_keys - 1 while offset + i - (n_keys - 1) < window
+    seen = min(rows.stop - rows.start, max(0, window - offset + n_keys - 1))
     hidden = offset + seen - 1 >= window  # the farthest pair, the last row and the first key, is outside the window
     return slice(rows.start, rows.start + seen), ((offset, window, False) if hidden else None)
 
@@ -138,11 +146,13 @@ def fused_calls(q_index: torch.Tensor,   # [m] global indices of the query block
             after = k_pos >= q_pos + (q1 - q0)
             same = (k_pos, k1 - k0) == (q_pos, q1 - q0)
             if not (before or after or same):  # ring blocks are the same tokens or disjoint ones: never half of each
-                raise ValueError(f"query stretch at positions {q_pos}..{q_pos + q1 - q0} and key stretch at {k_pos}..{k_pos + k1 - k0} "
-                                 f"overlap without being the same tokens: build the blocks with ring_shard")
+                raise ValueError(f"query stretch at positions {q_pos}..{q_pos + q1 - q0} and key stretch at "
+                                 f"{k_pos}..{k_pos + k1 - k0} overlap without being the same tokens: build the blocks "
+                                 "with ring_shard")
             if causal and same: own = slice(k0, k1)  # the same tokens: causal within them
             elif not causal or before:
-                if window and before: k0 = max(k0, k0 + q_pos - window + 1 - k_pos)  # keys older than the window: seen by none
+                # keys older than the window: seen by none
+                if window and before: k0 = max(k0, k0 + q_pos - window + 1 - k_pos)
                 if k0 < k1: calls += _whole_call(slice(q0, q1), slice(k0, k1), q_index, k_index, window)
         if own is not None and not window:
             calls.append((slice(q0, q1), own, True, None))
@@ -161,7 +171,8 @@ def ring_plans(ring_index: torch.Tensor,  # [ring, m] global token indices of ev
                causal: bool = True,       # causal (else bidirectional) attention
                window: int | None = None, # sliding window
               ) -> list[list]:
-    "The fused calls of each ring step on `rank`, in the ring's order: step s pairs its queries with the block of rank - s."
+    """The fused calls of each ring step on `rank`, in the ring's order: step s pairs its queries with the block of rank
+    - s."""
     n = len(ring_index)
     if not 0 <= rank < n: raise ValueError(f"rank {rank} is not a place in this ring of {n} blocks: pass 0 to {n - 1}")
     plans = []
@@ -189,7 +200,8 @@ def _sequences(calls: list) -> list[tuple]:
         sequences = []  # consecutive calls of the same rows share a sequence
         for rows, keys, is_causal, band in calls:
             if is_causal != causal: continue
-            if band is not None: raise ValueError("CUDA's varlen calls carry no band mask: a sliding window runs kernel='plain' on CUDA")
+            if band is not None: raise ValueError("CUDA's varlen calls carry no band mask: a sliding window runs "
+                                                  "kernel='plain' on CUDA")
             if sequences and sequences[-1][0] == rows: sequences[-1][1].append(keys)
             else: sequences.append((rows, [keys]))
         if sequences: groups.append((sequences, causal))
@@ -250,17 +262,21 @@ def band_mask(band: tuple | None,  # a windowed call's `(offset, window, causal)
               n_keys: int,          # the call's keys
               dtype,                # the kernel's dtype: the CPU flash kernel takes an additive mask in it
              ) -> torch.Tensor | None:
-    "A call's additive mask `[rows, keys]`: 0 where query i sees key j (0 <= offset + i - j < window; no lower bound when not causal), -inf elsewhere."
+    """A call's additive mask `[rows, keys]`: 0 where query i sees key j (0 <= offset + i - j < window; no lower bound
+    when not causal), -inf elsewhere."""
     if band is None: return None
     offset, window, causal = band
-    mask = torch.full((n_rows, n_keys), float("-inf"), dtype=dtype).tril_(offset - window)  # keys `window` or more behind
-    if causal: mask += torch.full((n_rows, n_keys), float("-inf"), dtype=dtype).triu_(offset + 1)  # keys ahead of the query
+    # keys `window` or more behind
+    mask = torch.full((n_rows, n_keys), float("-inf"), dtype=dtype).tril_(offset - window)
+    # keys ahead of the query
+    if causal: mask += torch.full((n_rows, n_keys), float("-inf"), dtype=dtype).triu_(offset + 1)
     return mask
 
 def _cpu_forward(q, k, v, calls, scale, out, lse):
     for rows, keys, is_causal, band in calls:
         mask = band_mask(band, rows.stop - rows.start, keys.stop - keys.start, q.dtype)
-        part, part_lse = _flash(q[:, :, rows], k[:, :, keys], v[:, :, keys], 0.0, is_causal, attn_mask=mask, scale=scale)
+        part, part_lse = _flash(q[:, :, rows], k[:, :, keys], v[:, :, keys], 0.0, is_causal, attn_mask=mask,
+                                scale=scale)
         out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows], part, part_lse)
         del part, part_lse, mask  # before the next call: one call's results live at a time
 
@@ -283,8 +299,9 @@ def _cuda_forward(q, k, v, calls, scale, out, lse):
             part, part_lse = _flash_cuda(qs, _tokens(k, b, k_rows), _tokens(v, b, k_rows), cu_q, cu_k,
                                          max_q, max_k, 0.0, causal, False, scale=scale)[:2]
             if tuple(part_lse.shape) != (qs.shape[1], qs.shape[0]):  # host-side shapes: no sync
-                raise RuntimeError(f"this torch's CUDA flash kernel returned a log-sum-exp of shape {tuple(part_lse.shape)}, "
-                                   f"not [heads, tokens] = {[qs.shape[1], qs.shape[0]]}: use kernel='plain'")
+                raise RuntimeError("this torch's CUDA flash kernel returned a log-sum-exp of shape "
+                                   f"{tuple(part_lse.shape)}, not [heads, tokens] = {[qs.shape[1], qs.shape[0]]}: use "
+                                   "kernel='plain'")
             _merge_rows(out[b], lse[b], q_rows, part.transpose(0, 1), part_lse)
 
 def fused_forward(q, k, v, calls: list, scale: float, out: torch.Tensor, lse: torch.Tensor):
@@ -320,7 +337,8 @@ def _add_rows(grad: torch.Tensor, rows: slice | torch.Tensor, g: torch.Tensor):
     if isinstance(rows, slice): grad[rows].add_(g)
     else: grad.index_add_(0, rows, g.to(grad.dtype))
 
-def fused_backward(q, k, v, dout, out, lse, calls: list, scale: float, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor):
+def fused_backward(q, k, v, dout, out, lse, calls: list, scale: float, dq: torch.Tensor, dk: torch.Tensor,
+                   dv: torch.Tensor):
     """Add one block pair's gradients with the fused kernel's own backward, given the *merged* output and log-sum-exp
     (each block's share of dQ, dK and dV is then exact, as in every flash ring). `calls` as `fused_forward`'s."""
     if q.is_cuda: _cuda_backward(q, k, v, dout, out, lse, calls, scale, dq, dk, dv)
@@ -337,7 +355,8 @@ def _pass_on(x: torch.Tensor, group, stats: RingStats, tag: int = 0) -> tuple[li
     t = time.perf_counter()
     nxt, prv = _peers(group)
     recv = torch.empty_like(x)
-    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, nxt, group, tag), dist.P2POp(dist.irecv, recv, prv, group, tag)])
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, nxt, group, tag),
+                                    dist.P2POp(dist.irecv, recv, prv, group, tag)])
     stats.seconds += time.perf_counter() - t  # posting is communication time too (gloo may block in it)
     return works, recv
 
@@ -363,11 +382,13 @@ def block_backward(q, k, v, dout, lse, delta, pair: tuple, scale: float,
         del p
 
 class _RingAttention(torch.autograd.Function):
-    "Forward: key/value blocks travel the ring; backward: they travel again with their gradients, which end at their owner."
+    """Forward: key/value blocks travel the ring; backward: they travel again with their gradients, which end at their
+    owner."""
     @staticmethod
     def forward(ctx, q, k, v, ring_index, doc, group, scale, window, causal, stats, tile, fused):
         n, r = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
-        groups, acc = q.shape[1] // k.shape[1], torch.promote_types(q.dtype, torch.float32)  # statistics in at least fp32
+        # statistics in at least fp32
+        groups, acc = q.shape[1] // k.shape[1], torch.promote_types(q.dtype, torch.float32)
         varlen = fused and q.is_cuda  # CUDA's varlen flash: fp16 / bf16 only, rows read as views (tokens-major)
         work = q.dtype if varlen else acc  # the kernels' dtype
         qa, up = q.to(work), lambda x: _expand(x, groups).to(work)
@@ -409,7 +430,8 @@ class _RingAttention(torch.autograd.Function):
         out_w = out.to(work)  # the merged output, as the fused backward reads it
         if varlen: dout, out_w = _tokens_major(dout), _tokens_major(out_w)  # once, not per pair
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        delta = None if ctx.fused else (dout * out_w).sum(-1, keepdim=True)  # [B, H, m, 1]: the plain kernel's softmax term
+        # [B, H, m, 1]: the plain kernel's softmax term
+        delta = None if ctx.fused else (dout * out_w).sum(-1, keepdim=True)
         kv, incoming = torch.stack([k, v]), None  # incoming: (works, buffer) of the block gradients on their way here
         for step in range(n):
             if step < n - 1: works, nxt = _pass_on(kv, group, ctx.stats)
@@ -432,7 +454,9 @@ class _RingAttention(torch.autograd.Function):
             dkv = mine  # the block's gradients so far, in fp32 or finer
             if incoming is not None:  # the earlier holders' share travelled during that compute
                 _wait(incoming[0], ctx.stats); dkv = incoming[1] + mine
-            if n > 1:  # the gradients follow their block (their own tag: never matched with a block); the last hop reaches its owner
+            # the gradients follow their block (their own tag: never
+            # matched with a block); the last hop reaches its owner
+            if n > 1:
                 incoming = _pass_on(dkv, group, ctx.stats, tag=1)
             if step < n - 1: _wait(works, ctx.stats); kv = nxt
         if incoming is not None: _wait(incoming[0], ctx.stats); dkv = incoming[1]
@@ -468,16 +492,19 @@ def ring_attend(q: torch.Tensor,            # [B, H, m, D] this process's querie
                 causal: bool = True,        # causal (else bidirectional) attention
                 stats: RingStats | None = None,  # counts block pairs met and skipped
                 tile: int = QUERY_TILE,     # query rows computed at once: a block pair's scores are [heads, tile, m]
-                kernel: str = "plain",      # "plain" (masked products in tiles) or "fused" (flash calls: per document stretch on CPU, varlen on CUDA)
+                # "plain" (masked products in tiles) or "fused" (flash: per document stretch on CPU, varlen on CUDA)
+                kernel: str = "plain",
                ) -> torch.Tensor:
     "Exact attention of this ring block's queries over every block's keys: `[B, H, m, D]`, differentiable."
-    if not isinstance(tile, int) or isinstance(tile, bool) or tile < 2 * q.shape[-1]:  # shorter: scores smaller than a gradient product
-        raise ValueError(f"tile must be an integer of at least 2 x head_dim = {2 * q.shape[-1]} query rows, got {tile!r}")
+    # shorter: scores smaller than a gradient product
+    if not isinstance(tile, int) or isinstance(tile, bool) or tile < 2 * q.shape[-1]:
+        raise ValueError(f"tile must be an integer of at least 2 x head_dim = {2 * q.shape[-1]} query rows, got "
+                         f"{tile!r}")
     _check_attend(q, k, ring_index, group, window, kernel)
     home = torch.device("cpu") if kernel == "fused" else q.device  # fused: planned on the host (no copy, no sync)
     return _RingAttention.apply(q, k, v, ring_index.to(home), doc.to(home), group,
-                                q.shape[-1] ** -0.5 if scale is None else scale, window, causal, stats or RingStats(), tile,
-                                kernel == "fused")
+                                q.shape[-1] ** -0.5 if scale is None else scale, window, causal, stats or RingStats(),
+                                tile, kernel == "fused")
 
 # %% ../../nbs/02_sequence_parallel/06_sp_ring.ipynb #178fdaa3
 def documents(cu_seq_lens: torch.Tensor) -> torch.Tensor:
@@ -510,11 +537,13 @@ def ring_attention(module,                 # the attention module calling us
                    ring_index: torch.Tensor | None = None,     # [ring, m] from `ring_shard` (a forward keyword)
                    cu_seq_lens_q: torch.Tensor | None = None,  # global boundaries (kept by `ring_shard`)
                    **kwargs) -> tuple[torch.Tensor, None]:     # ([B, N/P, H, D], no weights)
-    "Hybrid attention: all-to-all to head shards over the Ulysses group, ring attention over the ring group (its block-pair kernel from the forward keyword `ring_kernel`), all-to-all back."
+    """Hybrid attention: all-to-all to head shards over the Ulysses group, ring attention over the ring group (its
+    block-pair kernel from the forward keyword `ring_kernel`), all-to-all back."""
     _check_call("ring attention", "ring_forward", attention_mask, sp_grid, ring_index, cu_seq_lens_q, kwargs)
     query, key, value = to_head_shards(module, query, key, value, sp_grid)  # [B, H/U, m, D]: Ulysses over its group
     causal = kwargs.get("is_causal")
-    out = ring_attend(query, key, value, ring_index, documents(cu_seq_lens_q), sp_grid.group("ring"), kwargs.get("scaling"),
+    out = ring_attend(query, key, value, ring_index, documents(cu_seq_lens_q), sp_grid.group("ring"),
+                      kwargs.get("scaling"),
                       kwargs.get("sliding_window"), getattr(module, "is_causal", True) if causal is None else causal,
                       sp_grid.stats, kernel=kwargs.get("ring_kernel", "plain")).transpose(1, 2)  # [B, m, H/U, D]
     return to_token_shards(out, sp_grid).contiguous(), None  # [B, N/P, H, D]
@@ -531,9 +560,11 @@ def ring_forward(model,              # a transformers model built with attn_impl
                  grid: ParallelGrid,   # the process grid
                  kernel: str = "plain",  # the block-pair kernel: "plain" or "fused" (`ring_attend`)
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    "Run the model on one shard: this process's logits `[1, n, vocab]` (in its plan's token order) and its share of the exact loss."
+    """Run the model on one shard: this process's logits `[1, n, vocab]` (in its plan's token order) and its share of
+    the exact loss."""
     check_layout(model.config, grid.ulysses, grid.ring)  # arithmetic only: a bad layout fails here, before any work
-    if "ring_index" not in shard: raise ValueError("the shard has no ring_index: build it with ring_shard (not ulysses.shard_batch)")
+    if "ring_index" not in shard: raise ValueError("the shard has no ring_index: build it with ring_shard (not "
+                                                   "ulysses.shard_batch)")
     inputs = {k: shard[k].to(model.device) if torch.is_tensor(shard[k]) else shard[k] for k in SHARD_KEYS}
     logits = model(**inputs, ring_index=shard["ring_index"], ring_kernel=kernel, use_cache=False, sp_grid=grid).logits
     return logits, sp_loss(logits, shard, grid)
@@ -544,7 +575,8 @@ def block_pairs(ring_index: torch.Tensor,   # [ring, m] global token indices of 
                 window: int | None = None,  # sliding window
                 causal: bool = True,        # causal attention
                ) -> torch.Tensor:
-    "Which (query block, key/value block) pairs of the ring interact `[ring, ring]`: False pairs are skipped, no compute."
+    """Which (query block, key/value block) pairs of the ring interact `[ring, ring]`: False pairs are skipped, no
+    compute."""
     n = len(ring_index)
     return torch.tensor([[_meets(ring_index[i], ring_index[j], doc, window, causal, QUERY_TILE) for j in range(n)]
                          for i in range(n)])
@@ -556,7 +588,8 @@ def ring_p2p_elements(config,          # the model config
                       ring: int,       # ring degree
                       backward: bool = False,  # the backward pass instead of the forward
                      ) -> int:
-    "Elements one process sends around the ring in one layer: forward 2(R−1)·E, backward 2(R−1)·E + 2R·E, E = (N/R)·(kv heads/U)·D."
+    """Elements one process sends around the ring in one layer: forward 2(R−1)·E, backward 2(R−1)·E + 2R·E, E =
+    (N/R)·(kv heads/U)·D."""
     if ring == 1: return 0
     c = check_layout(config, ulysses, ring)
     d = getattr(config, "head_dim", None) or config.hidden_size // c.heads
@@ -569,9 +602,11 @@ def comm_elements(config,          # the model config
                   ring: int,       # ring degree
                  ) -> dict:
     "Elements one process sends per layer over each group, (forward, backward): the Ulysses all-to-alls and the ring."
-    a2a = a2a_elements(config, n_tokens // ring, ulysses)  # Ulysses over the ring block's N/R tokens; backward mirrors it
+    # Ulysses over the ring block's N/R tokens; backward mirrors it
+    a2a = a2a_elements(config, n_tokens // ring, ulysses)
     return {"all_to_all": (a2a, a2a),
-            "ring": (ring_p2p_elements(config, n_tokens, ulysses, ring), ring_p2p_elements(config, n_tokens, ulysses, ring, True))}
+            "ring": (ring_p2p_elements(config, n_tokens, ulysses, ring),
+                     ring_p2p_elements(config, n_tokens, ulysses, ring, True))}
 
 def comm_bytes(config,                 # the model config
                n_tokens: int,          # tokens of the (padded) row
@@ -580,7 +615,8 @@ def comm_bytes(config,                 # the model config
                recompute: bool = False,  # activation checkpointing: every layer's forward runs (and sends) again
                dtype_bytes: int = 2,   # bytes of the model's dtype: what activations and key/value blocks travel in
               ) -> dict:
-    "Bytes one process sends for one row, forward + backward over every layer: `all_to_all` over the Ulysses group, `ring` around the ring."
+    """Bytes one process sends for one row, forward + backward over every layer: `all_to_all` over the Ulysses group,
+    `ring` around the ring."""
     (af, ab), (rf, rb) = comm_elements(config, n_tokens, ulysses, ring).values()
     grad_bytes = max(dtype_bytes, 4)  # the ring's key/value gradients travel in fp32 or finer
     return {"all_to_all": config.num_hidden_layers * (af * (1 + recompute) + ab) * dtype_bytes,

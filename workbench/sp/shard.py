@@ -13,12 +13,14 @@ from ..packing import FlatteningCollator
 __all__ = ['SHARD_KEYS', 'pad_for_sp', 'shard_batch', 'contiguous_plan', 'ring_shard']
 
 # %% ../../nbs/02_sequence_parallel/03_sp_shard.ipynb #6842a67b
-SHARD_KEYS = ("input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")  # model inputs
+# model inputs
+SHARD_KEYS = ("input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
 def pad_for_sp(batch: dict,    # a packed batch (the contract)
                sp_size: int,   # the row is padded to a multiple of this
               ) -> dict:
-    "The packed row padded to a multiple of `sp_size` with one dummy example (labels -100), by FlatteningCollator's rule."
+    """The packed row padded to a multiple of `sp_size` with one dummy example (labels -100), by FlatteningCollator's
+    rule."""
     lengths = check_packed_batch(batch)
     if batch["input_ids"].shape[1] % sp_size == 0: return batch
     cu = cu_seq_lens(lengths)
@@ -32,7 +34,8 @@ def shard_batch(batch: dict,   # a packed batch (the contract): input_ids, label
                 sp_rank: int,  # this process's index in its SP group
                 sp_size: int,  # processes sharing the row
                ) -> dict:
-    "This process's shard of a packed row: labels shifted globally first, row padded to a multiple of `sp_size`, global boundaries kept."
+    """This process's shard of a packed row: labels shifted globally first, row padded to a multiple of `sp_size`,
+    global boundaries kept."""
     if not 0 <= sp_rank < sp_size: raise ValueError(f"sp_rank={sp_rank} is outside an SP group of {sp_size} processes")
     n = batch["input_ids"].shape[1]
     if n < sp_size:
@@ -55,7 +58,8 @@ def contiguous_plan(n_tokens: int,  # tokens of the (padded) row
                     parts: int,     # shards
                    ) -> torch.Tensor:
     "The plain plan: shard s holds tokens [s·n, (s+1)·n) of the row, as a `[parts, n]` table of global token indices."
-    if n_tokens % parts: raise ValueError(f"a row of {n_tokens} tokens does not split into {parts} equal shards: pad it first (pad_for_sp)")
+    if n_tokens % parts: raise ValueError(f"a row of {n_tokens} tokens does not split into {parts} equal shards: pad "
+                                          "it first (pad_for_sp)")
     return torch.arange(n_tokens).view(parts, -1)
 
 def ring_shard(batch: dict,          # a packed batch (the contract), already of the plan's length
@@ -63,17 +67,21 @@ def ring_shard(batch: dict,          # a packed batch (the contract), already of
                sp_rank: int,         # this process's shard (`ParallelGrid.sp_rank`)
                ulysses: int = 1,     # Ulysses degree: ring block j is shards j·ulysses … (j+1)·ulysses − 1 together
               ) -> dict:
-    "This process's shard: its tokens by the plan, labels shifted globally first, global boundaries, and every ring block's token indices."
+    """This process's shard: its tokens by the plan, labels shifted globally first, global boundaries, and every ring
+    block's token indices."""
     lengths = check_packed_batch(batch)
     n, (p, width) = batch["input_ids"].shape[1], plan.shape
     if not 0 <= sp_rank < p: raise ValueError(f"sp_rank={sp_rank} is outside a plan of {p} shards")
     if p % ulysses: raise ValueError(f"a plan of {p} shards cannot form ring blocks of ulysses={ulysses} shards")
     if p * width != n or not torch.equal(plan.flatten().sort().values, torch.arange(n)):
-        raise ValueError(f"the plan must hold every token of the {n}-token row exactly once (it has {p}×{width} entries): "
-                         f"pad the row with pad_for_sp(batch, multiple) first and build the plan on the padded row")
+        raise ValueError(f"the plan must hold every token of the {n}-token row exactly once (it has {p}×{width} "
+                         "entries): pad the row with pad_for_sp(batch, multiple) first and build the plan on the "
+                         "padded row")
     shift, idx = shift_labels(batch["labels"]), plan[sp_rank]
-    per_token = {k: v[:, idx] for k, v in batch.items() if torch.is_tensor(v) and v.shape == shift.shape and k != "labels"}
+    per_token = {k: v[:, idx] for k, v in batch.items()
+                 if torch.is_tensor(v) and v.shape == shift.shape and k != "labels"}
     cu = torch.from_numpy(cu_seq_lens(lengths))
-    return {**per_token, "shift_labels": shift[:, idx], "token_index": idx, "ring_index": plan.reshape(p // ulysses, -1),
-            "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": int(lengths.max()), "max_length_k": int(lengths.max()),
-            "num_items_in_batch": int((shift != IGNORE_INDEX).sum())}
+    return {**per_token, "shift_labels": shift[:, idx], "token_index": idx,
+            "ring_index": plan.reshape(p // ulysses, -1),
+            "cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": int(lengths.max()),
+            "max_length_k": int(lengths.max()), "num_items_in_batch": int((shift != IGNORE_INDEX).sum())}

@@ -27,8 +27,11 @@ def sp_mask_function(cu_seq_lens: torch.Tensor,          # global example bounda
     from transformers import masking_utils as mu
     example = torch.repeat_interleave(torch.arange(len(cu_seq_lens) - 1, device=cu_seq_lens.device),
                                       cu_seq_lens.diff().long())[None]  # [1, N]: example index of every token
-    if causal: base = mu.sliding_window_causal_mask_function(sliding_window) if sliding_window else mu.causal_mask_function
-    else: base = mu.sliding_window_bidirectional_mask_function(sliding_window) if sliding_window else mu.bidirectional_mask_function
+    if causal:
+        base = mu.sliding_window_causal_mask_function(sliding_window) if sliding_window else mu.causal_mask_function
+    else:
+        base = (mu.sliding_window_bidirectional_mask_function(sliding_window) if sliding_window
+                else mu.bidirectional_mask_function)
     return mu.and_masks(base, mu.packed_sequence_mask_function(example))
 
 def _inner_function(inner: str, module):
@@ -36,12 +39,15 @@ def _inner_function(inner: str, module):
     from transformers import AttentionInterface
     if inner != "eager": return AttentionInterface()[inner]
     fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
-    if fn is None: raise ValueError(f"{type(module).__name__} has no eager_attention_forward beside it: wrap 'sdpa' instead")
+    if fn is None: raise ValueError(f"{type(module).__name__} has no eager_attention_forward beside it: wrap 'sdpa' "
+                                    "instead")
     return fn
 
 class _LocalHeads:
-    "The attention module as the inner function must see it after the exchange: every attribute, but the local GQA ratio."
-    def __init__(self, module, num_key_value_groups: int): self._module, self.num_key_value_groups = module, num_key_value_groups
+    """The attention module as the inner function must see it after the exchange: every attribute, but the local GQA
+    ratio."""
+    def __init__(self, module, num_key_value_groups: int):
+        self._module, self.num_key_value_groups = module, num_key_value_groups
     def __getattr__(self, name): return getattr(self._module, name)
 
 def to_head_shards(module,                # the attention module (its config names the heads in an error)
@@ -50,7 +56,8 @@ def to_head_shards(module,                # the attention module (its config nam
                    value: torch.Tensor,   # [B, H_kv, n, D]
                    grid: ParallelGrid,    # the process grid: the exchange runs over its Ulysses group
                   ) -> tuple:
-    "The first all-to-all: `[B, H/U, U·n, D]` head shards of the group's tokens (kv heads replicated when fewer than U)."
+    """The first all-to-all: `[B, H/U, U·n, D]` head shards of the group's tokens (kv heads replicated when fewer than
+    U)."""
     u = grid.ulysses
     rep = kv_repeat(key.shape[1], u)
     if query.shape[1] % u or rep is None: check_sp(module.config, u)  # raises with the readable reason
@@ -78,12 +85,14 @@ def ulysses_attention(module,                 # the attention module calling us
     if sp_grid is None:
         raise ValueError("Ulysses attention needs the process grid: call the model with sp_grid=grid (sp_forward does)")
     if cu_seq_lens_q is None:
-        raise ValueError("Ulysses attention needs the global boundaries cu_seq_lens_q/k: feed the model a shard from shard_batch")
+        raise ValueError("Ulysses attention needs the global boundaries cu_seq_lens_q/k: feed the model a shard from "
+                         "shard_batch")
     if attention_mask is not None:
-        raise ValueError("Ulysses attention got an attention mask: the global mask is built after the all-to-all; pass none")
+        raise ValueError("Ulysses attention got an attention mask: the global mask is built after the all-to-all; pass "
+                         "none")
     if sp_grid.ring > 1:
-        raise ValueError(f"Ulysses attention got a grid with a ring of {sp_grid.ring}: it would attend within its ring block "
-                         f"only. Build the model with attn_implementation=register_ring() (workbench.sp.ring)")
+        raise ValueError(f"Ulysses attention got a grid with a ring of {sp_grid.ring}: it would attend within its ring "
+                         "block only. Build the model with attn_implementation=register_ring() (workbench.sp.ring)")
     q, k, v = to_head_shards(module, query, key, value, sp_grid)  # [B, H/P, N, D]
     n = q.shape[2]
     if n != int(cu_seq_lens_q[-1]):
@@ -104,21 +113,25 @@ def ulysses_attention(module,                 # the attention module calling us
 
 # %% ../../nbs/02_sequence_parallel/05_sp_ulysses.ipynb #04108474
 def no_mask(*args, attention_mask=None, **kwargs):
-    "Mask function of the sequence-parallel keys: a shard cannot know the global mask, so none is built before attention."
+    """Mask function of the sequence-parallel keys: a shard cannot know the global mask, so none is built before
+    attention."""
     if attention_mask is not None:
-        raise ValueError("a sequence-parallel batch carries no attention_mask: packed rows mark examples with position_ids "
-                         "and cu_seq_lens; build shards with shard_batch (Ulysses) or ring_shard (ring) and pass no mask")
+        raise ValueError("a sequence-parallel batch carries no attention_mask: packed rows mark examples with "
+                         "position_ids and cu_seq_lens; build shards with shard_batch (Ulysses) or ring_shard (ring) "
+                         "and pass no mask")
     return None
 
 def _same(fn, ref) -> bool:
-    "Ours by name and bound keywords, not identity: re-running a notebook's cells (or reloading a module) makes new functions."
+    """Ours by name and bound keywords, not identity: re-running a notebook's cells (or reloading a module) makes new
+    functions."""
     name = lambda f: getattr(getattr(f, "func", f), "__qualname__", None)
     return name(fn) == name(ref) and getattr(fn, "keywords", {}) == getattr(ref, "keywords", {})
 
 def register_key(key: str,  # the attn_implementation name models are built with
                  attention, # the attention function to register under it
                 ) -> str:
-    "Register `attention` and `no_mask` under `key` in transformers' attention and mask interfaces (idempotent); return the key."
+    """Register `attention` and `no_mask` under `key` in transformers' attention and mask interfaces (idempotent);
+    return the key."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
     for registry, fn in ((AttentionInterface, attention), (AttentionMaskInterface, no_mask)):
@@ -136,10 +149,12 @@ def register_ulysses(inner: str = "sdpa") -> str:
     if inner == KEY: register()  # the workbench's own varlen key resolves where it is named: no import to remember
     known = ["eager", *AttentionInterface()]
     if inner not in known or inner.startswith("ulysses_"):
-        raise ValueError(f"no attention implementation {inner!r} to wrap; registered: {sorted(k for k in known if not k.startswith('ulysses_'))}")
+        raise ValueError(f"no attention implementation {inner!r} to wrap; registered: "
+                         f"{sorted(k for k in known if not k.startswith('ulysses_'))}")
     if inner not in AttentionMaskInterface():
-        raise ValueError(f"{inner!r} has no mask function in transformers' AttentionMaskInterface, so the wrapper cannot "
-                         f"tell it where examples start: register one for it (returning None if it reads cu_seq_lens)")
+        raise ValueError(f"{inner!r} has no mask function in transformers' AttentionMaskInterface, so the wrapper "
+                         "cannot tell it where examples start: register one for it (returning None if it reads "
+                         "cu_seq_lens)")
     return register_key(f"ulysses_{inner}", partial(ulysses_attention, inner=inner))
 
 # %% ../../nbs/02_sequence_parallel/05_sp_ulysses.ipynb #91de2649
@@ -148,7 +163,8 @@ def sp_forward(model,               # a transformers model using a `ulysses_*` a
                grid: ParallelGrid,  # the process grid
                loss_chunk: int | None = None,  # compute the loss in tiles of this many tokens (no full logits)
               ) -> tuple[torch.Tensor | None, torch.Tensor]:
-    "Run the model on one shard: this process's logits `[1, N/P, vocab]` (None with a tiled loss) and its share of the exact loss."
+    """Run the model on one shard: this process's logits `[1, N/P, vocab]` (None with a tiled loss) and its share of the
+    exact loss."""
     if grid.ring > 1:
         raise ValueError(f"sp_forward runs Ulysses, but the grid has a ring of {grid.ring}: build the model with "
                          f"attn_implementation=register_ring() and call ring_forward (workbench.sp.ring)")
