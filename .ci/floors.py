@@ -64,7 +64,8 @@ def verify() -> int:
         why = "not installed" if got == "missing" else None if same(got, floor) else "not the floor"
         why = why or import_error(name)
         bad += why is not None
-        print(f"{'ok ' if why is None else 'BAD'} {name:<16} floor {floor:<10} installed {got}" + (f"  {why}" if why else ""))
+        print(f"{'ok ' if why is None else 'BAD'} {name:<16} floor {floor:<10} installed {got}"
+              + (f"  {why}" if why else ""))
     print(f"{len(floors()) - bad} of {len(floors())} packages installed at their floor")
     return int(bad > 0)
 

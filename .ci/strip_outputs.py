@@ -10,6 +10,8 @@ from nbdev.config import get_config
 
 cfg = get_config()
 nb = loads(sys.stdin.buffer.read().decode("utf-8"))
-clean_nb(nb, True, cfg.get("allowed_metadata_keys").split(), cfg.get("allowed_cell_metadata_keys").split(), cfg.clean_ids)
-nb["metadata"].pop("widgets", None)  # JupyterLab's saved widget state: nbdev keeps it (its docs draw it); a commit does not
+clean_nb(nb, True, cfg.get("allowed_metadata_keys").split(), cfg.get("allowed_cell_metadata_keys").split(),
+         cfg.clean_ids)
+# JupyterLab's saved widget state: nbdev keeps it (its docs draw it); a commit does not
+nb["metadata"].pop("widgets", None)
 sys.stdout.buffer.write(nb2str(nb).encode("utf-8"))

@@ -23,7 +23,8 @@ def masked_features(batch):
     for x in batch:
         ids = x.tolist()
         prompt = len(ids) // 4
-        feats.append({"input_ids": ids, "labels": list(ids), "completion_mask": [0] * prompt + [1] * (len(ids) - prompt)})
+        feats.append({"input_ids": ids, "labels": list(ids),
+                      "completion_mask": [0] * prompt + [1] * (len(ids) - prompt)})
     return feats
 
 
@@ -46,7 +47,8 @@ def main():
     p.add_argument("--rev", default="main", help="git revision of the 'before' collator")
     p.add_argument("--rounds", type=int, default=11, help="interleaved rounds (best kept)")
     p.add_argument("--tokens", type=int, default=2_000_000, help="tokens per batch size")
-    p.add_argument("--mask", action="store_true", help="labels and a completion_mask on every example (old vs new only)")
+    p.add_argument("--mask", action="store_true", help="labels and a completion_mask on "
+                                                       "every example (old vs new only)")
     a = p.parse_args()
     if a.mask: return main_masked(a)
     old = old_collator(a.rev)(train_all_tokens=True)
@@ -58,9 +60,12 @@ def main():
         tokens = sum(len(x) for b in batches for x in b)
         for b in batches[:3]:
             r, o, n = ref(_features(b)), old(_features(b)), new(_features(b))
-            assert all(torch.equal(torch.as_tensor(n[k]), torch.as_tensor(r[k])) for k in r), "new differs from transformers"
-            assert n.keys() == o.keys() and all(torch.equal(torch.as_tensor(n[k]), torch.as_tensor(o[k])) for k in o), "new differs from old"
-        fns = [lambda: time_collator(ref, batches), lambda: time_collator(old, batches), lambda: time_collator(new, batches)]
+            assert all(torch.equal(torch.as_tensor(n[k]), torch.as_tensor(r[k])) for k in r), (
+                "new differs from transformers")
+            assert n.keys() == o.keys() and all(torch.equal(torch.as_tensor(n[k]), torch.as_tensor(o[k])) for k in o), (
+                "new differs from old")
+        fns = [lambda: time_collator(ref, batches), lambda: time_collator(old, batches),
+               lambda: time_collator(new, batches)]
         t_ref, t_old, t_new = best_times(fns, a.rounds)
         rows.append({"batch": bs, "tokens": tokens, "transformers M tok/s": tokens / t_ref / 1e6,
                      "before M tok/s": tokens / t_old / 1e6, "after M tok/s": tokens / t_new / 1e6,
@@ -76,11 +81,14 @@ def main_masked(a):
         tokens = sum(len(x) for b in batches for x in b)
         for b in batches[:3]:
             o, n = old(masked_features(b)), new(masked_features(b))
-            assert n.keys() == o.keys() and all(torch.equal(torch.as_tensor(n[k]), torch.as_tensor(o[k])) for k in o), "new differs from old"
-        t_old, t_new = best_times([lambda: time_collator(old, batches, masked_features), lambda: time_collator(new, batches, masked_features)], a.rounds)
-        rows.append({"batch": bs, "tokens": tokens, "before M tok/s": tokens / t_old / 1e6, "after M tok/s": tokens / t_new / 1e6,
-                     "after/before speed": t_old / t_new})
-    print_table(rows, f"Collation with labels and completion_mask: {a.rev} and this checkout, best of {a.rounds} interleaved rounds")
+            assert n.keys() == o.keys() and all(torch.equal(torch.as_tensor(n[k]), torch.as_tensor(o[k])) for k in o), (
+                "new differs from old")
+        t_old, t_new = best_times([lambda: time_collator(old, batches, masked_features),
+                                   lambda: time_collator(new, batches, masked_features)], a.rounds)
+        rows.append({"batch": bs, "tokens": tokens, "before M tok/s": tokens / t_old / 1e6,
+                     "after M tok/s": tokens / t_new / 1e6, "after/before speed": t_old / t_new})
+    print_table(rows, f"Collation with labels and completion_mask: {a.rev} and "
+                      f"this checkout, best of {a.rounds} interleaved rounds")
 
 
 if __name__ == "__main__": main()

@@ -43,10 +43,12 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=4, help="decoder layers of the Qwen3-4B-shaped model")
     p.add_argument("--cap-gib", type=float, nargs="+", default=[12.0, 20.0], help="GPU memory caps to search under")
-    p.add_argument("--step", type=float, default=1.05, help="stop when the longest fit and the shortest miss are this close")
+    p.add_argument("--step", type=float, default=1.05, help="stop when the longest fit and "
+                                                            "the shortest miss are this close")
     p.add_argument("--max-trials", type=int, default=10, help="trials per lever set and cap")
     p.add_argument("--json", help="write the rows here")
-    p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, peaks from live tensors, the cap simulated")
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, peaks from "
+                                                          "live tensors, the cap simulated")
     p.add_argument("--at", type=int, nargs="+", metavar="TOKENS",
                    help="instead of the search: all levers at these lengths and at the planner's longest fit under the "
                         "first --cap-gib (time, peak, the planner's peak)")
@@ -235,7 +237,8 @@ def length_table(rows: list[dict]) -> str:
 
 def run(args) -> list[dict]:
     if not args.dry_run and not torch.cuda.is_available(): raise SystemExit("no CUDA GPU: use --dry-run on a CPU")
-    device = torch.device("cpu") if args.dry_run else torch.device("cuda", torch.cuda.current_device())  # an index: the memory cap needs one
+    # an index: the memory cap needs one
+    device = torch.device("cpu") if args.dry_run else torch.device("cuda", torch.cuda.current_device())
     dtype = torch.bfloat16  # the planner's activation terms are measured for 2-byte training
     cfg = preset_config("qwen3-4b", num_hidden_layers=args.layers, **(TINY if args.dry_run else {}))
     if args.profile: return profile(cfg, args.profile, device, dtype)

@@ -66,7 +66,8 @@ LLAMA_7B = dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=3
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--dry-run", action="store_true", help="CPU, tiny model, short examples, 2 steps: checks the pipeline")
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny model, short examples, "
+                                                          "2 steps: checks the pipeline")
     p.add_argument("--layers", type=int, default=4, help="decoder layers of the 7B-shaped model")
     p.add_argument("--batch-size", type=int, default=32, help="examples per step")
     p.add_argument("--steps", type=int, default=6, help="timed steps per mode and dataset")
@@ -81,7 +82,8 @@ def parse_args(argv=None):
     return args
 
 
-def make_steps(kind: str, n_steps: int, batch_size: int, vocab: int, seed: int, max_len: int | None = None) -> list[list[dict]]:
+def make_steps(kind: str, n_steps: int, batch_size: int, vocab: int, seed: int, max_len: int
+               | None = None) -> list[list[dict]]:
     "The examples of every step: synthetic lengths (optionally scaled down to `max_len`), random token ids."
     lengths = synthetic_lengths(kind, n_steps * batch_size, seed=seed)
     if max_len: lengths = np.maximum(2, lengths * max_len // 2048)
@@ -103,8 +105,10 @@ def collate(mode: Mode, feats: list[dict], device) -> dict:
     if mode.layout == "padded": batch = PaddingCollator()(feats)
     elif mode.layout == "hf_flat":
         from transformers import DataCollatorWithFlattening
-        batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": list(f["input_ids"])} for f in feats])
-    else: batch = FlatteningCollator(pad_to_multiple_of=mode.pad_to, train_all_tokens=True)(feats)  # pretraining-style rows: every token trained, as padded
+        batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": list(f["input_ids"])}
+                                                                           for f in feats])
+    # pretraining-style rows: every token trained, as padded
+    else: batch = FlatteningCollator(pad_to_multiple_of=mode.pad_to, train_all_tokens=True)(feats)
     return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
@@ -156,7 +160,8 @@ def run(args) -> list[dict]:
     rows = []
     for kind in args.datasets:
         steps = make_steps(kind, args.warmup + args.steps, args.batch_size, vocab, args.seed, max_len)
-        check = make_steps(kind, 1, args.check_examples, vocab, args.seed + 1, max_len=512 if not args.dry_run else max_len)[0]
+        check = make_steps(kind, 1, args.check_examples, vocab, args.seed + 1,
+                           max_len=512 if not args.dry_run else max_len)[0]
         bound = packing_report(synthetic_lengths(kind, 20_000, seed=args.seed), batch_size=args.batch_size).speedup_bound
         ref_loss = check_loss(args, MODES[REFERENCE], check, device)
         for name in args.modes:
@@ -177,7 +182,8 @@ def run(args) -> list[dict]:
 
 
 def annotate(rows: list[dict], tolerance: float = 1e-4) -> list[dict]:
-    "Add to every row the share of the padding bound it reaches (speed-up over padded sdpa / bound) and its loss verdict."
+    """Add to every row the share of the padding bound it reaches
+    (speed-up over padded sdpa / bound) and its loss verdict."""
     base = {r["dataset"]: r.get("tok_s") for r in rows if r["mode"] == REFERENCE}
     for r in rows:
         if "tok_s" in r and base.get(r["dataset"]): r["of_bound"] = r["tok_s"] / base[r["dataset"]] / r["bound"]
@@ -187,7 +193,8 @@ def annotate(rows: list[dict], tolerance: float = 1e-4) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     "The results (annotated by `annotate`) as a markdown table, ratios against both padded baselines and the bound."
-    out = ["| dataset | mode | real tok/s | vs padded_sdpa | vs padded_varlen | ideal bound | share of bound | peak GiB | Δloss vs padded (fp32 check) | loss equality |",
+    out = ["| dataset | mode | real tok/s | vs padded_sdpa | vs padded_varlen | ideal bound "
+           "| share of bound | peak GiB | Δloss vs padded (fp32 check) | loss equality |",
            "|---|---|---|---|---|---|---|---|---|---|"]
     base = {(r["dataset"], r["mode"]): r.get("tok_s") for r in rows}
     for r in rows:
@@ -196,8 +203,9 @@ def table(rows: list[dict]) -> str:
         ratio = lambda m: f"{r['tok_s'] / base[(r['dataset'], m)]:.2f}x" if base.get((r["dataset"], m)) else "n/a"
         ok = "CONTAMINATED" if r["contaminated"] else "same"
         peak = "n/a" if r["peak_gib"] is None else f"{r['peak_gib']:.1f}"
-        out.append(f"| {r['dataset']} | {r['mode']} | {r['tok_s']:,.0f} | {ratio('padded_sdpa')} | {ratio('padded_varlen')} | "
-                   f"{r['bound']:.2f}x | {r.get('of_bound', float('nan')):.0%} | {peak} | {r['check_loss_diff']:.1e} | {ok} |")
+        out.append(f"| {r['dataset']} | {r['mode']} | {r['tok_s']:,.0f} | {ratio('padded_sdpa')} | "
+                   f"{ratio('padded_varlen')} | {r['bound']:.2f}x | "
+                   f"{r.get('of_bound', float('nan')):.0%} | {peak} | {r['check_loss_diff']:.1e} | {ok} |")
     return "\n".join(out)
 
 
@@ -206,7 +214,8 @@ def main(argv=None):
     t0 = time.perf_counter()
     env = f"torch {torch.__version__}"
     if torch.cuda.is_available() and not args.dry_run:
-        env += f", {torch.cuda.get_device_name()}, varlen kernel: {pick_kernel(torch.empty(1, device='cuda', dtype=torch.bfloat16))}"
+        env += (f", {torch.cuda.get_device_name()}, varlen kernel: "
+                f"{pick_kernel(torch.empty(1, device='cuda', dtype=torch.bfloat16))}")
     print(f"gpu_packing: {env}; {args.layers} layers, {args.batch_size} examples/step, {args.steps} timed steps"
           f"{' (dry run on CPU)' if args.dry_run else ''}", flush=True)
     rows = run(args)

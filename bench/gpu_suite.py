@@ -104,18 +104,21 @@ TRAIN_DRY_TIMEOUT_S = 120  # part 5's train run in a dry run: under its part's c
 
 # ---- the parts (each runs inside its own child process) ----
 
-def packing_argv(dry: bool) -> list[str]: return ["--dry-run"] if dry else ["--steps", "4"]  # part 1's (part 6 rebuilds its steps)
+# part 1's (part 6 rebuilds its steps)
+def packing_argv(dry: bool) -> list[str]: return ["--dry-run"] if dry else ["--steps", "4"]
 
 
 def part_packing(dry: bool) -> dict:
     import gpu_packing
-    rows = gpu_packing.run(gpu_packing.parse_args(packing_argv(dry)))  # annotated: share of the padding bound, loss verdict
+    # annotated: share of the padding bound, loss verdict
+    rows = gpu_packing.run(gpu_packing.parse_args(packing_argv(dry)))
     not_run = [f"{r['dataset']} {r['mode']}: {r['error']}" for r in rows if "error" in r]
     return dict(rows=rows, trap=gpu_packing.TRAP, table=gpu_packing.table(rows), not_run=not_run)
 
 
 def packed_row(dry: bool):
-    "Part 2's packed row `[T, H, D]` (16K tokens of FLAN-like documents on a GPU, 256 on CPU): q, k, v, grad (fp32), cu, doc."
+    """Part 2's packed row `[T, H, D]` (16K tokens of FLAN-like
+    documents on a GPU, 256 on CPU): q, k, v, grad (fp32), cu, doc."""
     import numpy as np
     import torch
     from workbench.packing import synthetic_lengths
@@ -132,7 +135,8 @@ def packed_row(dry: bool):
 
 
 def compare(impls: dict, reference, tensors, dtype, device, repeats: int, warmup: int, heads=slice(None)) -> list[dict]:
-    "Each implementation `[T, h, D] -> [T, h, D]` on `heads` of the row: median fwd+bwd ms and max |Δ| of output and grads vs `reference` in fp32."
+    """Each implementation `[T, h, D] -> [T, h, D]` on `heads` of the row:
+    median fwd+bwd ms and max |Δ| of output and grads vs `reference` in fp32."""
     import torch
     q32, k32, v32, g32 = (x[:, heads] for x in tensors)
 
@@ -159,7 +163,8 @@ def compare(impls: dict, reference, tensors, dtype, device, repeats: int, warmup
     for name, fn in impls.items():
         got = grads(fn, dtype)
         rows.append(dict(impl=name, fwd_bwd_ms=timed(fn),
-                         **{f"max_abs_d_{t}": (a - b).abs().max().item() for t, a, b in zip(("out", "dq", "dk", "dv"), got, ref)}))
+                         **{f"max_abs_d_{t}": (a - b).abs().max().item()
+                            for t, a, b in zip(("out", "dq", "dk", "dv"), got, ref)}))
     return rows
 
 
@@ -178,7 +183,8 @@ def part_kernels(dry: bool, repeats: int = 10, warmup: int = 3) -> dict:
 
     def sdpa(q, k, v):  # one dense block-diagonal causal mask over the packed row
         mask = (doc[:, None] == doc[None, :]) & torch.ones(T, T, dtype=torch.bool, device=device).tril()
-        o = torch.nn.functional.scaled_dot_product_attention(*(x.transpose(0, 1)[None] for x in (q, k, v)), attn_mask=mask)
+        o = torch.nn.functional.scaled_dot_product_attention(*(x.transpose(0, 1)[None] for x in (q, k, v)),
+                                                             attn_mask=mask)
         return o[0].transpose(0, 1)
 
     impls = {"workbench_varlen": lambda q, k, v: varlen_attention(q, k, v, cu, int(lengths.max())), "sdpa": sdpa}
@@ -253,8 +259,10 @@ def ring_check(tensors, cu, doc, dtype, repeats: int) -> dict:
         ring_in_one_process(*low, ring_index, doc)
         if q32.is_cuda: torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e3)
-    return dict(impl=f"ring {RING} zigzag, every block pair in one process (fused)", fwd_bwd_ms=statistics.median(times),
-                **{f"max_abs_d_{t}": (a - b).abs().max().item() for t, a, b in zip(("out", "dq", "dk", "dv"), got, ref)})
+    return dict(impl=f"ring {RING} zigzag, every block pair in one process (fused)",
+                fwd_bwd_ms=statistics.median(times),
+                **{f"max_abs_d_{t}": (a - b).abs().max().item()
+                   for t, a, b in zip(("out", "dq", "dk", "dv"), got, ref)})
 
 
 def ring_memory(tensors, doc, dtype) -> dict:
@@ -290,7 +298,8 @@ def part_sp_kernels(dry: bool, repeats: int = 10, warmup: int = 3) -> dict:
     device, lengths, tensors, cu, doc = packed_row(dry)
     dtype = torch.float32 if dry else torch.bfloat16
     T, H, D = tensors[0].shape
-    ring_index = torch.arange(T, device=device)[None]  # one ring block holding the whole row: the block pair with itself
+    # one ring block holding the whole row: the block pair with itself
+    ring_index = torch.arange(T, device=device)[None]
     to_bhtd = lambda x: x.transpose(0, 1)[None]
     varlen = lambda q, k, v: varlen_attention(q, k, v, cu, int(lengths.max()))
     impls = {f"ring block pair, plain kernel (tile {QUERY_TILE})":
@@ -302,8 +311,8 @@ def part_sp_kernels(dry: bool, repeats: int = 10, warmup: int = 3) -> dict:
     rows.append(ring_check(tensors, cu, doc, dtype, repeats))
     shard = slice(0, H // ULYSSES)  # the heads one of ULYSSES ranks holds after the all-to-all, over the whole row
     rows += [dict(r, impl=f"Ulysses local, head shard {H // ULYSSES}/{H}: {r['impl']}")
-             for r in compare({"workbench_varlen": varlen}, lambda q, k, v: reference_varlen(q, k, v, cu), tensors, dtype,
-                              device, repeats, warmup, heads=shard)]
+             for r in compare({"workbench_varlen": varlen}, lambda q, k, v: reference_varlen(q, k, v, cu), tensors,
+                              dtype, device, repeats, warmup, heads=shard)]
     memory = ring_memory(tensors, doc, dtype)
     table = kernel_table(rows)
     table.append(f"fused ring block pair / workbench_varlen on the same row: "
@@ -314,10 +323,11 @@ def part_sp_kernels(dry: bool, repeats: int = 10, warmup: int = 3) -> dict:
                      f"{memory['inside_kernels_bytes'] / 2**20:.1f} MiB" if "allocated_peak_bytes" in memory else ""))
     not_run = ["the ring's exchange between GPUs (one GPU here: its compute only)",
                "Ulysses's all-to-alls (one GPU here: its local attention only)"]
-    if device.type == "cpu": not_run += ["flash / torch varlen: on CPU workbench_varlen runs its reference kernel, PyTorch's CPU flash "
-                                         "call per document, as one fused ring block does (both Δ 0 by construction)",
-                                         "the allocator's peak of the fused ring call (a CPU has no max_memory_allocated): its "
-                                         "operators' bytes only"]
+    if device.type == "cpu": not_run += ["flash / torch varlen: on CPU workbench_varlen runs its "
+                                         "reference kernel, PyTorch's CPU flash call per document, "
+                                         "as one fused ring block does (both Δ 0 by construction)",
+                                         "the allocator's peak of the fused ring call (a CPU has "
+                                         "no max_memory_allocated): its operators' bytes only"]
     return dict(tokens=T, heads=H, head_dim=D, ulysses=ULYSSES, examples=len(lengths), dtype=str(dtype), rows=rows,
                 memory=memory, table="\n".join(table), not_run=not_run)
 
@@ -378,19 +388,23 @@ def part_memory(dry: bool, out: Path) -> dict:
     if long_context.exists():  # part 3's rows carry the planned and measured peak at the longest fit
         for r in json.loads(long_context.read_text())["result"]["rows"]:
             if r["measured_peak_gib"] is not None:
-                points.append(dict(source=f"long_context cap {r['cap_gib']} GiB, {r['levers']}, {r['measured_tokens']:,} tokens",
+                points.append(dict(source=f"long_context cap {r['cap_gib']} GiB, "
+                                          f"{r['levers']}, {r['measured_tokens']:,} tokens",
                                    planned_gib=r["planned_peak_gib"], measured_gib=r["measured_peak_gib"]))
     run_dir = tempfile.mkdtemp(prefix="train_", dir=out)
     cmd = [sys.executable, "-m", "workbench.train", "--attn", "workbench_varlen", "--steps", "8" if not dry else "2",
-           "--out", run_dir] + (["--max-tokens", "256", "--dtype", "bfloat16"]  # the planner models bf16 (fp32, a CPU's auto, it does not)
+           # the planner models bf16 (fp32, a CPU's auto, it does not)
+           "--out", run_dir] + (["--max-tokens", "256", "--dtype", "bfloat16"]
                                 if dry else ["--preset", "gpu-long", "--max-tokens", "16384"])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=TRAIN_DRY_TIMEOUT_S if dry else 50)
     if proc.returncode: raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}: {proc.stderr[-1500:]}")
     expected = EXPECTED.search(proc.stdout)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("measured per-rank peak")), "")
     measured = [float(g) for _, g in MEASURED.findall(line)]
-    if not expected or not measured: raise RuntimeError(f"no memory readout in the train run's stdout: {proc.stdout[-1500:]}")
-    points.append(dict(source=f"python -m workbench.train ({'gloo, CPU: measured is the peak RSS' if dry else 'nccl, 1 GPU'})",
+    if not expected or not measured: raise RuntimeError("no memory readout in the train "
+                                                        f"run's stdout: {proc.stdout[-1500:]}")
+    points.append(dict(source="python -m workbench.train "
+                              f"({'gloo, CPU: measured is the peak RSS' if dry else 'nccl, 1 GPU'})",
                        planned_gib=float(expected.group(1)), measured_gib=max(measured)))
     table = ["| point | planned GiB | measured GiB | measured / planned |", "|---|---|---|---|"]
     table += [f"| {p['source']} | {p['planned_gib']:.3f} | {p['measured_gib']:.3f} | "
@@ -418,7 +432,8 @@ def part_step_time(dry: bool, out: Path) -> dict:
     if dry: dev = cpu_device(1)  # a dry part runs at one thread (OMP_NUM_THREADS=1)
     else:
         dev = run_device()
-        if dev is None: return dict(rows=[], not_run=[f"every row: {gpu_name()} has no workbench.cost.DEVICES entry (peak figures)"],
+        if dev is None: return dict(rows=[], not_run=[f"every row: {gpu_name()} has no "
+                                                      "workbench.cost.DEVICES entry (peak figures)"],
                                     table=f"no prediction: {gpu_name()} is not in workbench.cost.DEVICES")
     kind, dtype_bytes = ("cpu", 4) if dry else ("cuda", 2)
     packing = _result(out, 1)
@@ -428,14 +443,16 @@ def part_step_time(dry: bool, out: Path) -> dict:
         vocab = tiny_config("llama").vocab_size if dry else gpu_packing.LLAMA_7B["vocab_size"]
         cfg = tiny_config("llama", **({} if dry else gpu_packing.LLAMA_7B), num_hidden_layers=args.layers)
         for r in packing["rows"]:
-            if "tok_s" not in r: not_run.append(f"part 1 {r['dataset']} {r['mode']}: not measured ({r.get('error')})"); continue
+            if "tok_s" not in r: not_run.append(f"part 1 {r['dataset']} {r['mode']}: "
+                                                f"not measured ({r.get('error')})"); continue
             mode = gpu_packing.MODES[r["mode"]]
             steps = gpu_packing.make_steps(r["dataset"], args.warmup + args.steps, args.batch_size, vocab, args.seed,
                                            64 if dry else None)  # as part 1 built them (same seed)
             if mode.layout == "budget": steps = gpu_packing.budget_steps(steps)
             timed = steps[args.warmup:]
             try:
-                ps = [predict_step(cfg, gpu_packing.collate(mode, feats, "cpu"), dev, attention=attention_work(mode.attn, kind),
+                ps = [predict_step(cfg, gpu_packing.collate(mode, feats, "cpu"), dev,
+                                   attention=attention_work(mode.attn, kind),
                                    dtype_bytes=dtype_bytes) for feats in timed]
             except ValueError as e: not_run.append(f"part 1 {r['dataset']} {r['mode']}: {e}"); continue
             tokens = sum(len(f["input_ids"]) for feats in timed for f in feats)
@@ -449,12 +466,14 @@ def part_step_time(dry: bool, out: Path) -> dict:
         cfg = preset_config("qwen3-4b", num_hidden_layers=lc.layers, **(gpu_long_context.TINY if dry else {}))
         for r in long_context["rows"]:
             ran = [t for t in r["trials"][1:] if t["fits"]]  # the first trial of a row builds kernels: warm-up
-            if not ran: not_run.append(f"part 4 cap {r['cap_gib']} GiB {r['levers']}: no fitting trial past the first"); continue
+            if not ran: not_run.append(f"part 4 cap {r['cap_gib']} GiB {r['levers']}: "
+                                       "no fitting trial past the first"); continue
             t = max(ran, key=lambda t: t["tokens"])
             p = predict_step(cfg, [[t["tokens"]]], dev, attention=attention_work("sdpa", kind),
                              levers=gpu_long_context.LEVER_SETS[r["levers"]], dtype_bytes=dtype_bytes)
             terms = fwd_bwd_terms(p, dev)  # a trial is one forward + backward: no optimizer step, offload copies kept
-            points.append((f"part 4 {r['levers']}, {t['tokens']:,} tokens (one fwd+bwd)", terms, _seconds(terms, Efficiency()), t["seconds"]))
+            points.append((f"part 4 {r['levers']}, {t['tokens']:,} tokens (one fwd+bwd)", terms,
+                           _seconds(terms, Efficiency()), t["seconds"]))
     rows = [dict(source=src, predicted_s=pred, measured_s=meas, error=meas / pred - 1) for src, _, pred, meas in points]
     refit = None
     if points:
@@ -466,18 +485,22 @@ def part_step_time(dry: bool, out: Path) -> dict:
     if memory is None or not memory.get("run_dir"): not_run.append("part 5's train run: part 5 did not finish")
     else:
         h = check_run(memory["run_dir"], record=False)  # the run's own prediction (its device, its factors), one basis
-        row = dict(source=f"part 5 train run ({h.device})", predicted_s=h.predicted_s, measured_s=h.measured_s, error=h.error)
+        row = dict(source=f"part 5 train run ({h.device})", predicted_s=h.predicted_s, measured_s=h.measured_s,
+                   error=h.error)
         try: run_refit = calibrate_run(memory["run_dir"])
-        except ValueError as e: not_run.append(f"calibrate_run on part 5's train run: {e}")  # its first error still stands
+        # its first error still stands
+        except ValueError as e: not_run.append(f"calibrate_run on part 5's train run: {e}")
         if run_refit is not None:
             _, run_rows = _run_record(memory["run_dir"], 1)
             refit_s = np.mean([r["mfu"] * r["step_s"] / run_refit.matmul + run_refit.overhead_s for r in run_rows])
-            row.update(refit_predicted_s=float(refit_s), refit_error=float(np.mean([r["step_s"] for r in run_rows]) / refit_s - 1))
+            row.update(refit_predicted_s=float(refit_s),
+                       refit_error=float(np.mean([r["step_s"] for r in run_rows]) / refit_s - 1))
         rows.append(row)
     table = ["| measured step | predicted s | measured s | error | refitted predicted s | refitted error |",
              "|---|---|---|---|---|---|"]
     table += [f"| {r['source']} | {r['predicted_s']:.4g} | {r['measured_s']:.4g} | {r['error']:+.0%} | "
-              f"{r.get('refit_predicted_s', float('nan')):.4g} | {r.get('refit_error', float('nan')):+.0%} |" for r in rows]
+              f"{r.get('refit_predicted_s', float('nan')):.4g} | {r.get('refit_error', float('nan')):+.0%} |"
+              for r in rows]
     table.append(f"error = measured / predicted - 1 (+: predicted too fast). Refitted: compute efficiency fitted by "
                  f"calibrate on the part 1 and 4 rows ({refit.matmul:.3g} of peak)" if refit else "no part 1 or 4 rows to refit on")
     if run_refit: table.append(f"and by calibrate_run on the train run ({run_refit.matmul:.3g} of peak, "
@@ -556,7 +579,8 @@ def environment(install_note: str, dry: bool = False) -> dict:
     if torch.cuda.is_available():  # nvidia-smi, not torch: no CUDA context held by the suite while the parts run
         try: gpu, driver = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
                                           capture_output=True, text=True, timeout=20).stdout.splitlines()[0].split(", ")
-        except (OSError, subprocess.TimeoutExpired, IndexError, ValueError): gpu, driver = "unknown", "unknown (nvidia-smi failed)"
+        except (OSError, subprocess.TimeoutExpired, IndexError, ValueError): gpu, driver = "unknown", (
+            "unknown (nvidia-smi failed)")
     return dict(gpu=gpu, driver=driver, cuda=torch.version.cuda or "absent",
                 torch=torch.__version__, transformers=version("transformers"), flash_attn=version("flash-attn"),
                 flash_attn_install=install_note, python=sys.version.split()[0])
@@ -592,9 +616,12 @@ def supervise(part: Part, args, cap_s: float) -> dict:
     if args.dry_run: cmd.append("--dry-run")
     if part.number in args.fail_part: cmd.append("--fail")
     t0 = time.perf_counter()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"} if args.dry_run else None  # a dry run beside other jobs: no oversubscription
-    signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)  # a kill while Popen runs waits until `proc` is known: never an orphan
-    try: proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env)
+    # a dry run beside other jobs: no oversubscription
+    env = {**os.environ, "OMP_NUM_THREADS": "1"} if args.dry_run else None
+    # a kill while Popen runs waits until `proc` is known: never an orphan
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)
+    try: proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                 env=env)
     except BaseException:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)
         raise
@@ -620,7 +647,8 @@ def markdown(env: dict, records: list[dict], dry: bool) -> str:
     lines = [f"# GPU suite{' (CPU dry run: tiny shapes, numbers mean nothing)' if dry else ''}", "",
              ", ".join(f"{k}: {v}" for k, v in env.items()), "",
              "| part | name | status | seconds | cap s |", "|---|---|---|---|---|"]
-    lines += [f"| {r['part']} | {r['name']} | {r['status']} | {r.get('seconds', '')} | {r['cap_s']:g} |" for r in records]
+    lines += [f"| {r['part']} | {r['name']} | {r['status']} | {r.get('seconds', '')} | {r['cap_s']:g} |"
+              for r in records]
     for r in records:
         lines += ["", f"## {r['part']} {r['name']}: {r['status']}", ""]
         if "result" in r:
@@ -647,8 +675,10 @@ def parse_args(argv=None):
     if args.parts is None: args.parts = list(SUITES[args.suite])
     if not set(args.parts) <= known or not set(args.fail_part) <= known:
         p.error(f"parts are numbered {sorted(known)}; got --parts {args.parts} --fail-part {args.fail_part}")
-    if args.out.exists() and not args.out.is_dir(): p.error(f"--out {args.out} is a file: pass a directory (made if missing)")
-    if args.cap_s is not None and args.cap_s <= 0: p.error(f"--cap-s must be a positive number of seconds, got {args.cap_s}")
+    if args.out.exists() and not args.out.is_dir(): p.error(f"--out {args.out} is a file: pass "
+                                                            "a directory (made if missing)")
+    if args.cap_s is not None and args.cap_s <= 0: p.error("--cap-s must be a positive number "
+                                                           f"of seconds, got {args.cap_s}")
     return args
 
 

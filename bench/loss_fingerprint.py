@@ -20,13 +20,16 @@ def fingerprint() -> dict:
     losses["one"] = train_rank(fresh(steps=3, max_tokens=512))
     losses["accum"] = train_rank(fresh(steps=2, max_tokens=512, grad_accum=2))
     losses["lora"] = train_rank(fresh(steps=2, max_tokens=512, lora_r=4))
-    losses["levers"] = train_rank(fresh(steps=2, max_tokens=512, checkpointing=True, loss_chunk=64, lean_kernels=True, mlp_chunk=64))
+    losses["levers"] = train_rank(fresh(steps=2, max_tokens=512, checkpointing=True, loss_chunk=64, lean_kernels=True,
+                                        mlp_chunk=64))
     resumed = tempfile.mkdtemp()
     first = train_rank(TrainConfig(steps=2, max_tokens=512, save_every=1, out=resumed))
     losses["resume"] = first + train_rank(TrainConfig(steps=4, max_tokens=512, save_every=1, out=resumed, resume=True))
     losses["sp2"] = run(fresh(sp=2, steps=2, max_tokens=512))
-    losses["dp2cost"] = run(fresh(dp=2, grad_accum=2, steps=2, max_tokens=1024, balance="cost", attn="workbench_varlen"))
-    losses["ring2"] = run(fresh(ring=2, ring_kernel="plain", steps=2, max_tokens=512))  # named: the default kernel depends on the device
+    losses["dp2cost"] = run(fresh(dp=2, grad_accum=2, steps=2, max_tokens=1024, balance="cost",
+                                  attn="workbench_varlen"))
+    # named: the default kernel depends on the device
+    losses["ring2"] = run(fresh(ring=2, ring_kernel="plain", steps=2, max_tokens=512))
     losses["shard"] = run(fresh(sp=2, steps=2, max_tokens=512, shard=True))
     return {name: [float(x).hex() for x in values] for name, values in losses.items()}
 

@@ -52,10 +52,11 @@ def block_pairs_table(lengths, rounds: int, heads: int = 4, head_dim: int = 64, 
                 out.square().sum().backward()
                 outs[kernel] = (out.detach(), qq.grad, kk.grad, vv.grad)
             gap = max((a - b).abs().max().item() for a, b in zip(outs["plain"], outs["fused"]))
-            t_plain, t_fused = best_times([lambda: time_pair("plain", q, k, v, doc, window), lambda: time_pair("fused", q, k, v, doc, window)],
+            t_plain, t_fused = best_times([lambda: time_pair("plain", q, k, v, doc, window),
+                                           lambda: time_pair("fused", q, k, v, doc, window)],
                                           rounds if n <= 8192 else 1)
-            rows.append({"row": kind, "tokens": n, "window": window or "none", "documents": len(cu) - 1, "plain s": t_plain, "fused s": t_fused,
-                         "fused speedup": t_plain / t_fused, "max |diff|": gap})
+            rows.append({"row": kind, "tokens": n, "window": window or "none", "documents": len(cu) - 1,
+                         "plain s": t_plain, "fused s": t_fused, "fused speedup": t_plain / t_fused, "max |diff|": gap})
             print(rows[-1], flush=True)  # each row as it is measured: a 32K plain pair takes minutes
     return rows
 
@@ -131,8 +132,11 @@ def main():
     a = p.parse_args()
     torch.set_num_threads(1)
     lengths = [int(x) for x in a.lengths.split(",")]
-    print_table(block_pairs_table(lengths, a.rounds, window=a.window), "One block pair (a whole row), forward + backward, fp32, 4 heads x 64, one thread")
-    if not a.no_training: print_table(training_table(a.train_tokens, a.steps), f"Training steps on {a.train_tokens}-token long-document rows, 2 CPU processes, one thread each")
+    print_table(block_pairs_table(lengths, a.rounds, window=a.window),
+                "One block pair (a whole row), forward + backward, fp32, 4 heads x 64, one thread")
+    if not a.no_training: print_table(training_table(a.train_tokens, a.steps),
+                                      f"Training steps on {a.train_tokens}-token "
+                                      "long-document rows, 2 CPU processes, one thread each")
 
 
 if __name__ == "__main__": main()

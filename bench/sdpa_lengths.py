@@ -62,7 +62,8 @@ def main(argv=None) -> list[dict]:
             except subprocess.TimeoutExpired:
                 row = dict(tokens=n, backend=backend, seconds=None, failed=f"timed out after {args.cap_s:g} s")
             rows.append(row)
-            print(f"{backend:>20} {n:>7,} tokens: " + (f"{row['seconds']:.3f} s" if row["seconds"] is not None else row["failed"]), flush=True)
+            print(f"{backend:>20} {n:>7,} tokens: "
+                  + (f"{row['seconds']:.3f} s" if row["seconds"] is not None else row["failed"]), flush=True)
     if args.json:
         with open(args.json, "w") as f: json.dump(rows, f, indent=1)
     return rows

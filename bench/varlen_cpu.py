@@ -41,12 +41,13 @@ def main(rounds: int, lengths: list[int], heads: int = 8, kv_heads: int = 2, hea
             k, v = (torch.randn(n, kv_heads, head_dim) for _ in range(2))
             cu = row_boundaries(kind, n)
             gap = (reference_varlen(q, k, v, cu) - math_varlen(q, k, v, cu)).abs().max().item()
-            t_math, t_flash = best_times([lambda: seconds(math_varlen, q, k, v, cu), lambda: seconds(reference_varlen, q, k, v, cu)], rounds)
-            rows.append({"row": kind, "tokens": n, "documents": len(cu) - 1, "math kernel s": t_math, "flash kernel s": t_flash,
-                         "speedup": t_math / t_flash, "max |diff| out": gap})
+            t_math, t_flash = best_times([lambda: seconds(math_varlen, q, k, v, cu),
+                                          lambda: seconds(reference_varlen, q, k, v, cu)], rounds)
+            rows.append({"row": kind, "tokens": n, "documents": len(cu) - 1, "math kernel s": t_math,
+                         "flash kernel s": t_flash, "speedup": t_math / t_flash, "max |diff| out": gap})
             print(rows[-1], flush=True)
-    print_table(rows, f"varlen attention on CPU, fwd + bwd, {heads} query heads over {kv_heads} kv heads x {head_dim}, 1 thread: "
-                      f"math kernel (3-D calls) against the fused flash kernel (reference_varlen)")
+    print_table(rows, f"varlen attention on CPU, fwd + bwd, {heads} query heads over {kv_heads} kv heads x {head_dim}, "
+                      "1 thread: math kernel (3-D calls) against the fused flash kernel (reference_varlen)")
 
 
 if __name__ == "__main__":

@@ -35,7 +35,8 @@ def main():
     T = ex.report.examples.shape[1]
     box = ex.controls["use_cache"]
     med, lo, hi = median_ms(lambda: setattr(box, "value", not box.value), repeats=11)
-    print(f"MaskExplorer redraw after a control change, {T:,}-token batch: {med:.0f} ms median (min {lo:.0f}, max {hi:.0f})")
+    print(f"MaskExplorer redraw after a control change, {T:,}-token "
+          f"batch: {med:.0f} ms median (min {lo:.0f}, max {hi:.0f})")
     step = ex.controls["step"]
     med, lo, hi = median_ms(lambda: setattr(step, "value", step.value + 1), repeats=11)
     print(f"MaskExplorer redraw with a new batch (step), ~16K tokens: {med:.0f} ms median (min {lo:.0f}, max {hi:.0f})")

@@ -347,9 +347,11 @@ def q_ages(rng):
     steps = [f"Let {b}'s age now be x, so {a}'s age now is {k1}x.",
              f"In {n} years: {b} is x + {n} and {a} is {k1}x + {n}.",
              f"Equation: {k1}x + {n} = {k2}(x + {n}) = {k2}x + {k2 * n}.",
-             f"Subtract {k2}x and {n} from both sides: {k1 - k2 if k1 - k2 > 1 else ''}x = {k2 * n - n}, so x = {child}.",
+             f"Subtract {k2}x and {n} from both sides: "
+             f"{k1 - k2 if k1 - k2 > 1 else ''}x = {k2 * n - n}, so x = {child}.",
              f"{a}'s age now: {k1} x {child} = {parent}.",
-             f"Check: in {n} years the ages are {parent + n} and {child + n}, and {k2} x {child + n} = {k2 * (child + n)}."]
+             f"Check: in {n} years the ages are {parent + n} and "
+             f"{child + n}, and {k2} x {child + n} = {k2 * (child + n)}."]
     return prompt, facts, plan, steps, f"{parent} years old"
 
 

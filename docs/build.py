@@ -61,7 +61,8 @@ def skip_flags() -> set[str]:
     "The `tst_flags` of settings.ini whose cells nbdev_test skips here (`cuda` without a GPU, `slow` always)."
     import torch
     cfg = ConfigParser(); cfg.read(ROOT / "settings.ini")
-    return {f for f in cfg["DEFAULT"]["tst_flags"].split() if f == "slow" or (f == "cuda" and not torch.cuda.is_available())}
+    return {f for f in cfg["DEFAULT"]["tst_flags"].split()
+            if f == "slow" or (f == "cuda" and not torch.cuda.is_available())}
 
 
 def directives(cell) -> dict:
@@ -128,7 +129,8 @@ def execute(nb_path: Path, flags: set[str], timeout: float | None = None) -> tup
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")},
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "PLOTLY_RENDERER": "plotly_mimetype",  # figures as JSON only: the page draws them with the site's plotly.js
-           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
     start = time.monotonic()
     client = NotebookClient(nb, timeout=timeout, kernel_name="python3", store_widget_state=True, config=kernel_config(),
                             resources={"metadata": {"path": str(nb_path.parent)}})
@@ -176,13 +178,15 @@ def widget_html(model_id: str, state: dict) -> str:
     if "figure" in model.get("state", {}): return figure_html(model["state"]["figure"])["text/html"]  # a PlotView
     if model.get("model_name") == "OutputModel":  # a dashboard's figure: the outputs it last held
         outputs = model["state"].get("outputs", [])
-        return "\n".join(figure_html(o["data"][PLOTLY_MIME])["text/html"] for o in outputs if PLOTLY_MIME in o.get("data", {}))
+        return "\n".join(figure_html(o["data"][PLOTLY_MIME])["text/html"]
+                         for o in outputs if PLOTLY_MIME in o.get("data", {}))
     children = [c.removeprefix("IPY_MODEL_") for c in model.get("state", {}).get("children", [])]
     return "\n".join(h for h in (widget_html(c, state) for c in children) if h)
 
 
 def page_output(out, state: dict):
-    "One output as the page shows it: plotly JSON and widgets become figure divs; a widget without figures shows its text."
+    """One output as the page shows it: plotly JSON and widgets
+    become figure divs; a widget without figures shows its text."""
     data = out.get("data", {})
     if PLOTLY_MIME in data: out["data"] = figure_html(data[PLOTLY_MIME])
     elif WIDGET_MIME in data:
@@ -252,11 +256,13 @@ def params_table(f) -> str:
     except (TypeError, ValueError, OSError): return ""
     rows = [(k, v) for k, v in docs.items() if k not in ("self", "cls") and (k != "return" or v["docment"])]
     if not rows: return ""
-    def code(x): return f"<code>{html.escape(str(x)).replace('|', '&#124;')}</code>"  # a `|` in backticks breaks the table
+    # a `|` in backticks breaks the table
+    def code(x): return f"<code>{html.escape(str(x)).replace('|', '&#124;')}</code>"
     def anno(x): return "" if x is inspect.Parameter.empty else code(x.__name__ if isinstance(x, type) else x)
     def default(x): return "" if x is inspect.Parameter.empty else code(repr(x))
     lines = ["| | Type | Default | Details |", "| --- | --- | --- | --- |"]
-    lines += [f"| **{k}** | {anno(v['anno'])} | {default(v['default']) if k != 'return' else ''} | {cell_text(v['docment'] or '')} |"
+    lines += [f"| **{k}** | {anno(v['anno'])} | {default(v['default']) if k != 'return' else ''} "
+              f"| {cell_text(v['docment'] or '')} |"
               for k, v in rows]
     return "\n".join(lines) + "\n"
 
@@ -269,7 +275,8 @@ def signature(name: str, obj) -> str:
 def doc_entry(qualname: str, obj, level: int = 3) -> str:
     "One name's entry: heading (its anchor), signature, docstring, parameter table."
     kind = "class" if inspect.isclass(obj) else ""
-    out = [f"{'#' * level} {qualname.split('.')[-1]}" + (" {#" + qualname.replace(".", "-") + "}" if "." in qualname else ""),
+    out = [f"{'#' * level} {qualname.split('.')[-1]}"
+           + (" {#" + qualname.replace(".", "-") + "}" if "." in qualname else ""),
            "", f"```python\n{kind + ' ' if kind else ''}{signature(qualname.split('.')[-1], obj)}\n```", ""]
     if inspect.getdoc(obj): out += [inspect.getdoc(obj), ""]
     table = params_table(obj)  # a class: its dataclass fields' comments, else those of its own __init__
@@ -290,7 +297,9 @@ def module_page(modname: str) -> str:
             out.append(doc_entry(name, obj))
             if inspect.isclass(obj):
                 for mname, m in vars(obj).items():
-                    if mname.startswith("_") or not (inspect.isfunction(m) or isinstance(m, (property, classmethod, staticmethod))): continue
+                    if mname.startswith("_") or not (inspect.isfunction(m)
+                                                     or isinstance(m, (property, classmethod, staticmethod))):
+                        continue
                     f = m.fget if isinstance(m, property) else getattr(m, "__func__", m)
                     if inspect.getdoc(f): out.append(doc_entry(f"{name}.{mname}", f, level=4))
         else:
@@ -339,10 +348,12 @@ def write_sources(pages: dict[Path, nbformat.NotebookNode]):
     cfg.update(docs_dir=str(src), site_dir=str(SITE), nav=[
         {"Home": "index.md"},
         *({title(p): rel(p)} for p in pages if p.parent == NBS),  # the architecture page
-        {"Tutorials": [{title(p): rel(p)} for p in sorted((p for p in pages if p.parent.name == "tutorials"), key=reading_order)]},
+        {"Tutorials": [{title(p): rel(p)} for p in sorted((p for p in pages if p.parent.name == "tutorials"),
+                                                          key=reading_order)]},
         *chapters(p for p in pages if p.parent not in (NBS, NBS / "tutorials")),
         {"API reference": [{m: f"api/{m}.md"} for m in mods]},
-        {"Notes": [{"Benchmarks": "BENCHMARKS.md"}, *({title_md(p): rel(p)} for p in sorted((ROOT / "docs").glob("*.md"), key=notes_order))]},
+        {"Notes": [{"Benchmarks": "BENCHMARKS.md"},
+                   *({title_md(p): rel(p)} for p in sorted((ROOT / "docs").glob("*.md"), key=notes_order))]},
     ])
     cfg["theme"]["custom_dir"] = str(ROOT / cfg["theme"]["custom_dir"])  # paths of mkdocs.yml are relative to the repo
     cfg["hooks"] = [str(ROOT / h) for h in cfg.get("hooks", [])]
@@ -359,7 +370,8 @@ def chapters(module_pages) -> list[dict]:
     "The module notebooks as nav sections, one per chapter folder of nbs/, each in its notebooks' reading order."
     by_folder = {}
     for p in sorted(module_pages): by_folder.setdefault(p.parent, []).append(p)
-    return [{chapter_title(folder): [{title(p): str(p.relative_to(ROOT))} for p in nbs]} for folder, nbs in by_folder.items()]
+    return [{chapter_title(folder): [{title(p): str(p.relative_to(ROOT))} for p in nbs]}
+            for folder, nbs in by_folder.items()]
 
 
 TUTORIALS = ["pack_a_dataset", "explore_masks", "doctor_your_model", "launch_sp", "your_own_trainer"]  # reading order
@@ -395,11 +407,12 @@ def _run_one(path: Path, flags: set[str], timeout: float | None):
 
 
 def execute_all(paths: list[Path], flags: set[str], jobs: int = 2, timeout: float | None = None) -> dict:
-    "Execute (or reuse) `paths`, `jobs` at a time, printing one line per notebook as it finishes; {path: (nb, seconds)}."
+    """Execute (or reuse) `paths`, `jobs` at a time, printing one
+    line per notebook as it finishes; {path: (nb, seconds)}."""
     fresh = sum(not cache_path(p, flags).exists() for p in paths)
     limit = f"{timeout:g} s per cell" if timeout else "no per-cell time limit"
-    print(f"{len(paths)} notebook{'s' * (len(paths) != 1)}: {len(paths) - fresh} cached, {fresh} to execute ({jobs} at a time, "
-          f"{limit})", flush=True)
+    print(f"{len(paths)} notebook{'s' * (len(paths) != 1)}: {len(paths) - fresh} "
+          f"cached, {fresh} to execute ({jobs} at a time, {limit})", flush=True)
     results, failed, width = {}, [], max((len(str(p.relative_to(ROOT))) for p in paths), default=0)
     # each kernel its share of the cores (an explicit OMP_NUM_THREADS is kept): `jobs` kernels with every core's threads
     # each oversubscribe the machine, as two pytest workers did (tests/conftest.py)
@@ -412,7 +425,8 @@ def execute_all(paths: list[Path], flags: set[str], jobs: int = 2, timeout: floa
             except Exception as e:
                 failed.append(str(e)); print(f"[{i}/{len(paths)}] {rel:<{width}}  FAILED", flush=True); continue
             results[p] = nb, seconds
-            print(f"[{i}/{len(paths)}] {rel:<{width}}  " + ("cached" if cached else f"executed in {seconds:.1f} s"), flush=True)
+            print(f"[{i}/{len(paths)}] {rel:<{width}}  " + ("cached" if cached else f"executed in {seconds:.1f} s"),
+                  flush=True)
     if failed: raise RuntimeError(f"{len(failed)} of {len(paths)} notebooks failed:\n\n" + "\n\n".join(failed))
     return results
 
@@ -461,7 +475,8 @@ if __name__ == "__main__":
     ap.add_argument("--only", default="*", help="build with only the notebooks matching this glob (a quick look)")
     ap.add_argument("--screenshot", action="store_true", help="then rewrite docs/mask_figure.png from the built site")
     ap.add_argument("--timeout", type=float, default=None,
-                    help="seconds one cell may run before its notebook fails (default: no limit; `make docs TIMEOUT=...`)")
+                    help="seconds one cell may run before its notebook "
+                         "fails (default: no limit; `make docs TIMEOUT=...`)")
     args = ap.parse_args()
     times = build(args.jobs, args.only, args.timeout)
     if args.screenshot: print(f"screenshot: {screenshot()}")

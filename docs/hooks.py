@@ -15,7 +15,8 @@ import re
 from mkdocs.structure.toc import get_toc
 
 CODE = re.compile(r"<(pre|code|script|style)\b[^>]*>.*?</\1>", re.S)  # text MathJax does not typeset
-MATH = re.compile(r"\$[^$\n]+\$|\$\$|\\\(|\\\[|\\begin\{")  # $x$, $$x$$, \(x\), \[x\], \begin{env}: what the site's MathJax typesets
+# $x$, $$x$$, \(x\), \[x\], \begin{env}: what the site's MathJax typesets
+MATH = re.compile(r"\$[^$\n]+\$|\$\$|\\\(|\\\[|\\begin\{")
 HEADING = re.compile(r'<h([1-6]) id="([^"]+)">(.*?)<a class="anchor-link"', re.S)
 
 
@@ -24,12 +25,15 @@ def on_page_content(content, page, **kwargs):
     page.meta["math"] = bool(MATH.search(prose))  # MathJax typesets for about 0.4 s per page in headless Chromium
     page.meta["figures"] = "plotly-graph-div" in content  # plotly.js is 4.6 MB of script to parse
     if not page.file.src_uri.endswith(".ipynb"): return content
-    for block in ('<div class="highlight-ipynb', '<div class="clipboard-copy-txt', '<span class="notice"'):  # a code cell,
-        content = content.replace(block, block.replace(" class=", " data-search-exclude class="))  # its copy button's text
+    # a code cell,
+    for block in ('<div class="highlight-ipynb', '<div class="clipboard-copy-txt', '<span class="notice"'):
+        # its copy button's text
+        content = content.replace(block, block.replace(" class=", " data-search-exclude class="))
     root = {"level": 0, "children": []}
     stack = [root]
     for level, id_, inner in HEADING.findall(content):
-        token = {"level": int(level), "id": id_, "name": html.unescape(re.sub(r"<[^>]+>", "", inner)).strip(), "children": []}
+        token = {"level": int(level), "id": id_, "name": html.unescape(re.sub(r"<[^>]+>", "", inner)).strip(),
+                 "children": []}
         while stack[-1]["level"] >= token["level"]: stack.pop()
         stack[-1]["children"].append(token)
         stack.append(token)

@@ -61,7 +61,8 @@ def server(cmd: list[str], url: str, env: dict, log: Path, timeout: float = 40):
                     break
                 except OSError:
                     if proc.poll() is not None: raise RuntimeError(f"{cmd[1]} exited early:\n{log.read_text()[-3000:]}")
-                    if time.monotonic() > deadline: raise TimeoutError(f"{url} did not answer:\n{log.read_text()[-3000:]}")
+                    if time.monotonic() > deadline: raise TimeoutError(
+                        f"{url} did not answer:\n{log.read_text()[-3000:]}")
                     time.sleep(0.3)
             yield proc
         finally:

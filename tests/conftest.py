@@ -19,14 +19,16 @@ import torch
 
 @pytest.fixture
 def one_thread():
-    "One OpenMP thread for a test of many tiny forwards: on a shared 2-core box two threads spin (a probe: 4.7 s -> 0.2 s)."
+    """One OpenMP thread for a test of many tiny forwards: on a
+    shared 2-core box two threads spin (a probe: 4.7 s -> 0.2 s)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
 
 
-DURATIONS = Path(__file__).with_name("durations.json")  # seconds per group, from a run (`.ci/durations.py N FILE --save`)
+# seconds per group, from a run (`.ci/durations.py N FILE --save`)
+DURATIONS = Path(__file__).with_name("durations.json")
 
 
 def order_group(item) -> str:

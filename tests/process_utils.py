@@ -21,7 +21,8 @@ def end_tree(p: subprocess.Popen, grace: float = 30) -> None:
 
 def run_tree(cmd: list, timeout: float, **popen) -> subprocess.CompletedProcess:
     "`subprocess.run(cmd, timeout=...)` with text output captured, whose timeout ends the whole tree (`end_tree`)."
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, **popen)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         **popen)
     try:
         out, err = p.communicate(timeout=timeout)
     finally:

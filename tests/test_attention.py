@@ -1,4 +1,5 @@
-"workbench.attention: the CPU fallback against padded and per-example attention, registration, transformers integration."
+"""workbench.attention: the CPU fallback against padded and
+per-example attention, registration, transformers integration."""
 from itertools import pairwise
 
 import pytest
@@ -71,7 +72,8 @@ def test_fallback_fp32_and_scale():
     out = varlen_attention(q, k, v, _cu(lengths), 12, scale=0.5)
     ref = varlen_attention(q * (0.5 * 8 ** 0.5), k, v, _cu(lengths), 12)  # the default scale is 1/sqrt(8)
     torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(varlen_attention(q, k, v, _cu(lengths), 12), _padded_sdpa(q, k, v, lengths), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(varlen_attention(q, k, v, _cu(lengths), 12), _padded_sdpa(q, k, v, lengths), atol=1e-6,
+                               rtol=1e-5)
 
 
 def test_torch_varlen_signatures(monkeypatch):
@@ -121,7 +123,8 @@ def test_model_packed_and_padded_equal_eager(family, examples):
     ref = per_example_logits(tiny_model(family, attn_implementation="eager"), PaddingCollator()(examples), lens)
     ours = tiny_model(family, attn_implementation=KEY)
     assert _max_diff(per_example_logits(ours, FlatteningCollator(train_all_tokens=True)(examples), lens), ref) < 1e-5
-    padded_row = FlatteningCollator(pad_to_multiple_of=64, train_all_tokens=True)(examples)  # plus one dummy example of padding
+    # plus one dummy example of padding
+    padded_row = FlatteningCollator(pad_to_multiple_of=64, train_all_tokens=True)(examples)
     with_dummy = lens + [padded_row["input_ids"].shape[1] - sum(lens)]
     assert with_dummy[-1] > 0
     assert _max_diff(per_example_logits(ours, padded_row, with_dummy)[:-1], ref) < 1e-5
@@ -148,8 +151,10 @@ def test_left_padding_is_unpadded(examples):
     ours = tiny_model("llama", attn_implementation=KEY)
     ref = tiny_model("llama", attn_implementation="eager")
     with torch.no_grad():
-        a = ours(input_ids=left["input_ids"], attention_mask=left["attention_mask"], position_ids=pos, use_cache=False).logits
-        b = ref(input_ids=left["input_ids"], attention_mask=left["attention_mask"], position_ids=pos, use_cache=False).logits
+        a = ours(input_ids=left["input_ids"], attention_mask=left["attention_mask"], position_ids=pos,
+                 use_cache=False).logits
+        b = ref(input_ids=left["input_ids"], attention_mask=left["attention_mask"], position_ids=pos,
+                use_cache=False).logits
     real = left["attention_mask"].bool()
     assert (a[real] - b[real]).abs().max() < 1e-5
 

@@ -1,4 +1,5 @@
-"Cost-balanced grouping in training: the sampler serves exactly the planned groups, reshuffles whole ones, resumes exactly; a real DP run trains them."
+"""Cost-balanced grouping in training: the sampler serves exactly the planned
+groups, reshuffles whole ones, resumes exactly; a real DP run trains them."""
 import json
 import re
 import subprocess
@@ -72,18 +73,21 @@ def test_resume_mid_epoch_and_mid_group_continues_exactly(lengths, taken):
     assert list(r) == rest and len(rest) == len(s) - taken
     nxt = bal.sampler(1, seed=4); nxt.set_epoch(3)
     assert list(r) == list(nxt)  # and then the next epoch, reshuffled the same way
-    old = {k: v for k, v in state.items() if k != "grouping"}  # a state saved before groupings were recorded: the default's
+    # a state saved before groupings were recorded: the default's
+    old = {k: v for k, v in state.items() if k != "grouping"}
     with pytest.raises(ValueError, match="another grouping of the bins"): bal.sampler(1, seed=4).load_state_dict(old)
     token = TokenBudgetSampler(bal.plan, seed=4, num_replicas=2, rank=1, grad_accum=2)
     assert len(token) == len(s)  # the same global batch, so the same rows: only the grouping tells them apart
     token.load_state_dict(old)  # the default grouping takes it
     with pytest.raises(ValueError, match="another grouping of the bins"): token.load_state_dict(state)
-    with pytest.raises(ValueError, match=re.escape("global batch of num_replicas x grad_accum = 2 x 2 bins per optimizer step")):
+    with pytest.raises(ValueError, match=re.escape("global batch of num_replicas x grad_accum "
+                                                   "= 2 x 2 bins per optimizer step")):
         TokenBudgetSampler(bal.plan, seed=4, num_replicas=2, rank=1).load_state_dict(state)
 
 
 def test_a_cost_balanced_state_resumes_on_another_split_of_the_global_batch(lengths):
-    "Saved after 3 optimizer steps of 2 ranks x 2 micro-steps, resumed on 1 rank x 4 micro-steps: the same bins in every later step."
+    """Saved after 3 optimizer steps of 2 ranks x 2 micro-steps, resumed
+    on 1 rank x 4 micro-steps: the same bins in every later step."""
     two = plan_balanced(lengths, 4096, 2, "qwen3-4b", grad_accum=2, seed=4)
     one = plan_balanced(lengths, 4096, 1, "qwen3-4b", grad_accum=4, seed=4)
     ranks = [two.sampler(r, seed=4) for r in (0, 1)]
@@ -100,7 +104,8 @@ def test_a_cost_balanced_state_resumes_on_another_split_of_the_global_batch(leng
     assert len(per_step_one) == len(two.cost_steps) - 3 and per_step_one == per_step_two
     inside = two.sampler(0, seed=4)
     next(iter(inside))
-    with pytest.raises(ValueError, match="after micro-step 1 of an optimizer step of 2"): one.sampler(0, seed=4).load_state_dict(inside.state_dict())
+    with pytest.raises(ValueError, match="after micro-step 1 of an optimizer step of 2"):
+        one.sampler(0, seed=4).load_state_dict(inside.state_dict())
 
 
 def test_bad_groupings_are_refused_with_the_fix(lengths):
@@ -112,7 +117,8 @@ def test_bad_groupings_are_refused_with_the_fix(lengths):
         (dict(steps=good.reshape(-1), grad_accum=2), "must be [n_steps, grad_accum x num_replicas = 4]"),
         (dict(steps=good), "must be [n_steps, grad_accum x num_replicas = 2]"),  # 4 bins a step without grad_accum=2
         (dict(steps=good.astype(float), grad_accum=2), "integer bin ids"),
-        (dict(steps=np.where(good == 5, n, good), grad_accum=2), f"bin id {n} (1 ids in all) outside the plan's {n} bins"),
+        (dict(steps=np.where(good == 5, n, good), grad_accum=2), f"bin id {n} (1 ids in all) "
+                                                                 f"outside the plan's {n} bins"),
         (dict(steps=np.where(good == 5, -1, good), grad_accum=2), "bin id -1"),
         (dict(steps=np.where(good == 5, 6, good), grad_accum=2), f"never serve 1 of the plan's {n} bins (e.g. bin 5)"),
         (dict(steps=np.zeros((0, 4), dtype=int), grad_accum=2), f"never serve {n} of the plan's {n} bins"),
@@ -129,11 +135,13 @@ def test_bad_balance_values_and_unmodelled_models_are_refused(tmp_path):
     from workbench.config import TrainConfig
     from workbench.train import cost_modelled, preflight_run
     with pytest.raises(ValueError, match="balance .--balance. 'flops' is not one of"): TrainConfig(balance="flops")
-    cli = subprocess.run([sys.executable, "-m", "workbench.train", "--balance", "flops", "--out", str(tmp_path / "cli")],
+    cli = subprocess.run([sys.executable, "-m", "workbench.train", "--balance", "flops", "--out",
+                          str(tmp_path / "cli")],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert cli.returncode == 2 and "balance (--balance) 'flops' is not one of" in cli.stderr, cli.stderr
     with pytest.raises(ValueError, match=r"balance \(--balance\) 'cost' needs the cost of this model's steps: mixtral is a mixture"):
-        preflight_run(TrainConfig(model="mixtral", balance="cost", out=str(tmp_path / "moe")))  # before any process starts
+        # before any process starts
+        preflight_run(TrainConfig(model="mixtral", balance="cost", out=str(tmp_path / "moe")))
     assert cost_modelled(TrainConfig(model="mixtral"), tiny_config("mixtral")) is False  # tokens: trains on, no readout
 
 
@@ -153,15 +161,18 @@ def test_a_cost_balanced_dp_run_trains_the_planned_groups_and_refuses_the_other_
     expect, imbalance = {}, {}
     for balance in ("cost", "tokens"):
         for rank in (0, 1):
-            plan, sampler, imbalance[balance], _, _ = plan_run(TrainConfig(**{**cfg.__dict__, "balance": balance}), model_config(cfg), feats, rank)
-            served = sampler.epoch_steps()[:4].reshape(4, 2, 2)[:, :, rank]  # 4 optimizer steps x 2 micro-steps x 2 ranks
+            plan, sampler, imbalance[balance], _, _ = plan_run(TrainConfig(**{**cfg.__dict__, "balance": balance}),
+                                                               model_config(cfg), feats, rank)
+            # 4 optimizer steps x 2 micro-steps x 2 ranks
+            served = sampler.epoch_steps()[:4].reshape(4, 2, 2)[:, :, rank]
             for step, bins in enumerate(served):
                 expect[balance, step, rank] = int(sum(plan.length[plan.bins[b]].sum() for b in bins))
     assert all(logged[s, r] == expect["cost", s, r] for s in range(4) for r in range(2)), (logged, expect)
     assert any(expect["tokens", s, r] != expect["cost", s, r] for s in range(4) for r in range(2))  # it could fail
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert config["balance"] == "cost" and config["imbalance"] == imbalance["cost"] and set(imbalance["cost"]) == {"tokens", "cost"}
-    assert imbalance["tokens"] == {"tokens": imbalance["cost"]["tokens"]}  # a tokens run: its own grouping's, no cost grouping dealt
+    # a tokens run: its own grouping's, no cost grouping dealt
+    assert imbalance["tokens"] == {"tokens": imbalance["cost"]["tokens"]}
     with pytest.raises(ValueError, match=r"balance='cost' \(--balance; this run has 'tokens'\)"):
         run(TrainConfig(**{**cfg.__dict__, "balance": "tokens", "steps": 6, "resume": True}))
 
@@ -179,21 +190,24 @@ def test_packed_trainer_cost_balance_trains_the_plan_and_resumes_exactly(tmp_pat
         seen.append(sorted(len(f["input_ids"]) for f in features))
         return FlatteningCollator()(features)
     def mk(out, collate=None, **kw):
-        args = TrainingArguments(**{**dict(output_dir=str(out), max_steps=4, gradient_accumulation_steps=2, report_to=[],
+        args = TrainingArguments(**{**dict(output_dir=str(out), max_steps=4, gradient_accumulation_steps=2,
+                                           report_to=[],
                                            use_cpu=True, save_strategy="no", logging_steps=1, disable_tqdm=True), **kw})
-        return PackedTrainer(model=tiny_model("llama").train(), args=args, train_dataset=ds, max_tokens=1024, balance="cost",
-                             data_collator=collate)
+        return PackedTrainer(model=tiny_model("llama").train(), args=args, train_dataset=ds, max_tokens=1024,
+                             balance="cost", data_collator=collate)
     full = mk(tmp_path / "full", record); full.train()
     bal = full.balanced
     assert bal.cost_steps.shape[1:] == (2, 1) and full.plan is bal.plan
-    served = bal.sampler(0, seed=42).epoch_steps().reshape(-1)  # one rank: its micro-steps row by row (TrainingArguments' default seed)
+    # one rank: its micro-steps row by row (TrainingArguments' default seed)
+    served = bal.sampler(0, seed=42).epoch_steps().reshape(-1)
     epoch = [sorted(int(bal.plan.length[i]) for i in bal.plan.bins[b]) for b in served]
     assert seen[:len(epoch)] == epoch[:len(seen)]  # the micro-steps in the planned order, each optimizer step whole
     half = mk(tmp_path / "half", save_strategy="steps", save_steps=2); half.train()
     resumed = mk(tmp_path / "half"); resumed.train(resume_from_checkpoint=str(tmp_path / "half" / "checkpoint-2"))
     loss = lambda t: [h["loss"] for h in t.state.log_history if "loss" in h]
     assert len(loss(resumed)) == 4 and loss(resumed) == loss(full)
-    for a, b in zip(full.model.parameters(), resumed.model.parameters()): torch.testing.assert_close(a, b, atol=0, rtol=0)
+    for a, b in zip(full.model.parameters(), resumed.model.parameters()):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
     for kw, msg in ((dict(balance="flops"), "balance must be 'tokens' or 'cost'"),
                     (dict(balance="cost", max_tokens=None), "pass max_tokens= as well"),
                     (dict(balance="cost", train_dataset=ds.to_iterable_dataset()), "a stream is packed as it is read")):

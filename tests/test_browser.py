@@ -55,12 +55,13 @@ RANKS_BARS = """() => {  // the rank figure's attention-work bars, as plotly dre
     const bars = (gd && gd._fullData || []).find(t => t.type === 'bar' && t.name.startsWith('attention work'));
     return bars ? Array.from(bars.y) : null;
 }"""
-RANKS_BARS_ARE = ("(want) => { const got = (" + RANKS_BARS + ")(); "
-                  "return got !== null && got.length === want.length && got.every((g, i) => Math.abs(g - want[i]) < 1e-9); }")
+RANKS_BARS_ARE = ("(want) => { const got = (" + RANKS_BARS + ")(); return got !== null && got.length === want.length "
+                                                             "&& got.every((g, i) => Math.abs(g - want[i]) < 1e-9); }")
 
 
 def wait_for_table(page, box: str, key: str, expected: dict, timeout_s: float = 20) -> dict:
-    "An explorer table read back until its columns equal `expected` (the kernel may still be redrawing), or as it last was."
+    """An explorer table read back until its columns equal `expected`
+    (the kernel may still be redrawing), or as it last was."""
     deadline = time.monotonic() + timeout_s
     while True:
         shown = page.evaluate(EXPLORER_TABLE, [box, key])
@@ -112,15 +113,16 @@ def check_redraw(page, name: str, log: list[str]):
     explorer.screenshot(path=ARTIFACTS / f"{name}_correct.png")
     page.locator(".wb-use_cache input[type=checkbox]").check()
     t0 = time.perf_counter()
-    try:  # 0.1-0.2 s here, alone or under load; CI timed out at 15 s (the first cross pair loads the model for the leak)
+    # 0.1-0.2 s here, alone or under load; CI timed out at 15 s (the first cross pair loads the model for the leak)
+    try:
         page.wait_for_function("""(old) => {
             const img = document.querySelector('.wb-mask .hm image');
             const cell = document.querySelector('.wb-stats [data-stat="cross-example pairs"]');
             return img && cell && cell.textContent !== '0' && (img.getAttribute('href') || img.getAttribute('xlink:href')) !== old;
         }""", arg=before["image"], timeout=90000)
     except PlaywrightTimeout:
-        raise AssertionError(f"{name}: no redraw {time.perf_counter() - t0:.0f} s after ticking use_cache; the explorer shows "
-                             f"{mask_state(page)}; the page's console said: {log[-40:]}") from None
+        raise AssertionError(f"{name}: no redraw {time.perf_counter() - t0:.0f} s after ticking use_cache; "
+                             f"the explorer shows {mask_state(page)}; the page's console said: {log[-40:]}") from None
     page.wait_for_timeout(300)  # let plotly finish the title
     after = mask_state(page)
     cross = int(after["cross"].replace(",", ""))
@@ -156,7 +158,8 @@ def test_explorer_on_your_model_and_data_in_jupyterlab(workdir):
         size = page.locator(".wb-size input")
         size.fill("8"); size.press("Enter")
         T = sum(map(len, ids))
-        page.wait_for_function(f"() => {{ const f = ({FIGURE})(); return f && f.x[f.x.length - 1] === {T}; }}", timeout=20000)
+        page.wait_for_function(f"() => {{ const f = ({FIGURE})(); return f && f.x[f.x.length - 1] === {T}; }}",
+                               timeout=20000)
         after = page.evaluate(FIGURE)
         assert after["z"] != before["z"] and len(after["x"]) == T + 1, after["x"]
         assert not any("␣" in t for t in after["xticks"]), after["xticks"]  # T > 40 tokens: numbered ticks only
@@ -180,7 +183,8 @@ def test_explorer_on_your_model_and_data_in_jupyterlab(workdir):
         assert zoomed["xticks"][:min(n, len(first))] == first[:n], (zoomed["xticks"], first)
         assert zoomed["yticks"][:min(len(zoomed["y"]) - 1, len(first))] == first[:len(zoomed["y"]) - 1]
         assert not any("Ġ" in t or "Ċ" in t for t in zoomed["xticks"] + zoomed["yticks"])
-        assert zoomed["text"][2][1].startswith(f"query 2 {first[2]} (example 0)<br>key 1 {first[1]} (example 0)"), zoomed["text"][2][1]
+        assert zoomed["text"][2][1].startswith(f"query 2 {first[2]} (example "
+                                               f"0)<br>key 1 {first[1]} (example 0)"), zoomed["text"][2][1]
         page.locator(".wb-explorer").screenshot(path=ARTIFACTS / "explorer_own_data_zoomed.png")
 
         # the hover names the tokens under the mouse
@@ -195,33 +199,42 @@ def test_explorer_on_your_model_and_data_in_jupyterlab(workdir):
         assert f"key 1 {first[1]}" in hover and "(example 0)" in hover, hover
 
         # the processes: Ulysses 2 x ring 2, then other shards; the per-process table and bars read back from the page
-        batch = FlatteningCollator(train_all_tokens=True)([{"input_ids": i} for i in ids])  # the eight examples the explorer shows now
-        heads = tiny_config("gemma2").num_attention_heads // 2  # the notebook's model: a process's head shard under Ulysses 2
+        # the eight examples the explorer shows now
+        batch = FlatteningCollator(train_all_tokens=True)([{"input_ids": i} for i in ids])
+        # the notebook's model: a process's head shard under Ulysses 2
+        heads = tiny_config("gemma2").num_attention_heads // 2
         page.locator(".wb-processes select").select_option("Ulysses 2 x ring 2")
         for shards in ("zigzag", "contiguous"):
             page.locator(".wb-shards select").select_option(shards)
-            view = rank_view(batch, 2, 2, shards, window=16)  # computed here, from the row alone (its sliding window: 16)
+            # computed here, from the row alone (its sliding window: 16)
+            view = rank_view(batch, 2, 2, shards, window=16)
             expected = {c: [int(v) for v in view.table[c]] for c in ("tokens", "pairs computed", "pairs skipped")}
             expected["attention work"] = [int(v) * heads for v in view.table["attention work"]]
-            page.wait_for_function("(s) => (document.querySelector('.wb-ranks-note') || {}).textContent?.includes(s + ' shards')",
+            page.wait_for_function("(s) => (document.querySelector('.wb-ranks-note') "
+                                   "|| {}).textContent?.includes(s + ' shards')",
                                    arg=shards, timeout=20000)
             shown = page.evaluate(EXPLORER_TABLE, ["wb-ranks-table", "rank"])
             assert {c: shown[c] for c in expected} == expected, (shards, shown, expected)
             share = [w / max(expected["attention work"]) for w in expected["attention work"]]
-            try:  # the figure's bars: each process's attention work over the largest (the figure may arrive after the table)
+            # the figure's bars: each process's attention work over the largest (the figure may arrive after the table)
+            try:
                 page.wait_for_function(RANKS_BARS_ARE, arg=share, timeout=20000)
             except PlaywrightTimeout:
-                raise AssertionError(f"{shards}: the rank figure's bars {page.evaluate(RANKS_BARS)} != {share}") from None
+                raise AssertionError(f"{shards}: the rank figure's bars "
+                                     f"{page.evaluate(RANKS_BARS)} != {share}") from None
         page.locator(".wb-explorer").screenshot(path=ARTIFACTS / "explorer_ranks.png")
 
         # data parallelism: each token-budget step dealt over 2 replicas, by tokens and by cost; the table read back
         page.locator(".wb-strategy select").select_option("token-budget packing")
         budget = page.locator(".wb-size input")
-        page.wait_for_function("() => document.querySelector('.wb-size input')?.value === '4096'", timeout=20000)  # the kernel's
-        budget.fill("20"); budget.press("Enter")  # reset of the budget first; then five bins: step 0 differs by tokens and by cost
+        # the kernel's
+        page.wait_for_function("() => document.querySelector('.wb-size input')?.value === '4096'", timeout=20000)
+        # reset of the budget first; then five bins: step 0 differs by tokens and by cost
+        budget.fill("20"); budget.press("Enter")
         page.locator(".wb-replicas select").select_option(label="2")
         attn = page.locator(".wb-attn_implementation select").input_value()
-        dealt = plan_balanced([len(i) for i in ids], 20, 2, tiny_config("gemma2"), attention=attention_work(attn, "cpu"), overlong="split")
+        dealt = plan_balanced([len(i) for i in ids], 20, 2, tiny_config("gemma2"),
+                              attention=attention_work(attn, "cpu"), overlong="split")
         for balance in ("tokens", "cost"):
             page.locator(".wb-balance select").select_option(balance)
             table = dealt.step_table(0, balance)  # computed here, from the examples' lengths alone
@@ -232,10 +245,11 @@ def test_explorer_on_your_model_and_data_in_jupyterlab(workdir):
         replica = page.locator(".wb-replica input")
         replica.fill("1"); replica.press("Enter")  # replica 1's row is the one the mask draws
         try:
-            page.wait_for_function(f"() => {{ const f = ({FIGURE})(); return f && f.x[f.x.length - 1] === {table['tokens'][1]}; }}", timeout=20000)
+            page.wait_for_function(f"() => {{ const f = ({FIGURE})(); return f && "
+                                   f"f.x[f.x.length - 1] === {table['tokens'][1]}; }}", timeout=20000)
         except PlaywrightTimeout:
-            raise AssertionError(f"replica 1's row ({table['tokens'][1]} tokens, --balance cost) is not the row drawn: the "
-                                 f"mask's keys end at {page.evaluate(FIGURE)['x'][-1]}") from None
+            raise AssertionError(f"replica 1's row ({table['tokens'][1]} tokens, --balance cost) is not "
+                                 f"the row drawn: the mask's keys end at {page.evaluate(FIGURE)['x'][-1]}") from None
         page.locator(".wb-explorer").screenshot(path=ARTIFACTS / "explorer_replicas.png")
 
 
@@ -245,7 +259,8 @@ def test_explorer_in_voila(workdir):
     cmd = [str(BIN / "voila"), str(tmp / NOTEBOOK.name), "--no-browser", f"--port={port}", "--Voila.ip=127.0.0.1"]
     with server(cmd, f"http://127.0.0.1:{port}/", env, tmp / "voila.log", timeout=60), browser_page() as page:
         log = page_log(page)
-        page.goto(f"http://127.0.0.1:{port}/", timeout=90000)  # Voila executes the notebook before "load": slow on a loaded box
+        # Voila executes the notebook before "load": slow on a loaded box
+        page.goto(f"http://127.0.0.1:{port}/", timeout=90000)
         page.wait_for_selector(".wb-explorer", state="attached", timeout=45000)
         check_redraw(page, "voila", log)
 
@@ -268,7 +283,8 @@ def test_a_png_the_kaleido_batch_dropped_is_rendered_alone(tmp_path, monkeypatch
     from workbench import viz
     figs = {"bars": go.Figure(go.Bar(y=[1, 3, 2])), "line": go.Figure(go.Scatter(y=[2, 1]))}
     (tmp_path / "bars.png").write_bytes(b"an old run's file")  # a reused folder
-    monkeypatch.setattr(viz.pio, "write_images", lambda *a, **k: None)  # a batch whose every render failed: no file, no error
+    # a batch whose every render failed: no file, no error
+    monkeypatch.setattr(viz.pio, "write_images", lambda *a, **k: None)
     pngs = viz.save_figures(figs, tmp_path, formats=("png",))
     assert [p.name for p in pngs] == ["bars.png", "line.png"]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)  # rendered, not the old file

@@ -58,7 +58,8 @@ def notebook_steps() -> int:
 
 def dashboard_sections(notebook: dict) -> dict:
     "The tutorial without its sections 4 and 5: from the cell headed '## 4.' up to the one headed '## 6.'."
-    heads = ["".join(c["source"]).startswith(("## 4.", "## 6.")) and c["cell_type"] == "markdown" for c in notebook["cells"]]
+    heads = ["".join(c["source"]).startswith(("## 4.", "## 6.")) and c["cell_type"] == "markdown"
+             for c in notebook["cells"]]
     first, last = [i for i, h in enumerate(heads) if h]
     return {**notebook, "cells": notebook["cells"][:first] + notebook["cells"][last:]}
 
@@ -67,7 +68,8 @@ def test_dashboard_in_jupyterlab(tmp_path):
     env = jupyter_env(tmp_path)
     tutorial = dashboard_sections(json.loads(NOTEBOOK.read_text()))  # a copy: JupyterLab may autosave what it opens
     # shown again once every run is done: a view the page draws late must show all the figures hold, not their start
-    tutorial["cells"].append({"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [], "source": "dash"})
+    tutorial["cells"].append({"cell_type": "code", "execution_count": None, "metadata": {}, "outputs": [],
+                              "source": "dash"})
     (tmp_path / NOTEBOOK.name).write_text(json.dumps(tutorial))
     assert "## 6. When a rank fails" in json.dumps(tutorial) and "## 4." not in json.dumps(tutorial)
     steps = notebook_steps()
@@ -90,7 +92,8 @@ def test_dashboard_in_jupyterlab(tmp_path):
         assert set(plots) >= {"loss", "throughput", "peak memory per rank", COMM_TITLE}, (plots.keys(), state["figures"])
         runs = [t["name"] for t in plots["loss"]]
         assert runs == ["SP=1", "SP=2", "DP=2"], runs
-        assert [t["name"] for t in plots[COMM_TITLE]] == [f"{r} {kind}" for r in runs for kind in ("all-to-all", "ring")]
+        assert [t["name"] for t in plots[COMM_TITLE]] == [f"{r} {kind}"
+                                                          for r in runs for kind in ("all-to-all", "ring")]
         for title in ("loss", "throughput", COMM_TITLE):  # every step of every run reached the page
             assert [t["x"] for t in plots[title]] == [list(range(steps))] * len(plots[title]), (title, plots[title])
         loss = {t["name"]: t["y"] for t in plots["loss"]}
@@ -98,7 +101,8 @@ def test_dashboard_in_jupyterlab(tmp_path):
         measured = sorted(t["name"] for t in plots["peak memory per rank"] if " rank " in t["name"])
         assert measured == ["DP=2 rank 0", "DP=2 rank 1", "SP=1 rank 0", "SP=2 rank 0", "SP=2 rank 1"], measured
         assert [(b["name"], b["width"]) for b in state["bars"]] == [(n, "100%") for n in runs], state["bars"]
-        assert any(w[0] == "100%" and w[-1] != "100%" for w in bars_seen if len(w) == 3), bars_seen  # the first run done, not all
+        # the first run done, not all
+        assert any(w[0] == "100%" and w[-1] != "100%" for w in bars_seen if len(w) == 3), bars_seen
         assert any(n.startswith("CPU run: measured") for n in state["notes"]["peak memory per rank"]), state["notes"]
         for title in ("loss", "throughput"):  # whole steps only on the step axes
             assert state["ticks"][title] and all(float(v).is_integer() for v in state["ticks"][title]), state["ticks"]
@@ -108,9 +112,11 @@ def test_dashboard_in_jupyterlab(tmp_path):
         assert partial, f"no partial SP=1 curve was ever drawn: {sorted(drawn)}"
         last_run_starts = min(t for (run, points), t in drawn.items() if run == "DP=2" and points > 0)
         assert last_run_starts - min(partial) > 0.5, drawn
-        page.wait_for_function("() => document.querySelectorAll('.workbench-dashboard .js-plotly-plot').length == 14")  # 2 x 7 figures
+        # 2 x 7 figures
+        page.wait_for_function("() => document.querySelectorAll('.workbench-dashboard .js-plotly-plot').length == 14")
         shares = {t["name"]: t for t in plots[BALANCE_TITLE]}
-        assert {"SP=2 rank 0", "SP=2 rank 1", "DP=2 rank 0", "DP=2 rank 1", "DP=2 rank 0 predicted", "DP=2 rank 0 attention", "DP=2 rank 1 tokens"} <= set(shares), shares
+        assert {"SP=2 rank 0", "SP=2 rank 1", "DP=2 rank 0", "DP=2 rank 1", "DP=2 rank 0 predicted",
+                "DP=2 rank 0 attention", "DP=2 rank 1 tokens"} <= set(shares), shares
         assert not any(n.startswith("SP=1") for n in shares), shares  # one rank: nothing to compare
         dp = [shares[f"DP=2 rank {k}"] for k in (0, 1)]
         assert all(t["x"] == list(range(steps)) for t in dp), dp  # each step's two shares average to the mean:
@@ -132,5 +138,6 @@ def test_dashboard_in_jupyterlab(tmp_path):
         failure = page.locator(".jp-Cell.jp-mod-active .jp-OutputArea")
         failure.wait_for(state="visible", timeout=10000)
         text = failure.inner_text()
-        assert "rank 1 of 2 raised ValueError" in text and "workbench/data.py" in text, text  # its own traceback (where the data is read)
+        # its own traceback (where the data is read)
+        assert "rank 1 of 2 raised ValueError" in text and "workbench/data.py" in text, text
         failure.screenshot(path=ARTIFACTS / "dashboard_failing_rank_jupyterlab.png")

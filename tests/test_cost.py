@@ -51,7 +51,8 @@ def test_flops_match_torch_counter(family, checkpointing):
             m(**batch, use_cache=False).loss.backward()
         m.zero_grad()
         ran = counter.get_total_flops()
-        planned = step_cost(m.config, batch, attention=attention_work(attn, "cpu"), levers=Levers(checkpointing=checkpointing))
+        planned = step_cost(m.config, batch, attention=attention_work(attn, "cpu"),
+                            levers=Levers(checkpointing=checkpointing))
         assert abs(planned.total / ran - 1) < 0.01, (family, attn, layout, planned.total, ran)
         assert planned.total == ran  # exactly, in fact: every matmul is accounted for
         assert measured_flops(m, batch) == ran  # FlopCount applies the same formulas
@@ -60,7 +61,8 @@ def test_flops_match_torch_counter(family, checkpointing):
 @pytest.mark.parametrize("family", ["llama", "qwen3", "olmo2"])
 @pytest.mark.parametrize("lv", [Levers(checkpointing=False, tiled_loss=True, loss_chunk=64),
                                 Levers(checkpointing=False, tiled_mlp=True, mlp_chunk=48),
-                                Levers(checkpointing=True, tiled_mlp=True, mlp_chunk=48, tiled_loss=True, loss_chunk=100)],
+                                Levers(checkpointing=True, tiled_mlp=True, mlp_chunk=48, tiled_loss=True,
+                                       loss_chunk=100)],
                          ids=["tiled_loss", "tiled_mlp", "all"])
 def test_lever_flops(family, lv):
     "The tiled loss recomputes the logits, the tiled MLP reruns the MLP (whole, even under checkpointing)."
@@ -127,7 +129,8 @@ def test_planner_edges():
     assert few.cost_steps.shape == (1, 1, 8) and few.token_steps.shape == (1, 1, 8)
 
 
-HELD_OUT_ERRORS = {(4, 8192): 0.416, (4, 32768): 0.719}  # the predicted points' measured errors: how far to trust a prediction
+# the predicted points' measured errors: how far to trust a prediction
+HELD_OUT_ERRORS = {(4, 8192): 0.416, (4, 32768): 0.719}
 
 
 def test_blog_points():
@@ -166,16 +169,19 @@ def test_check_run_is_held_out_until_fitted_on(tmp_path):
         lines.append(json.dumps(dict(step=step, step_s=1.25, mfu=1e11 / 1.25 / peak)))
     out = _run_dir(tmp_path, "\n".join(lines) + "\n")
     (out / "config.json").write_text(json.dumps({"predicted": dict(step_s=1.0, mfu=0.1, flops_per_step=1e11,
-                                                                   peak_flops=peak, device="cpu (1 thread per process)")}))
+                                                                   peak_flops=peak,
+                                                                   device="cpu (1 thread per process)")}))
     before = list(MEASURED)
     try:
         h = check_run(out)
         assert abs(h.predicted_s - 1.0) < 1e-9 and abs(h.measured_s - 1.25) < 1e-9 and abs(h.error - 0.25) < 1e-9
         cpu = cpu_device(RANK_THREADS)
         assert h in predict_step(tiny_config("llama"), [[64]], cpu).held_out
-        assert h not in predict_step(tiny_config("llama"), [[64]], "H100 SXM").held_out  # a CPU run says nothing of a GPU
+        # a CPU run says nothing of a GPU
+        assert h not in predict_step(tiny_config("llama"), [[64]], "H100 SXM").held_out
         fitted = calibrate_run(out)
-        assert run_source(out) in fitted.fitted_on and h not in predict_step(tiny_config("llama"), [[64]], cpu, fitted).held_out
+        assert run_source(out) in fitted.fitted_on and h not in predict_step(tiny_config("llama"), [[64]], cpu,
+                                                                             fitted).held_out
     finally: MEASURED[:] = before
 
 
@@ -191,15 +197,19 @@ def test_a_rank_is_predicted_at_the_threads_it_has():
     if torch.cuda.is_available(): pytest.skip("a CUDA host predicts its runs on the GPU: CPU ranks' sharing untested")
     from types import SimpleNamespace
     from workbench.cost import run_prediction
-    cfg = SimpleNamespace(sp=2, ring=1, dp=1, world=2, attn="sdpa", checkpointing=True, offload_checkpoints=False, loss_chunk=0,
-                          mlp_chunk=0, lean_kernels=False, shard=False, cpu_offload=False, dtype="auto", seed=0, grad_accum=1)
+    cfg = SimpleNamespace(sp=2, ring=1, dp=1, world=2, attn="sdpa", checkpointing=True, offload_checkpoints=False,
+                          loss_chunk=0,
+                          mlp_chunk=0, lean_kernels=False, shard=False, cpu_offload=False, dtype="auto", seed=0,
+                          grad_accum=1)
     p = run_prediction(cfg, tiny_config("llama"), plan_bins(synthetic_lengths("flan", 64), 1024), steps=2)
-    assert p.device.startswith("cpu (1 thread per process, 2 processes at once"), p.device  # its two ranks share the cores
+    # its two ranks share the cores
+    assert p.device.startswith("cpu (1 thread per process, 2 processes at once"), p.device
 
 
 def _run_dir(tmp_path, rows, predicted=True):
     (tmp_path / "config.json").write_text(json.dumps({"predicted": dict(step_s=1, mfu=0.1, flops_per_step=1e9,
-                                                                        peak_flops=1e12, device="x")} if predicted else {}))
+                                                                        peak_flops=1e12, device="x")} if predicted
+                                                     else {}))
     (tmp_path / "metrics.jsonl").write_text(rows)
     return tmp_path
 
@@ -221,7 +231,8 @@ def test_calibrate_run_refusals(tmp_path):
     with pytest.raises(ValueError, match="predicted"): calibrate_run(_run_dir(tmp_path, "", predicted=False))
     with pytest.raises(ValueError, match="no time for compute"):
         calibrate([({"matmul": 1.0, "attention": 0, "comm": 0, "memory": 0, "overhead": 1.0}, 0.5),
-                   ({"matmul": 2.0, "attention": 0, "comm": 0, "memory": 0, "overhead": 1.0}, 0.4)], ("compute", "overhead"))
+                   ({"matmul": 2.0, "attention": 0, "comm": 0, "memory": 0, "overhead": 1.0}, 0.4)],
+                  ("compute", "overhead"))
 
 
 @pytest.mark.parametrize("model", ["qwen3-4b", "llama-3.1-8b", "tiny-qwen2"])
@@ -229,7 +240,8 @@ def test_plan_layout_never_refused(model):
     "Over GPU counts and memory sizes: every returned layout fits the memory planner and passes the SP preflight."
     config = tiny_config("qwen2") if model == "tiny-qwen2" else preset_config(model)
     lengths = np.r_[synthetic_lengths("flan", 500), [30_000]]
-    splits = ("ulysses", "hybrid") if model == "tiny-qwen2" else ("ulysses",)  # the presets' hybrid: tests/test_ring_plan.py
+    # the presets' hybrid: tests/test_ring_plan.py
+    splits = ("ulysses", "hybrid") if model == "tiny-qwen2" else ("ulysses",)
     for gpus, memory, split in ((g, m, s) for g in (1, 2, 4, 8) for m in (16, 40, 80) for s in splits):
         layouts = plan_layout(config, lengths, gpus, memory, split=split)
         assert len(layouts.table) + len(layouts.refused) > 0
@@ -240,8 +252,10 @@ def test_plan_layout_never_refused(model):
             assert estimate(config, r.row_tokens, r.ulysses, r.dp, ring=r.ring, levers=LAYOUT_LEVERS[r.levers],
                             optimizer_offload=r.optimizer_offload).gib <= memory
         if len(layouts.table): assert layouts.table.frontier.any()
-        seen = {(r.ulysses, r.ring) for r in layouts.table.itertuples()} | {(l["ulysses"], l["ring"]) for l, _ in layouts.refused}
-        assert seen == {(u, r) for u, r in sp_layouts(config, gpus) if split == "hybrid" or r == 1}  # kept, or refused with why
+        seen = ({(r.ulysses, r.ring) for r in layouts.table.itertuples()}
+                | {(l["ulysses"], l["ring"]) for l, _ in layouts.refused})
+        # kept, or refused with why
+        assert seen == {(u, r) for u, r in sp_layouts(config, gpus) if split == "hybrid" or r == 1}
 
 
 def test_plan_layout_ranks_by_tokens_per_s_and_prints_short():
@@ -258,7 +272,8 @@ def test_plan_layout_ranks_by_tokens_per_s_and_prints_short():
     lines = text.splitlines()
     assert len(lines) <= 14 and max(map(len, lines)) <= 110, text  # short and readable, not a wall of columns
     assert "ranked by tokens_per_s" in lines[0] and "trust:" in lines[-1] and "layout" in lines[1]
-    assert lines[2].lstrip().startswith("1 ") and f"{f.tokens_per_s.iloc[0]:,.0f}" in lines[2]  # the best layout is row 1
+    # the best layout is row 1
+    assert lines[2].lstrip().startswith("1 ") and f"{f.tokens_per_s.iloc[0]:,.0f}" in lines[2]
     with pytest.raises(ValueError, match="cannot rank by"): plan_layout("qwen3-4b", [100], 4, rank_by="speed")
 
 
@@ -272,7 +287,8 @@ def test_plan_layout_bad_inputs():
 
 
 def test_run_records_prediction(tmp_path):
-    "A real run: config.json['predicted'] as the dashboard contract says, every row with step_s and mfu, calibration from it."
+    """A real run: config.json['predicted'] as the dashboard contract
+    says, every row with step_s and mfu, calibration from it."""
     from workbench.config import TrainConfig
     from workbench.tracking import read_metrics
     from workbench.train import run

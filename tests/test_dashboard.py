@@ -1,4 +1,5 @@
-"The dashboard against what real run directories do: reused while watched, torn lines, runs in sequence, a failing watch."
+"""The dashboard against what real run directories do: reused
+while watched, torn lines, runs in sequence, a failing watch."""
 import json
 import logging
 import subprocess
@@ -14,7 +15,8 @@ from workbench.dashboard import CPU_CAVEAT, Dashboard, MetricsReader
 
 
 def row(step, rank=0, loss=None, t=None, **extra) -> str:
-    return json.dumps(dict(step=step, rank=rank, loss=9.0 - step if loss is None else loss, tokens=100, tokens_per_s=1e3,
+    return json.dumps(dict(step=step, rank=rank, loss=9.0 - step if loss is None else loss, tokens=100,
+                           tokens_per_s=1e3,
                            peak_mem_bytes=2**30, a2a_share=0.0, time=step + 1.0 if t is None else t, **extra)) + "\n"
 
 
@@ -59,21 +61,24 @@ def test_rewritten_in_place_deleted_and_torn(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text(row(0) + row(1) + row(2))
     r = MetricsReader(tmp_path); assert len(r.read()) == 3
-    with path.open("w") as f: f.write(row(0, loss=1.0) + row(1, loss=0.5) + row(2, loss=0.25) + row(3, loss=0.125))  # same inode, longer
+    # same inode, longer
+    with path.open("w") as f: f.write(row(0, loss=1.0) + row(1, loss=0.5) + row(2, loss=0.25) + row(3, loss=0.125))
     assert [x["loss"] for x in r.read()] == [1.0, 0.5, 0.25, 0.125] and r.restarts == 1
     path.unlink()
     assert r.read() == [] and r.rows == [] and r.restarts == 2
     path.write_text(row(0) + '{"step": 1, "rank": 0, "lo')  # a half-written last line: skipped until complete
     assert [x["step"] for x in r.read()] == [0]
     assert r.read() == []
-    with path.open("a") as f: f.write('ss": 2.0}\n' + "[1, 2]\n" + "\n")  # completed; then a line that is no row, a blank
+    # completed; then a line that is no row, a blank
+    with path.open("a") as f: f.write('ss": 2.0}\n' + "[1, 2]\n" + "\n")
     assert [x["loss"] for x in r.read()] == [2.0] and r.skipped == 1
     (tmp_path / "config.json").write_text('{"steps": 4, "na')  # a hand-written config caught mid-write
     assert r.config == {}
 
 
 def test_three_runs_in_sequence(tmp_path):
-    cfgs = [SimpleNamespace(out=str(tmp_path / f"tmpq{i}w8"), name=n, steps=3) for i, n in enumerate(["SP=1", "SP=2", "DP=2"])]
+    cfgs = [SimpleNamespace(out=str(tmp_path / f"tmpq{i}w8"), name=n, steps=3)
+            for i, n in enumerate(["SP=1", "SP=2", "DP=2"])]
     dash = Dashboard(*cfgs)
 
     def stage():
@@ -91,7 +96,8 @@ def test_three_runs_in_sequence(tmp_path):
         assert bars[i] == (cfg.name, 1, 3) and status == f"{i} of 3 runs done"
         assert dash.texts[i].value == "1/3 steps in 2.0 s, ETA 4 s"
         assert [b[1] for b in bars] == [3] * i + [1] + [0] * (2 - i)  # earlier runs full, later ones empty
-        with (out / "metrics.jsonl").open("a") as f: f.write("".join(row(s, k, t=2.0 * (s + 1)) for s in (1, 2) for k in ranks))
+        with (out / "metrics.jsonl").open("a") as f:
+            f.write("".join(row(s, k, t=2.0 * (s + 1)) for s in (1, 2) for k in ranks))
         bars, status = stage()
         assert bars[i] == (cfg.name, 3, 3) and status == f"{i + 1} of 3 runs done"
         assert dash.texts[i].value == "done, 3/3 steps in 6.0 s"
@@ -139,7 +145,8 @@ def test_watch_thread_whose_reader_raises(tmp_path, caplog):
     dash.readers[0].read = real  # the error passes: the next refresh clears it, and stop() raises nothing stale
     wait_for(lambda: dash.error is None)
     assert dash._thread.is_alive() and dash.status.value == "0 of 1 runs done"
-    dash.watch(0.01); dash.watch(0.01); time.sleep(0.05)  # watching again starts clean, and a second watch replaces the first
+    # watching again starts clean, and a second watch replaces the first
+    dash.watch(0.01); dash.watch(0.01); time.sleep(0.05)
     assert len([t for t in threading.enumerate() if t.name == "dashboard watch"]) == 1
     dash.stop()
     with pytest.raises(ValueError, match="must be > 0"): dash.watch(0)
@@ -156,7 +163,8 @@ def test_names_and_labels(tmp_path):
 
 
 def test_real_runs_in_a_reused_directory(tmp_path):
-    "A real run, then a resumed one in the same directory while watched: train rewrites metrics.jsonl, the dashboard follows."
+    """A real run, then a resumed one in the same directory while
+    watched: train rewrites metrics.jsonl, the dashboard follows."""
     from workbench.config import TrainConfig
     from workbench.train import run
     cfg = TrainConfig(steps=2, max_tokens=256, out=str(tmp_path / "latest"), name="reused")
@@ -174,19 +182,23 @@ def test_real_runs_in_a_reused_directory(tmp_path):
 
 
 def test_the_slowest_rank_is_named_beside_its_figure_and_old_runs_show_none(tmp_path):
-    "Two DP ranks with unequal forward + backward times: the dashboard draws the ratio per step and names the slow rank."
+    """Two DP ranks with unequal forward + backward times: the
+    dashboard draws the ratio per step and names the slow rank."""
     uneven, old = tmp_path / "uneven", tmp_path / "old"
     for d in (uneven, old): d.mkdir(); (d / "config.json").write_text(json.dumps({"sp": 1, "dp": 2, "steps": 3}))
     times = {0: (1.0, 2.0), 1: (1.0, 3.0), 2: (2.0, 2.0)}  # step -> (rank 0, rank 1) seconds
     (uneven / "metrics.jsonl").write_text("".join(row(s, k, compute_s=times[s][k], predicted_flops=1e9 * (1 + k),
-                                                                 predicted_attention_flops=1e8 * (1 + 2 * k)) for s in times for k in (0, 1)))
-    (old / "metrics.jsonl").write_text("".join(row(s, k) for s in range(3) for k in (0, 1)))  # written before compute_s existed
+                                                                 predicted_attention_flops=1e8 * (1 + 2 * k))
+                                                  for s in times for k in (0, 1)))
+    # written before compute_s existed
+    (old / "metrics.jsonl").write_text("".join(row(s, k) for s in range(3) for k in (0, 1)))
     dash = Dashboard(uneven, old, names=["uneven", "old"])
     traces = {t.name: list(t.y) for t in dash.balance.data}
     assert traces == {"uneven rank 0": [1.0 / 1.5, 1.0 / 2.0, 1.0], "uneven rank 1": [2.0 / 1.5, 3.0 / 2.0, 1.0],
                       "uneven rank 0 predicted": [2.0 / 3] * 3, "uneven rank 1 predicted": [4.0 / 3] * 3,
                       "uneven rank 0 attention": [0.5] * 3, "uneven rank 1 attention": [1.5] * 3,
-                      "uneven rank 0 tokens": [1.0] * 3, "uneven rank 1 tokens": [1.0] * 3}  # equal tokens, unequal time
+                      # equal tokens, unequal time
+                      "uneven rank 0 tokens": [1.0] * 3, "uneven rank 1 tokens": [1.0] * 3}
     assert dash._ranks.layout.display is None
     assert "uneven</b>: slowest rank 1 at step 1: its forward + backward took 1.50x the ranks' mean" in dash.ranks_text.value
     assert "predicted from the bins' FLOPs: rank 1, 1.33x" in dash.ranks_text.value

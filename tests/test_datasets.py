@@ -1,4 +1,5 @@
-"Proofs for `datasets` inputs: planning over a Dataset, streaming packing (every token once, exact resume, DDP), hostile inputs."
+"""Proofs for `datasets` inputs: planning over a Dataset, streaming
+packing (every token once, exact resume, DDP), hostile inputs."""
 import io
 import json
 from collections import Counter
@@ -15,7 +16,8 @@ from workbench.packing import FlatteningCollator, PackedStream, lengths_of, pack
 
 def _features(lengths, offset: int = 0) -> list[dict]:
     "Example i holds tokens i * 10_000 + [0, n): every token names its example and its position."
-    return [{"input_ids": list(range(i * 10_000, i * 10_000 + int(n))), "idx": i} for i, n in enumerate(lengths, offset)]
+    return [{"input_ids": list(range(i * 10_000, i * 10_000 + int(n))), "idx": i}
+            for i, n in enumerate(lengths, offset)]
 
 
 def _check_kept(bins, feats, capacity):
@@ -31,8 +33,8 @@ def _check_kept(bins, feats, capacity):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.integers(1, 60), max_size=40), st.integers(1, 50), st.integers(1, 12), st.sampled_from(["split", "error"]),
-       st.sampled_from(["keep", "drop"]))
+@given(st.lists(st.integers(1, 60), max_size=40), st.integers(1, 50), st.integers(1, 12),
+       st.sampled_from(["split", "error"]), st.sampled_from(["keep", "drop"]))
 def test_streaming_keeps_every_token_once(lengths, capacity, buffer_size, overlong, untrained):
     feats = _features(lengths)
     stream = PackedStream(feats, capacity, buffer_size=buffer_size, overlong=overlong, untrained=untrained)
@@ -44,12 +46,15 @@ def test_streaming_keeps_every_token_once(lengths, capacity, buffer_size, overlo
     # than a multiple of the capacity) trains nothing, and untrained='drop' leaves exactly those out
     pieces = [[f["input_ids"][lo:lo + capacity] for lo in range(0, n, capacity)] for f, n in zip(feats, lengths)]
     idle = [p for ps in pieces for p in ps if len(p) == 1] if untrained == "drop" else []
-    kept = [{**f, "input_ids": [t for p in ps if untrained == "keep" or len(p) > 1 for t in p]} for f, ps in zip(feats, pieces)]
+    kept = [{**f, "input_ids": [t for p in ps if untrained == "keep" or len(p) > 1 for t in p]}
+            for f, ps in zip(feats, pieces)]
     _check_kept(bins, kept, capacity)
     r = stream.report
-    assert (r.examples, r.bins, r.tokens, r.split) == (len(lengths), len(bins), sum(lengths) - len(idle), sum(n > capacity for n in lengths))
+    assert (r.examples, r.bins, r.tokens, r.split) == (len(lengths), len(bins), sum(lengths) - len(idle),
+                                                       sum(n > capacity for n in lengths))
     assert (r.untrained, r.untrained_tokens) == (len(idle), len(idle))
-    assert list(PackedStream(feats, capacity, buffer_size=buffer_size, overlong=overlong, untrained=untrained)) == bins  # deterministic
+    # deterministic
+    assert list(PackedStream(feats, capacity, buffer_size=buffer_size, overlong=overlong, untrained=untrained)) == bins
 
 
 @settings(max_examples=200, deadline=None)
@@ -71,7 +76,8 @@ def test_resume_at_any_step_is_exact_on_every_rank(lengths, k, stop, buffer_size
         assert head + list(resumed) == whole[rank] * passes
     stream = make(0); list(stream)
     served = Counter(tuple(f["input_ids"]) for w in whole for b in w for f in b)
-    pieces = Counter(tuple(f["input_ids"]) for b in list(PackedStream(feats, 32, buffer_size=buffer_size, overlong="split")) for f in b)
+    pieces = Counter(tuple(f["input_ids"])
+                     for b in list(PackedStream(feats, 32, buffer_size=buffer_size, overlong="split")) for f in b)
     assert len(whole[0]) * k == stream.report.bins + stream.report.repeated and stream.report.repeated < k
     assert set(served) == set(pieces) and all(served[p] >= pieces[p] for p in pieces)  # all bins, repeats counted
 
@@ -79,7 +85,9 @@ def test_resume_at_any_step_is_exact_on_every_rank(lengths, k, stop, buffer_size
 def test_an_iterable_dataset_with_none_rows_and_1xT_rows():
     rows = [{"input_ids": [[1, 2, 3, 4, 5]]}, {"input_ids": [[6, 7]]}, {"input_ids": [[8, 9, 10]]}]
     ds = Dataset.from_list(rows).to_iterable_dataset()
-    stream = PackedStream(ds, 4, buffer_size=2, overlong="split", collate_fn=FlatteningCollator(train_all_tokens=True), untrained="keep")  # every token, [5] too
+    # every token, [5] too
+    stream = PackedStream(ds, 4, buffer_size=2, overlong="split", collate_fn=FlatteningCollator(train_all_tokens=True),
+                          untrained="keep")
     out = [b["input_ids"].tolist() for b in DataLoader(stream, batch_size=None)]
     assert sorted(t for row in out for t in row[0]) == list(range(1, 11)) and max(len(r[0]) for r in out) <= 4
     holed = Dataset.from_list([{"input_ids": [1, 2]}, {"input_ids": [3]}, {"input_ids": None}]).to_iterable_dataset()
@@ -89,17 +97,20 @@ def test_an_iterable_dataset_with_none_rows_and_1xT_rows():
 
 
 def test_hostile_streams_name_what_is_wrong():
-    with pytest.raises(ValueError, match="example 0 has no 'input_ids'.*tokenize"): list(PackedStream([{"text": "hi"}], 8))
+    with pytest.raises(ValueError, match="example 0 has no 'input_ids'.*tokenize"):
+        list(PackedStream([{"text": "hi"}], 8))
     with pytest.raises(ValueError, match=r"example 0 has no 'input_ids' \(it has \['text'\]\)"):
         list(PackedStream(Dataset.from_list([{"text": "hi"}]), 8))
-    with pytest.raises(ValueError, match="example 1: input_ids is text"): list(PackedStream([{"input_ids": [1]}, {"input_ids": "hi"}], 8))
+    with pytest.raises(ValueError, match="example 1: input_ids is text"):
+        list(PackedStream([{"input_ids": [1]}, {"input_ids": "hi"}], 8))
     with pytest.raises(ValueError, match="example 0 has no tokens"): list(PackedStream([{"input_ids": []}], 8))
     with pytest.raises(ValueError, match="must hold integers"): list(PackedStream([{"input_ids": [0.5, 1.5]}], 8))
     with pytest.raises(TypeError, match="example 0 is a list"): list(PackedStream([[1, 2]], 8))
     with pytest.raises(ValueError, match="buffer_size must be at least 1"): PackedStream([], 8, buffer_size=0)
     with pytest.raises(ValueError, match="capacity must be a positive"): PackedStream([], 0)
     with pytest.raises(ValueError, match="overlong must be one of"): PackedStream([], 8, overlong="wrap")
-    with pytest.raises(ValueError, match="rank 2 is outside num_replicas=2"): PackedStream([], 8, num_replicas=2, rank=2)
+    with pytest.raises(ValueError, match="rank 2 is outside num_replicas=2"):
+        PackedStream([], 8, num_replicas=2, rank=2)
     one_shot = PackedStream((f for f in _features([3, 4])), 8)
     assert len(list(one_shot)) == 1
     with pytest.raises(TypeError, match="one-shot iterator"): list(one_shot)
@@ -162,7 +173,8 @@ def test_edges_of_size():
     stream = PackedStream(_features(lengths), 8, buffer_size=100, untrained="keep")  # as the bare lengths: [1] kept
     assert len(list(stream)) == len(plan_bins(lengths, 8).bins) and stream.report.fill == stream.report.global_plan().fill
     tensors = [{"input_ids": torch.arange(10).reshape(1, 10), "completion_mask": torch.ones(1, 10, dtype=torch.long)}]
-    pieces = [f for b in PackedStream(tensors, 4, overlong="split") for f in b]  # [1, T] tensors, as a tokenizer returns
+    # [1, T] tensors, as a tokenizer returns
+    pieces = [f for b in PackedStream(tensors, 4, overlong="split") for f in b]
     assert [f["input_ids"].tolist() for f in pieces] == [[[0, 1, 2, 3]], [[4, 5, 6, 7]], [[8, 9]]]
     assert [f["completion_mask"].shape for f in pieces] == [(1, 4), (1, 4), (1, 2)]
     one = PackedStream(_features([3] * 6), 8, buffer_size=1)  # a buffer of one example: at most two per bin
@@ -191,11 +203,13 @@ def test_plan_dataset_over_a_selected_dataset_with_1xT_rows():
     _check_kept(bins, [{"input_ids": r["input_ids"][0], "idx": r["idx"]} for r in ds], 8)
     batch = FlatteningCollator(train_all_tokens=True)([{"input_ids": f["input_ids"]} for f in bins[0]])
     assert batch["input_ids"].shape[1] == plan.bin_tokens[0]
-    assert str(packing_report(ds, batch_size=2)) == str(packing_report([len(r["input_ids"][0]) for r in ds], batch_size=2))
+    assert str(packing_report(ds, batch_size=2)) == str(packing_report([len(r["input_ids"][0]) for r in ds],
+                                                                       batch_size=2))
 
 
 def test_hf_trainer_steps_through_a_packed_stream(tmp_path):
-    "Trainer takes one packed row per step from a PackedStream (batch size 1, its collator unwraps the row), in stream order."
+    """Trainer takes one packed row per step from a PackedStream
+    (batch size 1, its collator unwraps the row), in stream order."""
     from transformers import Trainer, TrainingArguments
     from workbench.samples import load_sample
     from workbench.tiny_models import tiny_model
@@ -215,12 +229,14 @@ def test_hf_trainer_steps_through_a_packed_stream(tmp_path):
 
 
 def test_a_dataset_s_trained_targets_are_read_in_arrow_as_row_by_row():
-    "plan_bins over a Dataset reads labels and masks in Arrow; the pieces it keeps and their targets equal the row-by-row reading."
+    """plan_bins over a Dataset reads labels and masks in Arrow; the
+    pieces it keeps and their targets equal the row-by-row reading."""
     rng = np.random.default_rng(0)
     rows = [{"input_ids": list(range(n)), "completion_mask": (rng.random(n) < 0.3).astype(int).tolist(),
              "labels": np.where(rng.random(n) < 0.8, 5, -100).tolist()} for n in rng.integers(1, 40, 200).tolist()]
     nested = [{k: [v] for k, v in r.items()} for r in rows]  # [1, T] rows
-    holed = [{**r, "completion_mask": None} if i % 7 == 0 else r for i, r in enumerate(rows)]  # None: every token trains
+    # None: every token trains
+    holed = [{**r, "completion_mask": None} if i % 7 == 0 else r for i, r in enumerate(rows)]
     for data in (rows, nested, holed):
         ds = Dataset.from_list(data).shuffle(seed=2).select(range(0, 200, 3))
         for cap in (4, 16):

@@ -25,8 +25,10 @@ def unpacked(page: str, name: str) -> str:
 def test_size_contents_and_plotly_once(report):
     path, page = report
     assert path.stat().st_size < 5 * 2**20, path.stat().st_size
-    sections = re.findall(r"<section id='([^']+)'><h2>([^<]+)</h2><p class='why'>([^<]+)</p>", page)  # each with its explanation
-    assert [h for _, h, _ in sections] == ["Packing: flan_like", "Packing: orca_like", "Attention masks: correct packing and the traps",
+    # each with its explanation
+    sections = re.findall(r"<section id='([^']+)'><h2>([^<]+)</h2><p class='why'>([^<]+)</p>", page)
+    assert [h for _, h, _ in sections] == ["Packing: flan_like", "Packing: orca_like",
+                                           "Attention masks: correct packing and the traps",
                                            "Packing doctor: tiny Llama with sdpa",
                                            "Sequence parallelism: SP=2 over two CPU processes against one process"]
     assert re.findall(r"<li><a href='#([^']+)'>", page) == [s for s, _, _ in sections]
@@ -34,7 +36,8 @@ def test_size_contents_and_plotly_once(report):
     for key in ("date", "versions", "machine"): assert f"<tr><th>{key}</th>" in page
     assert all(f"{p} " in page for p in ("torch", "transformers", "trl", "accelerate", "workbench"))
     js = unpacked(page, "plotly-js")
-    assert js.count("plotly.js v") == 1 and "plotly.js v" not in page and "cdn.plot.ly" not in page  # once, packed, offline
+    # once, packed, offline
+    assert js.count("plotly.js v") == 1 and "plotly.js v" not in page and "cdn.plot.ly" not in page
     assert page.count("<script") == 4  # config, plotly.js, the figures, the loader: nothing per figure
     config = json.loads(re.search(r"id='plot-config'>([^<]*)<", page).group(1))
     assert config == PLOT_CONFIG and config["showSendToCloud"] is False and config["displaylogo"] is False
@@ -49,13 +52,16 @@ def test_no_repetition_and_no_hidden_line(report):
     loss = next(f for f in figures if f["layout"]["title"]["text"] == "loss")
     one, two = loss["data"]
     assert one["y"] and max(abs(a - b) for a, b in zip(one["y"], two["y"])) < 1e-5  # the same curve twice...
-    assert one["line"]["width"] > two["line"]["width"] and one["marker"]["symbol"] != two["marker"]["symbol"]  # ...both visible
+    # ...both visible
+    assert one["line"]["width"] > two["line"]["width"] and one["marker"]["symbol"] != two["marker"]["symbol"]
     assert one["line"].get("dash", "solid") == "solid" and two["line"]["dash"] == "dash"
     said = float(re.search(r"at every step to within ([0-9.e+-]+)", page).group(1))
-    assert said == float(f"{max(abs(a - b) for a, b in zip(one['y'], two['y'])):.1e}")  # the text states the computed difference
+    # the text states the computed difference
+    assert said == float(f"{max(abs(a - b) for a, b in zip(one['y'], two['y'])):.1e}")
     memory = next(f for f in figures if f["layout"]["title"]["text"] == "peak memory per rank")
     assert "not comparable" in memory["layout"]["annotations"][0]["text"]  # the CPU caveat on the figure itself
-    assert all(f["layout"].get("width") is None and f["layout"]["height"] >= 300 for f in figures)  # filling their columns
+    # filling their columns
+    assert all(f["layout"].get("width") is None and f["layout"]["height"] >= 300 for f in figures)
 
 
 def test_renders_in_chromium_without_console_errors(report):
@@ -69,8 +75,10 @@ def test_renders_in_chromium_without_console_errors(report):
         page.wait_for_function(f"() => document.body.dataset.rendered == {n}", timeout=60000)
         assert page.locator(".js-plotly-plot").count() == n and page.locator("#nojs").count() == 0
         titles = page.evaluate("() => Array.from(document.querySelectorAll('.modebar-btn'), b => b.dataset.title)")
-        assert titles and not [t for t in titles if "Share" in t or "Cloud" in t or "Produced with Plotly" in t], set(titles)
-        widths = page.evaluate("() => Array.from(document.querySelectorAll('.js-plotly-plot'), d => d.getBoundingClientRect().width)")
+        assert titles and not [t for t in titles
+                               if "Share" in t or "Cloud" in t or "Produced with Plotly" in t], set(titles)
+        widths = page.evaluate("() => Array.from(document.querySelectorAll('.js-plotly-plot'), "
+                               "d => d.getBoundingClientRect().width)")
         assert min(widths) >= 450, widths  # no tiny charts
         page.click("nav a[href='#packing-doctor-tiny-llama-with-sdpa']")
         assert page.evaluate("() => location.hash") == "#packing-doctor-tiny-llama-with-sdpa"

@@ -31,7 +31,8 @@ NOTEBOOKS = sorted(p for p in (ROOT / "nbs").rglob("*.ipynb") if ".ipynb_checkpo
 KERNELSPEC = {"display_name": "python3", "language": "python", "name": "python3"}
 # pages known to hold plotly figures, and the fewest each holds: those drawn from widgets' state count too (a dashboard's
 # six figures, an explorer's mask and layout)
-FIGURE_PAGES = {"nbs/01_packing/07_viz.html": 1, "nbs/04_runtime/13_dashboard.html": 6, "nbs/04_runtime/15_explorer.html": 2,
+FIGURE_PAGES = {"nbs/01_packing/07_viz.html": 1, "nbs/04_runtime/13_dashboard.html": 6,
+                "nbs/04_runtime/15_explorer.html": 2,
                 "nbs/tutorials/launch_sp.html": 6, "nbs/tutorials/explore_masks.html": 2, "nbs/architecture.html": 1}
 
 
@@ -45,8 +46,8 @@ def site():
     127.0.0.1 from a thread; yields its base URL."""
     assert Path(CHROMIUM).exists(), "Debian's chromium is missing: apt-get install -y chromium (.ci/run does it)"
     jobs = "1" if "PYTEST_XDIST_WORKER" in os.environ else "2"  # beside another worker: one notebook at a time
-    build = subprocess.run([sys.executable, str(ROOT / "docs" / "build.py"), "--jobs", jobs], cwd=ROOT, capture_output=True,
-                           text=True, timeout=1200, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    build = subprocess.run([sys.executable, str(ROOT / "docs" / "build.py"), "--jobs", jobs], cwd=ROOT,
+                           capture_output=True, text=True, timeout=1200, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert build.returncode == 0, f"docs/build.py failed:\n{build.stdout[-3000:]}\n{build.stderr[-5000:]}"
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(SITE)))
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
@@ -80,7 +81,8 @@ PROSE = """() => { const prose = document.querySelector('article').cloneNode(tru
 
 @functools.cache
 def math_delimiters() -> re.Pattern:
-    "The TeX delimiters the site's MathJax typesets, as docs/hooks.py defines them (it decides which pages load MathJax)."
+    """The TeX delimiters the site's MathJax typesets, as docs/hooks.py
+    defines them (it decides which pages load MathJax)."""
     spec = importlib.util.spec_from_file_location("docs_hooks", ROOT / "docs" / "hooks.py")
     hooks = importlib.util.module_from_spec(spec); spec.loader.exec_module(hooks)
     return hooks.MATH
@@ -100,7 +102,8 @@ def read_pages(site: str, pages: list[str]) -> dict:
             page.goto(site + rel, wait_until="load")
             try: finished = bool(page.wait_for_function(DRAWN, timeout=10000))  # MathJax and plotly draw after load
             except PlaywrightTimeout: finished = False
-            figures = page.eval_on_selector_all(".plotly-graph-div", "els => els.map(e => !!e.querySelector('.main-svg'))")
+            figures = page.eval_on_selector_all(".plotly-graph-div", "els => els.map(e => "
+                                                                     "!!e.querySelector('.main-svg'))")
             links = page.eval_on_selector_all("a[href]", "els => els.map(e => e.href)")
             raw_tex = math_delimiters().findall(page.evaluate(PROSE))  # math left as TeX: a page with math, no MathJax
             read[rel] = (errors.copy(), refused.copy(), finished, figures, links, raw_tex)
@@ -109,7 +112,8 @@ def read_pages(site: str, pages: list[str]) -> dict:
 
 
 @pytest.mark.site  # `make test-site` (CI runs it after `make test`, which leaves it out)
-@pytest.mark.timeout(1500)  # a clean build executes every notebook: 10 min measured on a loaded 2-core box, then ~1.5 min of pages
+# a clean build executes every notebook: 10 min measured on a loaded 2-core box, then ~1.5 min of pages
+@pytest.mark.timeout(1500)
 def test_site_reads_offline_in_chromium(site):
     """Every page loads with no console error and no request off 127.0.0.1; every figure draws; no math is left as TeX
     (a page loads MathJax and plotly.js only where it needs them); no internal link is broken."""
@@ -133,7 +137,8 @@ def test_site_reads_offline_in_chromium(site):
         problems += [f"{rel}: console error: {e}" for e in errors]
         problems += [f"{rel}: asked the network for {u}" for u in refused]
         if not all(figures): problems.append(f"{rel}: {figures.count(False)} of {len(figures)} figures did not draw")
-        if len(figures) < FIGURE_PAGES.get(rel, 0): problems.append(f"{rel}: {len(figures)} figures, not {FIGURE_PAGES[rel]}")
+        if len(figures) < FIGURE_PAGES.get(rel, 0): problems.append(f"{rel}: {len(figures)} figures, "
+                                                                    f"not {FIGURE_PAGES[rel]}")
     for rel, (*_, links, _) in read.items():
         for url in links:
             if not url.startswith(site): continue
@@ -149,17 +154,19 @@ def test_site_reads_offline_in_chromium(site):
         box = page.locator("input.md-search__input")
         box.click(); box.fill("FlatteningCollator")
         t0 = time.perf_counter()
-        try:  # the search worker indexes the 0.8 MB index before it answers; 15 s was exceeded once with both cores busy
+        # the search worker indexes the 0.8 MB index before it answers; 15 s was exceeded once with both cores busy
+        try:
             page.wait_for_function("""() => [...document.querySelectorAll('.md-search-result__item a')].some(
                 a => a.href.includes('api/workbench.packing.html') && a.href.endsWith('#flatteningcollator'))""", timeout=60000)
         except PlaywrightTimeout:
             shown = page.evaluate("() => [...document.querySelectorAll('.md-search-result__item a')].map(a => a.href)")
             meta = page.evaluate("() => document.querySelector('.md-search-result__meta')?.textContent")
-            raise AssertionError(f"the search box showed no FlatteningCollator result {time.perf_counter() - t0:.0f} s after "
-                                 f"typing; it says {meta!r} and links {shown[:5]}") from None
+            raise AssertionError(f"the search box showed no FlatteningCollator result {time.perf_counter() - t0:.0f} "
+                                 f"s after typing; it says {meta!r} and links {shown[:5]}") from None
     index = json.loads((SITE / "search" / "search_index.json").read_text())
     assert any(d["location"].startswith("api/workbench.packing.html#flatteningcollator") for d in index["docs"])
-    coded = [d["location"] for d in index["docs"] if "from __future__ import" in d["text"]]  # every module notebook opens so
+    # every module notebook opens so
+    coded = [d["location"] for d in index["docs"] if "from __future__ import" in d["text"]]
     assert not coded, f"notebook code is in the search index (every page load fetches it): {coded[:3]}"
 
 
@@ -168,7 +175,8 @@ def test_every_notebook_has_a_kernelspec_that_nbdev_clean_keeps():
     assert NOTEBOOKS
     for path in NOTEBOOKS:
         nb = json.loads(path.read_text())
-        assert nb["metadata"].get("kernelspec") == KERNELSPEC, f"{path.relative_to(ROOT)}: kernelspec {nb['metadata'].get('kernelspec')}"
+        assert nb["metadata"].get("kernelspec") == KERNELSPEC, (f"{path.relative_to(ROOT)}: kernelspec "
+                                                                f"{nb['metadata'].get('kernelspec')}")
         clean_nb(nb)
         assert nb["metadata"]["kernelspec"] == KERNELSPEC, f"nbdev_clean changes the kernelspec of {path.name}"
 
@@ -189,11 +197,13 @@ def test_every_relative_link_of_the_readme_docs_and_notebooks_resolves():
     for page in pages:
         broken[page] = broken_links(page.read_text(), page.parent)
     for path in NOTEBOOKS:
-        prose = "\n".join("".join(c["source"]) for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "markdown")
+        prose = "\n".join("".join(c["source"])
+                          for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "markdown")
         broken[path] = broken_links(prose, path.parent)
     broken = {str(p.relative_to(ROOT)): b for p, b in broken.items() if b}
     assert not broken, broken
-    assert broken_links("[train](nbs/08_train.ipynb) [ok](README.md)", ROOT) == ["nbs/08_train.ipynb"]  # a moved notebook's old link is caught
+    # a moved notebook's old link is caught
+    assert broken_links("[train](nbs/08_train.ipynb) [ok](README.md)", ROOT) == ["nbs/08_train.ipynb"]
 
 
 def make_lab(*args) -> list[str]:
@@ -212,9 +222,11 @@ def test_make_lab_command_line():
 
 
 def test_make_lab_starts_and_prints_its_token_url(tmp_path):
-    "The real `make lab` (as root here when the suite runs as root): it serves 127.0.0.1 and prints a URL that opens it."
+    """The real `make lab` (as root here when the suite runs as
+    root): it serves 127.0.0.1 and prints a URL that opens it."""
     port = free_port()
-    env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"), "JUPYTER_CONFIG_DIR": str(tmp_path / "config")}
+    env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
+           "JUPYTER_CONFIG_DIR": str(tmp_path / "config")}
     proc = subprocess.Popen(make_lab(f"PORT={port}"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env, start_new_session=True)
     lines, url = [], None
@@ -254,7 +266,8 @@ def test_make_docs_reports_each_notebook_and_reuses_executions(tmp_path, monkeyp
     monkeypatch.setattr(build, "ROOT", tmp_path); monkeypatch.setattr(build, "CACHE", tmp_path / ".docs-cache")
     (tmp_path / "nbs").mkdir()
     paths = []
-    for name, code in [("quick", "import subprocess; print('quick', flush=True); subprocess.run(['echo', 'from a subprocess'])"), ("slow", "import time; time.sleep(10)")]:
+    for name, code in [("quick", "import subprocess; print('quick', flush=True); subprocess.run(['echo', "
+                                 "'from a subprocess'])"), ("slow", "import time; time.sleep(10)")]:
         nb = nbformat.v4.new_notebook(metadata={"kernelspec": KERNELSPEC}, cells=[nbformat.v4.new_code_cell(code)])
         nbformat.write(nb, tmp_path / "nbs" / f"{name}.ipynb"); paths.append(tmp_path / "nbs" / f"{name}.ipynb")
     with pytest.raises(RuntimeError, match=r"1 of 2 notebooks failed:\s+nbs/slow.ipynb failed to execute:\s+A cell timed out"):
@@ -279,8 +292,10 @@ def test_a_notebook_asked_for_twice_at_once_is_executed_once(tmp_path, monkeypat
     runs = tmp_path / "runs.txt"  # one line per execution
     code = f"import time; open({str(runs)!r}, 'a').write('ran\\n'); time.sleep(2); print('done')"
     nb_path = tmp_path / "nbs" / "twice.ipynb"
-    nbformat.write(nbformat.v4.new_notebook(metadata={"kernelspec": KERNELSPEC}, cells=[nbformat.v4.new_code_cell(code)]), nb_path)
-    with ThreadPoolExecutor(2) as pool:  # two threads: each takes the lock through its own open file, as two processes do
+    nbformat.write(nbformat.v4.new_notebook(metadata={"kernelspec": KERNELSPEC},
+                                            cells=[nbformat.v4.new_code_cell(code)]), nb_path)
+    # two threads: each takes the lock through its own open file, as two processes do
+    with ThreadPoolExecutor(2) as pool:
         both = list(pool.map(lambda _: build.executed(nb_path, set()), range(2)))
     assert runs.read_text() == "ran\n", runs.read_text()
     assert sorted(seconds == 0.0 for _, seconds in both) == [False, True]  # one executed, one read the cache
@@ -298,15 +313,18 @@ def test_make_docs_timeout_is_optional():
 
 
 def test_pages_show_the_example_not_its_checks():
-    "A page shows a cell's code and output without its top-level checks (they run in the suite); magics are left as written."
+    """A page shows a cell's code and output without its top-level
+    checks (they run in the suite); magics are left as written."""
     build = load_build()
-    code = "x = [1, 2]\ntest_eq(len(x),\n        2)  # a check over two lines\nassert x, 'empty'\ny = sum(x); assert y == 3\nprint(y)"
+    code = ("x = [1, 2]\ntest_eq(len(x),\n        2)  # a check over two "
+            "lines\nassert x, 'empty'\ny = sum(x); assert y == 3\nprint(y)")
     assert build.shown_code(code) == "x = [1, 2]\ny = sum(x); assert y == 3\nprint(y)"  # a line shared with code stays
     assert build.shown_code("%time f()\nassert True") == "%time f()\nassert True"
     out = nbformat.v4.new_output("stream", text="3\n")
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(code, outputs=[out]),
                                          nbformat.v4.new_code_cell("test_eq(1, 1)"),  # nothing left to show: dropped
-                                         nbformat.v4.new_code_cell("assert f() == 1", outputs=[out])])  # its output only
+                                         # its output only
+                                         nbformat.v4.new_code_cell("assert f() == 1", outputs=[out])])
     cells = build.page(nb).cells
     assert [c.source for c in cells] == ["x = [1, 2]\ny = sum(x); assert y == 3\nprint(y)", ""]
     assert "hide-input" in cells[1].metadata["tags"] and "hide-input" not in cells[0].metadata.get("tags", [])

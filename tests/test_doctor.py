@@ -1,4 +1,5 @@
-"workbench.doctor: every trap is detected on a real (tiny, random-init) model, and every fix makes the doctor say clean."
+"""workbench.doctor: every trap is detected on a real (tiny,
+random-init) model, and every fix makes the doctor say clean."""
 import pytest
 import torch
 import transformers as tr
@@ -66,7 +67,8 @@ def test_varlen_is_immune_but_warned(packed):
 def _tiny_qwen2_vl():
     torch.manual_seed(0)
     text = dict(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0})
+                num_key_value_heads=2,
+                rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0})
     cfg = tr.Qwen2VLConfig(text_config=text, vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2))
     return tr.Qwen2VLForConditionalGeneration(cfg).eval()
 
@@ -121,13 +123,16 @@ def test_attention_that_ignores_packing_is_caught(feats):
 
 
 def test_convolution_layers_detected(feats):
-    "A conv hybrid (LFM2): transformers refuses packed rows without causal-conv1d; the doctor names the layers and the way out."
+    """A conv hybrid (LFM2): transformers refuses packed rows without
+    causal-conv1d; the doctor names the layers and the way out."""
     torch.manual_seed(0)
     cfg = tr.AutoConfig.for_model("lfm2", vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2, layer_types=["conv", "full_attention"])
     model = tr.AutoModelForCausalLM.from_config(cfg).eval()
-    silent = check_packing(model, FlatteningCollator(train_all_tokens=True)(feats), NO_CACHE)  # without seq_idx the convolution leaks silently
-    refused = check_packing(model, FlatteningCollator(return_seq_idx=True, train_all_tokens=True)(feats), NO_CACHE)  # with it, transformers refuses
+    # without seq_idx the convolution leaks silently
+    silent = check_packing(model, FlatteningCollator(train_all_tokens=True)(feats), NO_CACHE)
+    # with it, transformers refuses
+    refused = check_packing(model, FlatteningCollator(return_seq_idx=True, train_all_tokens=True)(feats), NO_CACHE)
     assert not silent.clean and silent["sequence-mixing layers"].status == "fail"  # measured, not read from class names
     assert "ShortConv" in silent["sequence-mixing layers"].detail and "padded batches" in silent["sequence-mixing layers"].fix
     assert silent["contamination probe"].status == "fail" and "padded batches" in silent["contamination probe"].fix

@@ -37,7 +37,8 @@ class ShiftMix(torch.nn.Module):
         super().__init__()
         self.mlp, self.scale, self.ahead = mlp, scale, ahead
     def forward(self, x):
-        shifted = torch.nn.functional.pad(x[:, 1:], (0, 0, 0, 1)) if self.ahead else torch.nn.functional.pad(x[:, :-1], (0, 0, 1, 0))
+        shifted = (torch.nn.functional.pad(x[:, 1:], (0, 0, 0, 1)) if self.ahead
+                   else torch.nn.functional.pad(x[:, :-1], (0, 0, 1, 0)))
         return self.mlp(x) + self.scale * shifted
 
 
@@ -84,7 +85,8 @@ def _extra_boundary(batch):
     "cu_seq_lens with one boundary more than position_ids (the second example split in two)."
     cu = batch["cu_seq_lens_q"].tolist()
     cu.insert(2, (cu[1] + cu[2]) // 2)
-    return {**batch, "cu_seq_lens_q": torch.tensor(cu, dtype=torch.int32), "cu_seq_lens_k": torch.tensor(cu, dtype=torch.int32)}
+    return {**batch, "cu_seq_lens_q": torch.tensor(cu, dtype=torch.int32),
+            "cu_seq_lens_k": torch.tensor(cu, dtype=torch.int32)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -109,7 +111,8 @@ def test_batch_without_position_ids(packed):
     varlen = check_packing(tiny_model("llama", attn_implementation=KEY), no_pos, NO_CACHE)
     assert varlen.clean and varlen["position_ids in the batch"].status == "warn" and _verified(varlen)
     torch.manual_seed(0)  # absolute position embeddings: the positions themselves are wrong
-    gpt2 = tr.GPT2LMHeadModel._from_config(tr.GPT2Config(vocab_size=8192, n_embd=64, n_layer=2, n_head=4), attn_implementation=KEY).eval()
+    gpt2 = tr.GPT2LMHeadModel._from_config(tr.GPT2Config(vocab_size=8192, n_embd=64, n_layer=2, n_head=4),
+                                           attn_implementation=KEY).eval()
     absolute = check_packing(gpt2, no_pos, NO_CACHE)
     assert not absolute.clean and absolute.cross_example_effect == 0 and absolute["position_ids in the batch"].status == "fail"
     assert "position_ids restarting" in absolute["position_ids in the batch"].fix and _verified(absolute)
@@ -142,7 +145,8 @@ def test_gpt2_conv1d_is_not_a_token_mixer(packed):
 def test_mamba_hybrid_leak_caught_in_bf16(packed):
     "A tiny Jamba (Mamba + attention + MoE) without mamba kernels: its SSM leaks weakly; bf16 tolerance would pass it."
     torch.manual_seed(0)
-    cfg = tr.JambaConfig(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    cfg = tr.JambaConfig(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4,
                          num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
                          expert_layer_offset=1, num_experts=2, mamba_d_state=8, mamba_expand=2)
     report = check_packing(tr.JambaForCausalLM(cfg).to(torch.bfloat16).eval(), packed, NO_CACHE)
@@ -178,7 +182,8 @@ def test_wrapped_models_are_measured(packed, wrap):
 
 def test_peft_lora_is_measured(packed):
     peft = pytest.importorskip("peft")
-    model = peft.get_peft_model(tiny_model("qwen3"), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    model = peft.get_peft_model(tiny_model("qwen3"),
+                                peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
     clean = check_packing(model, packed, NO_CACHE)
     assert clean.clean and clean.cross_example_effect == 0 and clean.wrappers[0] == "PeftModelForCausalLM", clean
     assert clean["packed == padded: gradients"].status == "pass"  # the LoRA weights' gradients
@@ -209,7 +214,8 @@ def _rounding_by_count(grouped_mm):
     def rounded(input, weight, offs):
         out = grouped_mm(input, weight, offs=offs)
         sizes = torch.diff(offs, prepend=offs.new_zeros(1))
-        counts = sizes.repeat_interleave(sizes)  # each grouped row's expert's row count (rows past offs[-1] are skipped)
+        # each grouped row's expert's row count (rows past offs[-1] are skipped)
+        counts = sizes.repeat_interleave(sizes)
         scale = 1 + (counts % 5).to(out.dtype) * 2**-20
         return torch.cat([out[:len(counts)] * scale[:, None], out[len(counts):]])
     return rounded
@@ -225,11 +231,13 @@ def test_moe_routing_does_not_fake_a_leak(monkeypatch):
     from workbench.doctor import _perturbed  # the probe's own perturbation, to show what it avoids
     monkeypatch.setattr(moe, "_grouped_mm", _rounding_by_count(moe._grouped_mm))
     model = tiny_model("mixtral", num_hidden_layers=1)
-    batch = FlatteningCollator(train_all_tokens=True)([{"input_ids": f["input_ids"][:40]} for f in load_sample("flan_like", limit=24)[20:24]])
+    batch = FlatteningCollator(train_all_tokens=True)([{"input_ids": f["input_ids"][:40]}
+                                                       for f in load_sample("flan_like", limit=24)[20:24]])
     examples = torch.from_numpy(example_ids(torch.diff(batch["cu_seq_lens_q"]).numpy()))
     with torch.no_grad():
         base = model(**batch, use_cache=False).logits[0]
-        moved = max((model(**_perturbed(batch, examples, w, model.config.vocab_size, 0), use_cache=False).logits[0] - base)[examples != w].abs().max()
+        moved = max((model(**_perturbed(batch, examples, w, model.config.vocab_size, 0), use_cache=False).logits[0]
+                     - base)[examples != w].abs().max()
                     for w in (0, 3))
     assert moved > 0  # rounding from the grouped matmuls' shapes, not a leak
     report = check_packing(model, batch, NO_CACHE)
@@ -266,7 +274,8 @@ def test_real_ddp_is_stepped_through(packed, tmp_path):
 
 
 def test_leak_backwards_and_two_packed_rows(packed):
-    "A mixer that looks ahead leaks from later examples into earlier ones (the probe changes the last example too); a batch of two packed rows."
+    """A mixer that looks ahead leaks from later examples into earlier ones
+    (the probe changes the last example too); a batch of two packed rows."""
     model = tiny_model("llama")
     model.model.layers[0].mlp = ShiftMix(model.model.layers[0].mlp, 1e-3, ahead=True)
     assert check_packing(model, packed, NO_CACHE).cross_example_effect > 0

@@ -42,12 +42,15 @@ RUNS = {  # name -> run; each is judged against its golden run and against the n
     "alst sp2 unpacked exact": base(engine="alst", sp=2, packed=False),
     "alst sp2 packed sdpa": base(engine="alst", sp=2, loss="hf_sp"),
     "alst sp2 packed fix": base(engine="alst", sp=2, attention="workbench_varlen"),
-    "alst sp2 packed fix, clipped": base(engine="alst", sp=2, attention="workbench_varlen", loss="hf_sp", max_grad_norm=0.5),
+    "alst sp2 packed fix, clipped": base(engine="alst", sp=2, attention="workbench_varlen", loss="hf_sp",
+                                         max_grad_norm=0.5),
     "alst sp4 unpacked exact": base(engine="alst", sp=4, packed=False),
     "alst sp4 packed sdpa": base(engine="alst", sp=4, loss="hf_sp"),
     "alst sp4 packed fix": base(engine="alst", sp=4, attention="workbench_varlen"),
-    "alst sp2 mistral unpacked sdpa": Run(engine="alst", sp=2, packed=False, family="mistral", steps=STEPS),  # window 16
-    "alst sp2 mistral packed fix": Run(engine="alst", sp=2, family="mistral", steps=STEPS, attention="workbench_varlen"),
+    # window 16
+    "alst sp2 mistral unpacked sdpa": Run(engine="alst", sp=2, packed=False, family="mistral", steps=STEPS),
+    "alst sp2 mistral packed fix": Run(engine="alst", sp=2, family="mistral", steps=STEPS,
+                                       attention="workbench_varlen"),
 }
 
 
@@ -56,7 +59,8 @@ def verdicts():
     assert "deepspeed" in sys.modules or __import__("importlib").util.find_spec("deepspeed"), DEEPSPEED
     results = train_runs([*references(RUNS.values()), *RUNS.values()], deadline_s=400)
     by_run = {res["run"]: res for res in results}
-    return {name: judge(r, by_run[r], by_run[golden_of(r)], by_run[golden_of(r, True)]) for name, r in RUNS.items()}, results
+    return {name: judge(r, by_run[r], by_run[golden_of(r)], by_run[golden_of(r, True)])
+            for name, r in RUNS.items()}, results
 
 
 @pytest.mark.parametrize("name", [n for n in RUNS if n.startswith("ours") and "hf" not in n])
@@ -86,7 +90,8 @@ def test_alst_hf_loss_gradient_scale(verdicts):
     assert v.status == HF_VERDICT, v
     assert v.diff["loss"] <= LOSS_TOL and v.diff["grads_rescaled"] <= GRAD_TOL
     assert abs(v.diff["grad_scale"] - HF_SCALE) < 1e-5  # read off the SGD update
-    assert abs(v.diff["grad_norm_ratio"] - HF_SCALE) < 1e-3  # DeepSpeed's own norm: measured 2.00013 (its fp32 norm arithmetic)
+    # DeepSpeed's own norm: measured 2.00013 (its fp32 norm arithmetic)
+    assert abs(v.diff["grad_norm_ratio"] - HF_SCALE) < 1e-3
     if HF_SP_LOSS_SUMS: assert v.diff["grads"] > 0.5 and "divide the loss by sp_size" in v.fix
 
 
@@ -109,7 +114,8 @@ def test_alst_sdpa_drops_the_sliding_window(verdicts):
 
 
 def test_clipping_hides_the_scale_from_updates_not_from_the_logged_norm(verdicts):
-    "With clipping below both norms, HF's SP loss updates like one process, but its logged grad norm stays P× (transformers <= 5.24; 1× from 5.25)."
+    """With clipping below both norms, HF's SP loss updates like one process,
+    but its logged grad norm stays P× (transformers <= 5.24; 1× from 5.25)."""
     _, results = verdicts
     by = {r["run"]: r for r in results}
     for name in ("ours sp2 hf loss, clipped", "alst sp2 packed fix, clipped"):
@@ -133,7 +139,8 @@ def test_ledger_table_and_figure(verdicts):
 
 
 def test_accelerate_trainer_same_verdicts():
-    "The ParallelismConfig a user writes (sdpa: accelerate's default) through DeepSpeed + the HF Trainer: ALST's verdicts (HF_VERDICT: its SP loss as installed)."
+    """The ParallelismConfig a user writes (sdpa: accelerate's default) through DeepSpeed
+    + the HF Trainer: ALST's verdicts (HF_VERDICT: its SP loss as installed)."""
     from accelerate.parallelism_config import ParallelismConfig
     report = prove_config(ParallelismConfig(sp_size=2, sp_backend="deepspeed"), family=FAMILY, deadline_s=300)
     unpacked, leak = report.find(packed=False), report.find(packed=True, attention="sdpa")
@@ -152,7 +159,8 @@ def test_trl_sft_trainer_through_alst():
     workbench_varlen to HF's SP loss verdict (scaled, gradients SP x, up to transformers 5.24; exact from 5.25), the
     verdict of unpacked rows too."""
     from accelerate.parallelism_config import ParallelismConfig
-    report = prove_config(ParallelismConfig(sp_size=2, sp_backend="deepspeed"), family=FAMILY, deadline_s=300, trainer="trl")
+    report = prove_config(ParallelismConfig(sp_size=2, sp_backend="deepspeed"), family=FAMILY, deadline_s=300,
+                          trainer="trl")
     unpacked, leak = report.find(packed=False), report.find(packed=True, attention="sdpa")
     fixed = report.find(packed=True, attention="workbench_varlen")
     assert {v.run.engine for v in report.verdicts} == {"trl_alst"}
@@ -161,7 +169,8 @@ def test_trl_sft_trainer_through_alst():
     assert fixed.status == HF_VERDICT and fixed.diff["loss"] <= LOSS_TOL and fixed.diff["grads_rescaled"] <= GRAD_TOL, fixed
     assert all(v.diff["same_rows"] and v.diff["ranks_agree"] for v in report.verdicts)
     assert "SFTConfig" in leak.fix and "workbench_varlen" in leak.fix
-    with pytest.raises(ValueError, match="trainer must be one of"): prove_config(ParallelismConfig(sp_size=2, sp_backend="deepspeed"), trainer="sft")
+    with pytest.raises(ValueError, match="trainer must be one of"):
+        prove_config(ParallelismConfig(sp_size=2, sp_backend="deepspeed"), trainer="sft")
 
 
 def test_bad_runs_refused_before_launch():
@@ -238,11 +247,13 @@ def test_a_third_engine_plugs_in_and_is_judged():
 
 
 def user_model_dir(path: Path):
-    "A saved model directory (config.json and weights) of a family the workbench does not ship as a name: Cohere2, three "
+    """A saved model directory (config.json and weights) of a family
+    the workbench does not ship as a name: Cohere2, three """
     "sliding-window layers then a full-attention layer without RoPE, 8 query heads sharing 2 kv heads."
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
-    cfg = AutoConfig.for_model("cohere2", num_hidden_layers=8, hidden_size=256, intermediate_size=512, num_attention_heads=8,
+    cfg = AutoConfig.for_model("cohere2", num_hidden_layers=8, hidden_size=256, intermediate_size=512,
+                               num_attention_heads=8,
                                num_key_value_heads=2, head_dim=32, vocab_size=16000, sliding_window=4096,
                                pad_token_id=0, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
@@ -251,7 +262,8 @@ def user_model_dir(path: Path):
 
 
 def test_users_model_shrinks_the_same_from_a_directory_a_config_or_a_model(tmp_path, monkeypatch):
-    "No launch: a directory, its config object and a model instance shrink to one tiny config; refusals come before any launch."
+    """No launch: a directory, its config object and a model instance
+    shrink to one tiny config; refusals come before any launch."""
     from accelerate.parallelism_config import ParallelismConfig
     from transformers import AutoConfig, AutoModelForCausalLM
     from workbench.tiny_models import shrink_config, model_families
@@ -265,13 +277,15 @@ def test_users_model_shrinks_the_same_from_a_directory_a_config_or_a_model(tmp_p
     assert tiny.layer_types == cfg.layer_types[:4] == ["sliding_attention"] * 3 + ["full_attention"]
     assert (tiny.num_attention_heads, tiny.num_key_value_heads, tiny.sliding_window) == (8, 2, 16)
     with pytest.raises(ValueError, match="not both"): prove_engine(family="llama", model=cfg)
-    with pytest.raises(ValueError, match="cannot split the 3 key/value heads"):  # the user's own heads, before shrinking
+    # the user's own heads, before shrinking
+    with pytest.raises(ValueError, match="cannot split the 3 key/value heads"):
         prove_engine(model=AutoConfig.for_model("llama", hidden_size=384, num_attention_heads=6, num_key_value_heads=3))
     with pytest.raises(ValueError, match=r"GptOssForCausalLM has no sdpa attention"):  # the golden run's attention
         prove_engine(model=AutoConfig.for_model("gpt_oss"))
     with pytest.raises(ValueError, match="linear_attention"):
         prove_config(ParallelismConfig(sp_size=2, sp_backend="deepspeed"), model=AutoConfig.for_model("qwen3_next"))
-    import workbench.engine_proofs as proofs  # prove_config hands the model on to prove_engine (its launch: the test below)
+    # prove_config hands the model on to prove_engine (its launch: the test below)
+    import workbench.engine_proofs as proofs
     calls = []
     monkeypatch.setattr(proofs, "prove_engine", lambda **kw: calls.append(kw))
     pc = ParallelismConfig(sp_size=2, sp_backend="deepspeed")
@@ -283,16 +297,19 @@ def test_users_model_shrinks_the_same_from_a_directory_a_config_or_a_model(tmp_p
 
 
 def test_prove_engine_on_a_users_model_directory(tmp_path):
-    "One launch of 2 processes: a saved Cohere2 directory, shrunk; Ulysses exact, ALST + sdpa leaks, ALST + the fix exact."
+    """One launch of 2 processes: a saved Cohere2 directory, shrunk;
+    Ulysses exact, ALST + sdpa leaks, ALST + the fix exact."""
     user_model_dir(tmp_path)
     from workbench.engine_proofs import prove_engine
-    report = prove_engine(engines=("workbench", "alst"), packed=(True,), loss={"alst": "exact"}, model=tmp_path, deadline_s=300)
+    report = prove_engine(engines=("workbench", "alst"), packed=(True,), loss={"alst": "exact"}, model=tmp_path,
+                          deadline_s=300)
     ours = report.find(engine="workbench")
     leak, fixed = report.find(engine="alst", attention="sdpa"), report.find(engine="alst", attention="workbench_varlen")
     assert ours.status == "exact" and ours.diff["grads"] <= GRAD_TOL, ours
     assert leak.status == "leaks" and leak.leak_diff <= LOSS_TOL < leak.diff["loss"] and leak.diff["grads_rescaled"] > 1e-2, leak
     assert "across the documents" in leak.cause and "beyond the model's sliding window" in leak.cause
-    assert fixed.status == "exact" and fixed.diff["loss"] <= LOSS_TOL and fixed.diff["grads"] <= GRAD_TOL, fixed  # flipped
+    # flipped
+    assert fixed.status == "exact" and fixed.diff["loss"] <= LOSS_TOL and fixed.diff["grads"] <= GRAD_TOL, fixed
     assert all(v.diff["same_rows"] and v.diff["ranks_agree"] for v in report.verdicts)
     assert report.shrunk["layers"] == (8, 4) and report.shrunk["hidden"] == (256, 128)
     assert (report.shrunk["heads"], report.shrunk["kv heads"], report.shrunk["sliding window"]) == ((8, 8), (2, 2), (4096, 16))

@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def held_out():
-    "Ten OrcaMath-like examples in rows of 512 tokens: an odd number of bins, so DP 2 repeats one (and must not count it twice)."
+    """Ten OrcaMath-like examples in rows of 512 tokens: an odd number
+    of bins, so DP 2 repeats one (and must not count it twice)."""
     from workbench.samples import load_tokenizer
     from workbench.data import load_features
     from workbench.packing import plan_bins
@@ -60,7 +61,8 @@ def test_evaluation_during_training_equals_each_example_alone_on_the_checkpoint(
     for r in rows:
         model = run_dir / "checkpoints" / f"step-{r['step'] + 1:06d}" / "model"
         reference = each_alone(TrainConfig(model=str(model), max_tokens=512), held_out)
-        assert np.max(np.abs(np.array(r["example_loss"]) - reference.loss) / reference.loss) < 1e-6, (r["step"], r, reference)
+        assert np.max(np.abs(np.array(r["example_loss"])
+                             - reference.loss) / reference.loss) < 1e-6, (r["step"], r, reference)
         assert abs(r["loss"] - reference.mean_loss()) < 1e-6 * reference.mean_loss() and r["accuracy"] == reference.mean_accuracy()
         assert r["tokens"] == int(reference.tokens.sum())
     assert rows[1]["loss"] < rows[0]["loss"]  # the model learned between them
@@ -90,13 +92,14 @@ def test_bad_input_is_refused_before_any_process_starts(held_out, tmp_path):
     prompts_only = [{"input_ids": f["input_ids"], "labels": [-100] * len(f["input_ids"])} for f in held_out[:2]]
     with pytest.raises(ValueError, match="none of the 2 examples has a trained target"):
         evaluate(TrainConfig(model="qwen2", max_tokens=512), prompts_only)
-    cli = subprocess.run([sys.executable, "-m", "workbench.evaluate", "--lr", "0.1", "--steps", "3"], capture_output=True,
-                         text=True, timeout=120, cwd=ROOT)
+    cli = subprocess.run([sys.executable, "-m", "workbench.evaluate", "--lr", "0.1", "--steps", "3"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert cli.returncode == 2 and "--steps, --lr do not apply to evaluation" in cli.stderr, cli.stderr
     # evaluation during training: refused when built, or before any process starts
     with pytest.raises(ValueError, match=r"eval_every \(--eval-every\) 2 evaluates held-out data: name it with eval_data"):
         TrainConfig(eval_every=2)
-    with pytest.raises(ValueError, match=r"loss_chunk \(--loss-chunk\) exists to avoid"): TrainConfig(eval_data="x.jsonl", loss_chunk=64)
+    with pytest.raises(ValueError, match=r"loss_chunk \(--loss-chunk\) exists to avoid"):
+        TrainConfig(eval_data="x.jsonl", loss_chunk=64)
     from workbench.train import preflight_run
     rows = (ROOT / "data_samples" / "orca_like.jsonl").read_text().splitlines()[-2:]
     (tmp_path / "two.jsonl").write_text("\n".join(rows) + "\n")
@@ -108,8 +111,8 @@ def test_bad_input_is_refused_before_any_process_starts(held_out, tmp_path):
 def test_the_command_line_writes_one_row_per_example(held_out, trained, tmp_path):
     data = tmp_path / "held_out.jsonl"
     data.write_text("".join(json.dumps({"input_ids": f["input_ids"]}) + "\n" for f in held_out[:4]))
-    cli = subprocess.run([sys.executable, "-m", "workbench.evaluate", "--model", trained, "--data", str(data), "--sp", "2",
-                          "--nproc", "2", "--max-tokens", "512", "--out", str(tmp_path / "run")],
+    cli = subprocess.run([sys.executable, "-m", "workbench.evaluate", "--model", trained, "--data", str(data), "--sp",
+                          "2", "--nproc", "2", "--max-tokens", "512", "--out", str(tmp_path / "run")],
                          capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert cli.returncode == 0, cli.stderr[-3000:]
     rows = [json.loads(l) for l in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]

@@ -53,7 +53,8 @@ def rule(cells):
 REPORTS = {
     "padded sdpa": lambda: (mask_report(PaddingCollator()(FEATS[:4])), 2),
     "padded flash": lambda: (mask_report(PaddingCollator()(FEATS[:4]), attn_implementation="flash_attention_2"), 1),
-    "padded eager": lambda: (mask_report(PaddingCollator()(FEATS[:4]), attn_implementation="eager", sliding_window=8), 3),
+    "padded eager": lambda: (mask_report(PaddingCollator()(FEATS[:4]), attn_implementation="eager", sliding_window=8),
+                             3),
     "naive": lambda: (mask_report(*[NaiveConcatCollator()(FEATS[:4]), [len(f["input_ids"]) for f in FEATS[:4]]]), 0),
     "cache trap window": lambda: (mask_report(FlatteningCollator()(FEATS[:4]), use_cache=True, sliding_window=16), 0),
     "flattened padded to 64": lambda: (mask_report(FlatteningCollator(pad_to_multiple_of=64)(FEATS[:3])), 0),
@@ -126,7 +127,8 @@ def test_zoom_through_plotly_relayout_reaches_single_tokens(dataset):
     T = ex.report.examples.shape[1]
     fig = ex.mask_fig
     assert np.asarray(fig.data[0].z).shape[0] <= 32
-    ex.mask_view.relayout = {"xaxis.range[0]": -40.0, "xaxis.range[1]": 12.3, "yaxis.range[0]": 15.2, "yaxis.range[1]": -9.0}
+    ex.mask_view.relayout = {"xaxis.range[0]": -40.0, "xaxis.range[1]": 12.3, "yaxis.range[0]": 15.2,
+                             "yaxis.range[1]": -9.0}
     assert fig.layout.yaxis.range == (16, 0) and fig.layout.xaxis.range == (0, 13)
     assert np.asarray(fig.data[0].z).shape == (16, 13)
     ids = dataset[0]["input_ids"]
@@ -222,19 +224,25 @@ def bad_inputs(tmp_path):
         "dataset without input_ids": (dict(data=datasets.Dataset.from_dict({"words": ["hi"]})), ValueError,
                                       "no 'input_ids' column"),
         "empty dataset": (dict(data=datasets.Dataset.from_dict({"input_ids": []})), ValueError, "dataset is empty"),
-        "dataset of text ids": (dict(data=datasets.Dataset.from_dict({"input_ids": ["not ids"]})), TypeError, "not token lists"),
-        "streaming dataset": (dict(data=datasets.Dataset.from_dict({"input_ids": [[1]]}).to_iterable_dataset()), TypeError, "materialise"),
+        "dataset of text ids": (dict(data=datasets.Dataset.from_dict({"input_ids": ["not ids"]})), TypeError,
+                                "not token lists"),
+        "streaming dataset": (dict(data=datasets.Dataset.from_dict({"input_ids": [[1]]}).to_iterable_dataset()),
+                              TypeError, "materialise"),
         "empty list": (dict(data=[]), ValueError, "empty list"),
-        "example without input_ids": (dict(data=[{"input_ids": [1, 2]}, {"text": "x"}]), ValueError, "example 1 has no 'input_ids'"),
+        "example without input_ids": (dict(data=[{"input_ids": [1, 2]}, {"text": "x"}]), ValueError,
+                                      "example 1 has no 'input_ids'"),
         "empty example": (dict(data=[{"input_ids": []}]), ValueError, "example 0 is empty"),
         "float ids": (dict(data=[{"input_ids": torch.rand(5)}]), ValueError, "must hold integers"),
         "negative id": (dict(data=[{"input_ids": [3, -1]}]), ValueError, "negative token id"),
-        "ids past the tokenizer": (dict(data=[{"input_ids": [3, 9000]}], tokenizer=TOK), ValueError, "token id 9000, but the vocabulary has 8192"),
+        "ids past the tokenizer": (dict(data=[{"input_ids": [3, 9000]}], tokenizer=TOK), ValueError,
+                                   "token id 9000, but the vocabulary has 8192"),
         "1-D batch": (dict(data={"input_ids": torch.arange(5)}), ValueError, "one batch is [B, T]"),
         "ragged batch": (dict(data={"input_ids": [[1, 2], [3]]}), ValueError, "ragged"),
         "batch mask of another shape": (dict(data={"input_ids": torch.ones(1, 4, dtype=torch.long),
-                                                   "attention_mask": torch.ones(1, 3)}), ValueError, "attention_mask has shape [1, 3]"),
-        "batch of no tokens": (dict(data={"input_ids": torch.zeros(1, 0, dtype=torch.long)}), ValueError, "input_ids are empty"),
+                                                   "attention_mask": torch.ones(1, 3)}), ValueError,
+                                        "attention_mask has shape [1, 3]"),
+        "batch of no tokens": (dict(data={"input_ids": torch.zeros(1, 0, dtype=torch.long)}), ValueError,
+                               "input_ids are empty"),
         "float batch": (dict(data={"input_ids": torch.rand(1, 4)}), ValueError, "cast token ids to int64"),
         "batch without input_ids": (dict(data={"labels": torch.ones(1, 3)}), ValueError, "has no input_ids"),
         "a path that is no file": (dict(data="my_dataset.jsonl"), ValueError, "is neither a shipped sample"),
@@ -244,7 +252,8 @@ def bad_inputs(tmp_path):
         "model that is not a model": (dict(model=object()), TypeError, "pass a transformers model"),
         "tokenizer dir without files": (dict(tokenizer=tmp_path / "empty"), ValueError, "no tokenizer could be loaded"),
         "tokenizer that is not one": (dict(tokenizer=42), TypeError, "pass a transformers tokenizer"),
-        "data named like a sample": (dict(data=[{"input_ids": [1, 2]}], data_name="flan_like"), ValueError, "choose another"),
+        "data named like a sample": (dict(data=[{"input_ids": [1, 2]}], data_name="flan_like"), ValueError,
+                                     "choose another"),
         "unknown model name": (dict(family="gpt5"), ValueError, "unknown model 'gpt5'"),
     }
 

@@ -14,12 +14,14 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "family_matrix.md"
 TOLERANCE = 1e-5  # max |difference| for logits, loss and every gradient, float32
 ANNOUNCED = {"llama", "llama3", "mistral", "mixtral", "granite", "dbrx", "falcon", "gemma", "olmo", "phi", "phi3",
-             "qwen2", "qwen2_moe", "stablelm", "starcoder2"}  # the padding-free announcement's families (Llama 2 = llama)
+             # the padding-free announcement's families (Llama 2 = llama)
+             "qwen2", "qwen2_moe", "stablelm", "starcoder2"}
 CURRENT = {"qwen3", "gemma2", "gemma3", "olmo2"}
 
 
 def _page_rows() -> dict:
-    "(family, implementation) -> 'pass' / 'FAIL', read from the committed page (measured with the installed transformers)."
+    """(family, implementation) -> 'pass' / 'FAIL', read from the
+    committed page (measured with the installed transformers)."""
     installed = ".".join(map(str, release()))
     assert f"with transformers {installed} " in PAGE.read_text(), (
         f"{PAGE.name} was not generated with the installed transformers {installed}: regenerate it with "
@@ -50,8 +52,10 @@ def test_family(family, examples):
             assert row.passed, f"{family} x {impl}: {row.reason}"
             assert row.logits <= TOLERANCE and row.loss <= TOLERANCE and row.grads <= TOLERANCE
         else:
-            assert not row.passed and expected in row.reason, f"{family} x {impl}: expected a refusal naming {expected!r}, got {row}"
-        assert page.get((family, impl)) == ("pass" if row.passed else "FAIL"), f"{PAGE.name} is stale for {family} x {impl}"
+            assert not row.passed and expected in row.reason, (f"{family} x {impl}: expected a refusal "
+                                                               f"naming {expected!r}, got {row}")
+        assert page.get((family, impl)) == ("pass" if row.passed else "FAIL"), (
+            f"{PAGE.name} is stale for {family} x {impl}")
 
 
 def test_flex_forward_one_family(examples):

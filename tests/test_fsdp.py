@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from workbench.tiny_models import tiny_model
 from workbench.launch import launch
-from workbench.fsdp import (full_parameters, full_state, is_sharded, load_full_state, reduce_gradients, shard_mesh, shard_model,
-                            shard_units)
+from workbench.fsdp import (full_parameters, full_state, is_sharded, load_full_state, reduce_gradients, shard_mesh,
+                            shard_model, shard_units)
 from workbench.fsdp_proofs import prove_sharding, training_rows
 from workbench.sp.grid import ParallelGrid
 from workbench.sp.ulysses import register_ulysses, sp_forward
@@ -38,7 +38,8 @@ def assert_matches(proof: dict):
 
 
 # DP 2 x SP 2 in float32 without offload is proven once, by nbs/04_runtime/07_fsdp.ipynb (its errors, units and bytes asserted there)
-@pytest.mark.parametrize("world,sp,dtype,offload", [(2, 2, "float64", True), (4, 2, "float32", True), (4, 2, "float64", False)])
+@pytest.mark.parametrize("world,sp,dtype,offload",
+                         [(2, 2, "float64", True), (4, 2, "float32", True), (4, 2, "float64", False)])
 def test_sharded_training_equals_one_process(world, sp, dtype, offload):
     assert_matches(prove_sharding(world, sp, cpu_offload=offload, dtype=dtype))
 
@@ -140,9 +141,11 @@ def roundtrip_worker() -> dict:
     other, other_opt = fresh(1)  # different weights: the load must overwrite them
     saved = io.BytesIO(); torch.save(state, saved); saved.seek(0)  # as on disk: the in-memory state shares AdamW's
     load_full_state(other, other_opt, torch.load(saved) if dist.get_rank() == 0 else None)  # live `step` tensors
-    loaded = max((a - b).abs().max().item() for a, b in zip(full_parameters(model).values(), full_parameters(other).values()))
+    loaded = max((a - b).abs().max().item() for a, b in zip(full_parameters(model).values(),
+                                                            full_parameters(other).values()))
     a, b = step(model, opt, steps[2]), step(other, other_opt, steps[2])
-    after = max((x - y).abs().max().item() for x, y in zip(full_parameters(model).values(), full_parameters(other).values()))
+    after = max((x - y).abs().max().item() for x, y in zip(full_parameters(model).values(),
+                                                           full_parameters(other).values()))
     return dict(full_ok=full_ok, n=(len(state["model"]), len(state["opt"].get("state", {}))), loaded=loaded,
                 loss=abs((a - b).item()), after=after)
 

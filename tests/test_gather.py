@@ -133,7 +133,8 @@ def assert_exact(results: list, n_expected: int):
         where = f"{r['case']} at Ulysses x gather {r['layout']}, {r['kernel']} kernel, rank {r['rank']}"
         assert r["n_params"] >= 21, f"{where}: only {r['n_params']} parameters got gradients"
         assert max(r["logits"], r["loss"], r["grads"]) <= TOL, (
-            f"{where}: relative error logits {r['logits']:.2e}, loss {r['loss']:.2e}, gradients {r['grads']:.2e} > {TOL}")
+            f"{where}: relative error logits {r['logits']:.2e}, loss "
+            f"{r['loss']:.2e}, gradients {r['grads']:.2e} > {TOL}")
         assert r["sent"] == r["sent_formula"], f"{where}: gathered, scattered {r['sent']}, formula {r['sent_formula']}"
         assert r["a2a"] == r["a2a_formula"], f"{where}: all-to-all {r['a2a']}, formula {r['a2a_formula']}"
         assert r["sent_bytes"] == r["bytes_formula"], f"{where}: {r['sent_bytes']} bytes, formula {r['bytes_formula']}"
@@ -146,7 +147,8 @@ def close_losses(got: list, want: list) -> bool:
 # ---------------------------------------------------------------- equivalence: 2 and 4 processes, one launch each
 
 def test_gather_of_two_equals_one_process_and_broken_variants_fail():
-    "Gather 2, both kernels, every case; fp32 training; a shard one token off and a reduce-scatter that never adds fail."
+    """Gather 2, both kernels, every case; fp32 training; a shard
+    one token off and a reduce-scatter that never adds fail."""
     refs = [one_process(case) for case in F64]
     rows3 = case_rows(Case("qwen2", tokens=203), 3)
     qwen = F64[1]
@@ -170,7 +172,8 @@ def test_gather_of_two_equals_one_process_and_broken_variants_fail():
           f"correct {tuple(f'{worst(good, k):.1e}' for k in ('logits', 'loss', 'grads'))}, "
           f"one token off {tuple(f'{worst(off, k):.1e}' for k in ('logits', 'loss', 'grads'))}, "
           f"own share only {tuple(f'{worst(own, k):.1e}' for k in ('logits', 'loss', 'grads'))}")
-    assert worst(off, "logits") > BROKEN and worst(off, "grads") > BROKEN  # the mask follows the indices, not the tokens
+    # the mask follows the indices, not the tokens
+    assert worst(off, "logits") > BROKEN and worst(off, "grads") > BROKEN
     assert worst(off, "loss") > 1e4 * TOL  # a random model's loss moves little (about ln(vocab) either way)
     assert worst(own, "logits") <= TOL and worst(own, "loss") <= TOL    # the forward is untouched ...
     assert worst(own, "grads") > BROKEN                                 # ... but the key/value gradients miss shares
@@ -217,7 +220,8 @@ def test_one_process_equals_sdpa_across_families_or_refuses_by_name():
         with pytest.raises(ValueError, match=words): gather_forward(model, shard, ParallelGrid())
     model = tiny_model("qwen2", attn_implementation=register_gather())
     with pytest.raises(ValueError, match="cu_seq_lens_q ends at 204 but the ring blocks hold 203"):
-        gather_forward(model, {**shard, "cu_seq_lens_q": torch.tensor([0, 102, 204], dtype=torch.int32)}, ParallelGrid())
+        gather_forward(model, {**shard, "cu_seq_lens_q": torch.tensor([0, 102, 204], dtype=torch.int32)},
+                       ParallelGrid())
     with pytest.raises(ValueError, match="ulysses=3 does not suit"):
         gather_forward(model, shard, ParallelGrid(ulysses=3))  # refused before any exchange
 
@@ -236,7 +240,8 @@ def test_the_fused_cuda_path_equals_its_cpu_path_on_every_block(monkeypatch):
         if path == "cuda": _on_fake_cuda(monkeypatch, _flash_varlen_emulated, _flash_varlen_backward_emulated)
         for r in range(3):
             plans = ring_plans(plan, doc, r)
-            if path == "cuda": plans = varlen_plans(plans, "cpu")  # as gather_plans makes them on CUDA, here on the host
+            # as gather_plans makes them on CUDA, here on the host
+            if path == "cuda": plans = varlen_plans(plans, "cpu")
             out, lse = attend_row(q, kv, plan, doc, r, 8 ** -0.5, plans=plans)
             dq, dkv = attend_row_backward(q, kv, dout, out, lse, plan, doc, r, 8 ** -0.5, plans=plans)
             results[path, r] = [out.contiguous(), lse, dq, dkv]
@@ -277,4 +282,5 @@ def test_gather_trains_resumes_and_evaluates_through_the_loop(tmp_path, capsys):
     p = _parser()
     assert _config(p, p.parse_args(["--gather", "2", "--nproc", "4"]), 1).dp == 2
     with pytest.raises(ValueError, match="each split the row's context"): TrainConfig(ring=2, gather=2)
-    with pytest.raises(ValueError, match=r"gather \(--gather\) > 1 computes attention"): TrainConfig(gather=2, loss_chunk=64)
+    with pytest.raises(ValueError, match=r"gather \(--gather\) > 1 computes attention"):
+        TrainConfig(gather=2, loss_chunk=64)

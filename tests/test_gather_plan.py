@@ -132,11 +132,14 @@ def test_comm_bytes_and_flops_equal_the_dispatcher(measured):
             steps = [s[u, g, family, ck, kernel, lengths] for _, s in ranks]
             for s in steps:
                 assert s["gather_bytes"] == cost.bytes["ring"] and s["a2a"] * 4 == cost.bytes["all-to-all"], (u, g, family, s, cost.bytes)
-            assert max(s["flops"] for s in steps) == cost.total, (u, g, family, kernel, [s["flops"] for s in steps], cost.total)
-            ring = step_cost(tiny_config(family), [list(lengths)], **options)  # the ring's met block pairs; fused: the same calls
+            assert max(s["flops"] for s in steps) == cost.total, (u, g, family, kernel, [s["flops"] for s in steps],
+                                                                  cost.total)
+            # the ring's met block pairs; fused: the same calls
+            ring = step_cost(tiny_config(family), [list(lengths)], **options)
             assert ring.total == cost.total if kernel == "fused" else ring.total <= cost.total
             undercounted += ring.total < cost.total
-    assert undercounted == 1  # the row of short documents: counted as the ring's met pairs, gather 4's plain FLOPs fall short
+    # the row of short documents: counted as the ring's met pairs, gather 4's plain FLOPs fall short
+    assert undercounted == 1
 
 
 def test_the_layout_plans_a_gather_run():
@@ -159,15 +162,17 @@ def test_the_layout_plans_a_gather_run():
 
 
 def test_plan_layout_ranks_gather_beside_ring_and_ulysses():
-    "split='all': every Ulysses x ring and Ulysses x gather layout the heads allow, each fitting the planner, ranked together."
+    """split='all': every Ulysses x ring and Ulysses x gather layout
+    the heads allow, each fitting the planner, ranked together."""
     config = preset_config("qwen3-4b", num_attention_heads=6, num_key_value_heads=2)  # Ulysses stops at 2 on 4 GPUs
     layouts = plan_layout(config, np.r_[synthetic_lengths("flan", 100), [12_000]], 4, 80, split="all")
     t = layouts.table
     kinds = set(zip(t.ulysses, t.ring, t.context))
     assert {(1, 4, "gather"), (2, 2, "gather"), (1, 4, "ring"), (2, 2, "ring"), (2, 1, "ring")} <= kinds
     for r in t[t.context == "gather"].itertuples():
-        assert estimate(config, r.row_tokens, r.ulysses, r.dp, ring=r.ring, context="gather", levers=LAYOUT_LEVERS[r.levers],
-                        optimizer_offload=r.optimizer_offload).gib == r.peak_gib <= 80
+        assert estimate(config, r.row_tokens, r.ulysses, r.dp, ring=r.ring, context="gather",
+                        levers=LAYOUT_LEVERS[r.levers], optimizer_offload=r.optimizer_offload).gib == r.peak_gib <= 80
         assert r.ring_bytes > 0
-    assert "gather" in " ".join(layouts.summary(len(layouts.frontier)).layout) or not (t.frontier & (t.context == "gather")).any()
+    assert "gather" in " ".join(layouts.summary(len(layouts.frontier)).layout) or not (t.frontier
+                                                                                       & (t.context == "gather")).any()
     assert set(plan_layout(config, [1000] * 4, 4, 80, split="gather").table.context) == {"gather"}

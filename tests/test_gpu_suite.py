@@ -1,4 +1,5 @@
-"The GPU suite's CPU dry run (bench/gpu_suite.py --dry-run): every part recorded, the loss checks honest, parts isolated."
+"""The GPU suite's CPU dry run (bench/gpu_suite.py --dry-run):
+every part recorded, the loss checks honest, parts isolated."""
 import json
 import os
 import shutil
@@ -64,7 +65,8 @@ def test_sp_kernels_and_step_time_report_real_values(full):
     assert [fused[f"max_abs_d_{t}"] for t in ("out", "dq", "dk", "dv")] == [0.0] * 4
     assert all(r["fwd_bwd_ms"] > 0 for r in sp["rows"])
     memory = sp["memory"]  # the fused ring call's operators' bytes; on CPU no allocator peak, and it says so
-    assert memory["visible_peak_bytes"] > 4 * 3 * memory["tokens"] * memory["heads"] * memory["head_dim"]  # q, k, v grads alone
+    # q, k, v grads alone
+    assert memory["visible_peak_bytes"] > 4 * 3 * memory["tokens"] * memory["heads"] * memory["head_dim"]
     assert "allocated_peak_bytes" not in memory and any("max_memory_allocated" in why for why in sp["not_run"])
     assert f"its operators' peak {memory['visible_peak_bytes'] / 2**20:.1f} MiB" in sp["table"]
     step = report["parts"][5]["result"]
@@ -72,7 +74,8 @@ def test_sp_kernels_and_step_time_report_real_values(full):
     assert any(s.startswith("part 1 ") for s in sources) and any(s.startswith("part 4 ") for s in sources)
     assert sources[-1].startswith("part 5 train run (cpu (1 thread per process")  # a dry rank's one thread
     for r in step["rows"]:
-        assert r["predicted_s"] > 0 and r["measured_s"] > 0 and abs(r["error"] - (r["measured_s"] / r["predicted_s"] - 1)) < 1e-9
+        assert r["predicted_s"] > 0 and r["measured_s"] > 0 and abs(r["error"]
+                                                                    - (r["measured_s"] / r["predicted_s"] - 1)) < 1e-9
         assert "refit_error" in r  # the refitted error beside the first
     assert 0 < step["refit"] and 0 < step["run_refit"]["matmul"]
 
@@ -108,7 +111,8 @@ def test_a_train_run_the_refit_cannot_explain_keeps_its_row(full, tmp_path, monk
     sys.path.insert(0, str(SUITE.parent))
     import gpu_suite
     import workbench.cost
-    def refuse(*args, **kwargs): raise ValueError("the measured steps leave no time for compute (fitted inverse factor -116)")
+    def refuse(*args, **kwargs): raise ValueError("the measured steps leave no time for "
+                                                  "compute (fitted inverse factor -116)")
     monkeypatch.setattr(workbench.cost, "calibrate_run", refuse)
     result = gpu_suite.part_step_time(True, tmp_path / "out")
     last = result["rows"][-1]
@@ -123,7 +127,8 @@ def test_a_failing_part_is_recorded_and_the_next_one_runs(tmp_path):
     report = suite(tmp_path, "--parts", "4", "5", "--fail-part", "4")
     failed, memory = report["parts"]
     assert failed["status"].startswith("failed") and "failed on purpose" in failed["stderr_tail"]
-    assert memory["status"] == "ok" and len(memory["result"]["points"]) == 1  # only the train run: no rows of an old part 4
+    # only the train run: no rows of an old part 4
+    assert memory["status"] == "ok" and len(memory["result"]["points"]) == 1
     assert memory["result"]["not_run"] == ["part 4's rows: part 4 did not finish"]
 
 
@@ -163,8 +168,8 @@ def test_a_kill_while_a_part_starts_still_ends_it(tmp_path, monkeypatch):
 def test_bad_flags_are_refused(tmp_path, flags, message):
     (tmp_path / "FILE").touch()
     flags = [str(tmp_path / f) if f == "FILE" else f for f in flags]
-    proc = subprocess.run([sys.executable, str(SUITE), "--dry-run", "--out", str(tmp_path), *flags], capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run([sys.executable, str(SUITE), "--dry-run", "--out", str(tmp_path), *flags],
+                          capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and message in proc.stderr
 
 
@@ -173,7 +178,8 @@ def running_with(text: str) -> list[int]:
     pids = []
     for proc in Path("/proc").iterdir():
         try:
-            if proc.name.isdigit() and text in (proc / "cmdline").read_bytes().decode(errors="replace"): pids.append(int(proc.name))
+            if proc.name.isdigit() and text in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                pids.append(int(proc.name))
         except OSError: pass
     return pids
 

@@ -69,7 +69,8 @@ def llama(): return tiny_model("llama").train()
 
 
 def lora():
-    "A tiny Llama inside a PeftModel, LoRA on every linear layer, B random too (a zero B would hide a wrong first step)."
+    """A tiny Llama inside a PeftModel, LoRA on every linear layer,
+    B random too (a zero B would hide a wrong first step)."""
     from peft import LoraConfig, get_peft_model
     model = llama()
     torch.manual_seed(1)
@@ -101,7 +102,8 @@ def run(kind, raw, tmp_path, max_tokens=None, make=llama, **kw):
         t = Trainer(model=model, args=args(tmp_path, **kw), train_dataset=prepare_dataset(ds), data_collator=rec)
     elif kind in ("PackedTrainer", "PackedTrainer+stream"):
         d = ds.to_iterable_dataset() if kind.endswith("stream") else ds  # a stream is packed online (PackedStream)
-        t = PackedTrainer(model=model, args=args(tmp_path, **kw), train_dataset=d, data_collator=rec, max_tokens=max_tokens)
+        t = PackedTrainer(model=model, args=args(tmp_path, **kw), train_dataset=d, data_collator=rec,
+                          max_tokens=max_tokens)
     else:
         from workbench.samples import load_tokenizer
         t = PackedSFTTrainer(model=model, args=args(tmp_path, SFTConfig, **kw), train_dataset=ds, data_collator=rec,
@@ -113,10 +115,12 @@ def run(kind, raw, tmp_path, max_tokens=None, make=llama, **kw):
 
 # ---------------------------------------------------------------- the trap, measured
 def test_default_trainer_drops_masks_and_the_collator_says_so_once(flan, tmp_path):
-    "The trap: plain Trainer with default arguments removes completion_mask, so its loss covers the prompt too; FlatteningCollator says so, once."
+    """The trap: plain Trainer with default arguments removes completion_mask,
+    so its loss covers the prompt too; FlatteningCollator says so, once."""
     raw = flan[:N]
     rec = Recorder()
-    t = Trainer(model=tiny_model("llama").train(), args=args(tmp_path), train_dataset=Dataset.from_list(raw), data_collator=rec)
+    t = Trainer(model=tiny_model("llama").train(), args=args(tmp_path), train_dataset=Dataset.from_list(raw),
+                data_collator=rec)
     with pytest.warns(UserWarning, match="every token is trained") as caught:
         t.train()
     said = [w for w in caught if "every token is trained" in str(w.message)]
@@ -128,7 +132,8 @@ def test_default_trainer_drops_masks_and_the_collator_says_so_once(flan, tmp_pat
                     data_collator=FlatteningCollator(train_all_tokens=True))
     with warnings.catch_warnings(record=True) as quiet:
         warnings.simplefilter("always")
-        batches = list(meant.get_train_dataloader())  # the same columns removed, the same collator: all tokens, by intent
+        # the same columns removed, the same collator: all tokens, by intent
+        batches = list(meant.get_train_dataloader())
     assert len(batches) == N // 8 and not [w for w in quiet if "every token is trained" in str(w.message)]
 
 
@@ -165,14 +170,18 @@ def _ddp_rank(raw, out_dir, kind, max_tokens, ga):
     from pathlib import Path
     t, got, steps = run(kind, raw, Path(out_dir) / str(dist.get_rank()), max_tokens, gradient_accumulation_steps=ga)
     return dict(world_size=t.args.world_size, rank=t.args.process_index, losses=got, steps=steps,
-                n_steps=sum(1 for _ in t.get_train_dataloader()), lr=t.args.learning_rate)  # one epoch's steps (a stream has no len)
+                # one epoch's steps (a stream has no len)
+                n_steps=sum(1 for _ in t.get_train_dataloader()), lr=t.args.learning_rate)
 
 
-@pytest.mark.parametrize("data,kind,max_tokens,ga", [("completion", "PackedTrainer", 1024, 1), ("completion", "PackedSFTTrainer", None, 1),
-                                                     ("completion", "PackedTrainer+stream", 1024, 1), ("chat_like", "PackedTrainer", 1024, 2)])
+@pytest.mark.parametrize("data,kind,max_tokens,ga",
+                         [("completion", "PackedTrainer", 1024, 1), ("completion", "PackedSFTTrainer", None, 1),
+                                                     ("completion", "PackedTrainer+stream", 1024, 1),
+                          ("chat_like", "PackedTrainer", 1024, 2)])
 def test_ddp_two_ranks_equal_reference(flan, tmp_path, data, kind, max_tokens, ga):
     "chat_like: the shipped chat sample (its template's assistant_masks), with 2 micro-batches per step on each rank."
-    raw = flan[:N] if data == "completion" else [f for f in load_features("chat_like") if len(f["input_ids"]) <= 1024][:N]
+    raw = (flan[:N] if data == "completion"
+           else [f for f in load_features("chat_like") if len(f["input_ids"]) <= 1024][:N])
     res = launch(_ddp_rank, raw, str(tmp_path), kind, max_tokens, ga, num_processes=2, deadline_s=120, quiet=True)
     assert [r["world_size"] for r in res] == [2, 2] and [r["rank"] for r in res] == [0, 1]
     assert res[0]["n_steps"] == res[1]["n_steps"]  # the same step count on every rank
@@ -184,22 +193,26 @@ def test_ddp_two_ranks_equal_reference(flan, tmp_path, data, kind, max_tokens, g
 
 
 # ---------------------------------------------------------------- resume through Trainer's checkpoints
-@pytest.mark.parametrize("n,bins,stream,workers", [(N, None, False, 0), (N, None, False, 2), (6, 2, False, 0), (N, None, True, 0)],
+@pytest.mark.parametrize("n,bins,stream,workers",
+                         [(N, None, False, 0), (N, None, False, 2), (6, 2, False, 0), (N, None, True, 0)],
                          ids=["mid-epoch", "mid-epoch-2-workers", "epoch-boundary", "stream"])
 def test_token_budget_resume_is_exact(flan, tmp_path, n, bins, stream, workers):
     """Mid-epoch, also with 2 forked workers that prefetch: skip_first_batches re-draws the epoch's order, so the resume is
     still exact; at an epoch boundary; and a stream, re-packed up to the checkpoint's step."""
     ds = Dataset.from_list(flan[:n])
     if stream: ds = ds.to_iterable_dataset()  # resumed by re-packing the stream up to the checkpoint's step
-    mk = lambda d, **kw: PackedTrainer(model=tiny_model("llama").train(), args=args(d, max_steps=4, dataloader_num_workers=workers,
-                                                                                  **kw), train_dataset=ds, max_tokens=1024)
+    mk = lambda d, **kw: PackedTrainer(model=tiny_model("llama").train(),
+                                       args=args(d, max_steps=4, dataloader_num_workers=workers,
+                                                                                  **kw), train_dataset=ds,
+                                       max_tokens=1024)
     full = mk(tmp_path / "full"); full.train()
     if bins: assert len(full.plan.bins) == bins  # the checkpoint after step 2 ends epoch 0: the resume starts epoch 1
     half = mk(tmp_path / "half", save_strategy="steps", save_steps=2)
     half.train()  # 4 steps, a checkpoint after step 2: as if the run had been killed after it
     resumed = mk(tmp_path / "half"); resumed.train(resume_from_checkpoint=str(tmp_path / "half" / "checkpoint-2"))
     assert len(losses(resumed)) == 4 and losses(resumed) == losses(full)  # steps 1-2 from the checkpoint, 3-4 resumed
-    for a, b in zip(full.model.parameters(), resumed.model.parameters()): torch.testing.assert_close(a, b, atol=0, rtol=0)
+    for a, b in zip(full.model.parameters(), resumed.model.parameters()):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
 
 
 # ---------------------------------------------------------------- eval split
@@ -213,13 +226,15 @@ def _metrics(p):
 
 
 @pytest.mark.parametrize("cls", [PackedTrainer, PackedSFTTrainer])
-@pytest.mark.filterwarnings("ignore:`return_outputs=True`:FutureWarning")  # TRL's notice on the logits this test compares
+# TRL's notice on the logits this test compares
+@pytest.mark.filterwarnings("ignore:`return_outputs=True`:FutureWarning")
 def test_packed_eval_split_equals_unpacked(flan, tmp_path, cls):
     "PackedSFTTrainer: TRL's prediction_step recomputes the logits its fused loss head does not build; split the same."
     from workbench.samples import load_tokenizer
     ev = prepare_dataset(Dataset.from_list(flan[N:N + 12]))  # eval batches of 8 and 4 (of different lengths)
     kw = dict(model=tiny_model("llama"), args=args(tmp_path), eval_dataset=ev, compute_metrics=_metrics)
-    sft = dict(args=args(tmp_path, SFTConfig), train_dataset=ev, processing_class=load_tokenizer()) if cls is PackedSFTTrainer else {}
+    sft = (dict(args=args(tmp_path, SFTConfig), train_dataset=ev, processing_class=load_tokenizer())
+           if cls is PackedSFTTrainer else {})
     packed, padded = cls(**{**kw, **sft}), Trainer(**kw, data_collator=PaddingCollator())
     p, q = packed.predict(ev), padded.predict(ev)
     lengths = [len(x) for x in ev["input_ids"]]
@@ -231,7 +246,8 @@ def test_packed_eval_split_equals_unpacked(flan, tmp_path, cls):
     assert p.metrics["test_accuracy"] == q.metrics["test_accuracy"] and p.metrics["test_n"] == q.metrics["test_n"]
     assert abs(p.metrics["test_loss"] - q.metrics["test_loss"]) < 1e-6
     assert abs(p.metrics["test_target_logit"] - q.metrics["test_target_logit"]) < 1e-6
-    if cls is PackedSFTTrainer:  # TRL's own eval metrics (entropy, accuracy over the trained tokens) equal TRL's padded eval
+    # TRL's own eval metrics (entropy, accuracy over the trained tokens) equal TRL's padded eval
+    if cls is PackedSFTTrainer:
         trl = SFTTrainer(model=kw["model"], args=args(tmp_path, SFTConfig), train_dataset=ev, eval_dataset=ev,
                          processing_class=load_tokenizer())
         a, b = packed.evaluate(), trl.evaluate()
@@ -244,7 +260,8 @@ def _predict_rank(rows, out_dir):
     from pathlib import Path
     ev = prepare_dataset(Dataset.from_list(rows))
     torch.manual_seed(0)
-    t = PackedTrainer(model=tiny_model("llama"), args=args(Path(out_dir) / str(dist.get_rank()), per_device_eval_batch_size=4),
+    t = PackedTrainer(model=tiny_model("llama"),
+                      args=args(Path(out_dir) / str(dist.get_rank()), per_device_eval_batch_size=4),
                       eval_dataset=ev, compute_metrics=_metrics)
     p = t.predict(ev)
     return dict(world_size=t.args.world_size, predictions=p.predictions, label_ids=p.label_ids, metrics=p.metrics)
@@ -290,9 +307,11 @@ def _alst_predict_rank(train_rows, rows, out_dir, attention, guarded, trl):
     torch.manual_seed(0)
     model = tiny_model("llama", attn_implementation=attention)
     from workbench.samples import load_tokenizer
-    a = args(Path(out_dir) / str(dist.get_rank()), SFTConfig if trl else TrainingArguments, per_device_train_batch_size=1, per_device_eval_batch_size=4,
+    a = args(Path(out_dir) / str(dist.get_rank()), SFTConfig if trl else TrainingArguments,
+             per_device_train_batch_size=1, per_device_eval_batch_size=4,
              learning_rate=0.1, optim="sgd", use_cpu=False, remove_unused_columns=False, deepspeed=trainer_ds_config(),
-             parallelism_config=alst_parallelism_config(2, attention), accelerator_config={"use_configured_state": True})
+             parallelism_config=alst_parallelism_config(2, attention),
+             accelerator_config={"use_configured_state": True})
     ev = prepare_dataset(Dataset.from_list(rows))
     trainer = hf.PackedSFTTrainer if trl else hf.PackedTrainer
     t = trainer(model=model, args=a, train_dataset=Dataset.from_list(train_rows), eval_dataset=ev,
@@ -321,14 +340,16 @@ def test_packed_eval_under_alst_equals_one_process_unpacked(flan, tmp_path):
     ev = prepare_dataset(Dataset.from_list(rows))
     lengths = [len(x) for x in ev["input_ids"]]
     worst = {}
-    for attention, guarded, trl in (("workbench_varlen", True, False), ("workbench_varlen", True, True), ("sdpa", False, False)):
+    for attention, guarded, trl in (("workbench_varlen", True, False), ("workbench_varlen", True, True),
+                                    ("sdpa", False, False)):
         res = launch(_alst_predict_rank, train_rows, rows, str(tmp_path / f"{attention}{trl}"), attention, guarded, trl,
                      num_processes=2, deadline_s=240, quiet=True)
         torch.manual_seed(0)
         model = tiny_model("llama")  # the initial weights, then the trained ones (two SGD steps moved them)
         assert any((w != res[0]["weights"][k]).any() for k, w in model.state_dict().items())
         model.load_state_dict(res[0]["weights"])
-        q = Trainer(model=model, args=args(tmp_path / "one"), compute_metrics=_metrics, data_collator=PaddingCollator()).predict(ev)
+        q = Trainer(model=model, args=args(tmp_path / "one"), compute_metrics=_metrics,
+                    data_collator=PaddingCollator()).predict(ev)
         key = (attention, trl)
         worst[key] = 0.0
         for r in res:
@@ -341,14 +362,16 @@ def test_packed_eval_under_alst_equals_one_process_unpacked(flan, tmp_path):
             for r in res:
                 assert r["metrics"]["test_accuracy"] == q.metrics["test_accuracy"] and r["metrics"]["test_n"] == q.metrics["test_n"]
                 assert abs(r["metrics"]["test_target_logit"] - q.metrics["test_target_logit"]) < 1e-6
-    assert max(worst[("workbench_varlen", False)], worst[("workbench_varlen", True)]) < 1e-5 < 0.1 < worst[("sdpa", False)], worst  # measured about 3e-7 and 0.7
+    # measured about 3e-7 and 0.7
+    assert max(worst[("workbench_varlen", False)], worst[("workbench_varlen", True)]) < 1e-5 < 0.1 < worst[("sdpa", False)], worst
 
 
 def test_split_packed_by_cu_or_positions():
     batch = FlatteningCollator(train_all_tokens=True)([{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}])
     for b in (batch["cu_seq_lens_q"], batch["position_ids"]):
         torch.testing.assert_close(split_packed(batch["input_ids"], b), torch.tensor([[1, 2, 3], [4, 5, IGNORE_INDEX]]))
-    with pytest.raises(ValueError, match="same packed batch"): split_packed(batch["input_ids"][:, :4], batch["cu_seq_lens_q"])
+    with pytest.raises(ValueError, match="same packed batch"): split_packed(batch["input_ids"][:, :4],
+                                                                            batch["cu_seq_lens_q"])
 
 
 def test_eval_refuses_padding_dummy(flan, tmp_path):
@@ -368,8 +391,10 @@ class OnesMask(FlatteningCollator):
 
 def test_check_trainer_flags_the_faults_and_passes_a_correct_setup(flan, tmp_path):
     ds, small = Dataset.from_list(flan[:N]), dict(per_device_train_batch_size=4)  # a smaller batch: a quicker doctor
-    plain = lambda **kw: Trainer(model=tiny_model("llama").train(), args=args(tmp_path, **small, **kw.pop("a", {})), **kw)
-    with pytest.warns(UserWarning, match="Trainer's remove_unused_columns removed them"):  # the collator says it too, once
+    plain = lambda **kw: Trainer(model=tiny_model("llama").train(), args=args(tmp_path, **small, **kw.pop("a", {})),
+                                 **kw)
+    # the collator says it too, once
+    with pytest.warns(UserWarning, match="Trainer's remove_unused_columns removed them"):
         dropped = check_trainer(plain(train_dataset=ds, data_collator=FlatteningCollator()), grads=False)
     assert not dropped.clean and "loss masks reach the collator" in dropped.failed()
     assert "prepare_dataset" in dropped["loss masks reach the collator"].fix
@@ -408,15 +433,18 @@ def test_label_smoothing_packed_equals_padded(flan):
     packed = FlatteningCollator(return_flash_attn_kwargs=False)([fold_example(f) for f in flan[:4]])
     padded = padded_twin(packed)
     with torch.no_grad():
-        a = smooth(model(**{k: v for k, v in packed.items() if k != "labels"}, use_cache=False), packed["labels"], shift_labels=True)
-        b = smooth(model(**{k: v for k, v in padded.items() if k != "labels"}, use_cache=False), padded["labels"], shift_labels=True)
+        a = smooth(model(**{k: v for k, v in packed.items() if k != "labels"}, use_cache=False), packed["labels"],
+                   shift_labels=True)
+        b = smooth(model(**{k: v for k, v in padded.items() if k != "labels"}, use_cache=False), padded["labels"],
+                   shift_labels=True)
     torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
 
 
 def test_check_trainer_reentrant_checkpointing_with_frozen_embeddings(flan, tmp_path):
     model = tiny_model("llama").train()
     model.get_input_embeddings().weight.requires_grad_(False)  # what PEFT does
-    t = Trainer(model=model, train_dataset=prepare_dataset(Dataset.from_list(flan[:N])), data_collator=FlatteningCollator(),
+    t = Trainer(model=model, train_dataset=prepare_dataset(Dataset.from_list(flan[:N])),
+                data_collator=FlatteningCollator(),
                 args=args(tmp_path, per_device_train_batch_size=4, activation_checkpointing=True,
                           activation_checkpointing_kwargs={"use_reentrant": True}))
     r = check_trainer(t, grads=False)
@@ -434,13 +462,15 @@ def test_prepare_dataset_inputs(flan):
     stream = prepare_dataset(IterableDataset.from_generator(lambda: iter(raw)))
     assert [r["labels"] for r in stream] == want
     packed = prepare_dataset(Dataset.from_list([{"input_ids": [1, 2, 3, 4, 5], "seq_lengths": [3, 2]}]))
-    assert packed[0]["position_ids"] == [0, 1, 2, 0, 1] and packed[0]["seq_lengths"] == [3, 2]  # both: one survives each trainer
+    # both: one survives each trainer
+    assert packed[0]["position_ids"] == [0, 1, 2, 0, 1] and packed[0]["seq_lengths"] == [3, 2]
     some = prepare_dataset(Dataset.from_list([{"input_ids": [1, 2], "completion_mask": [0, 1]}, {"input_ids": [3, 4]}]))
     assert some["labels"] == [[IGNORE_INDEX, 2], [3, 4]]  # a mask on some rows only: the others train every token
     with pytest.raises(ValueError, match="example 0: completion_mask has 1 entries"):
         prepare_dataset(Dataset.from_list([{"input_ids": [1, 2], "completion_mask": [1]}]))
     with pytest.raises(ValueError, match="seq_lengths"): fold_example({"input_ids": [1, 2], "seq_lengths": [3]})
-    both = {"input_ids": [1, 2, 3, 4, 5], "labels": [IGNORE_INDEX, 2, 3, IGNORE_INDEX, 5], "completion_mask": [0, 0, 1, 1, 1]}
+    both = {"input_ids": [1, 2, 3, 4, 5], "labels": [IGNORE_INDEX, 2, 3, IGNORE_INDEX, 5],
+            "completion_mask": [0, 0, 1, 1, 1]}
     for d in (Dataset.from_list([both]), [both]):  # labels and a mask: a token trains only if neither masks it
         assert prepare_dataset(d)[0]["labels"] == [IGNORE_INDEX, IGNORE_INDEX, 3, IGNORE_INDEX, 5]
     dd = prepare_dataset(DatasetDict(train=Dataset.from_list(raw), test=Dataset.from_list(raw[:2])))  # split by split
@@ -470,7 +500,8 @@ SOURCES = {"list of dicts": (list, 0), "torch Dataset": (TorchFeatures, 0), "[1,
 @pytest.mark.parametrize("source", SOURCES)
 def test_other_datasets_give_the_same_batches(flan, tmp_path, source):
     raw, (wrap, workers) = flan[:N], SOURCES[source]
-    mk = lambda d, **kw: PackedTrainer(model=tiny_model("llama"), args=args(tmp_path, **kw), train_dataset=d, max_tokens=1024)
+    mk = lambda d, **kw: PackedTrainer(model=tiny_model("llama"), args=args(tmp_path, **kw), train_dataset=d,
+                                       max_tokens=1024)
     want, got = mk(Dataset.from_list(raw)), mk(wrap(raw), dataloader_num_workers=workers)
     assert got.get_train_dataloader().num_workers == workers
     assert got.plan.bins and all((a == b).all() for a, b in zip(want.plan.bins, got.plan.bins))
@@ -495,7 +526,8 @@ def test_check_trainer_flags_varlen_keys_a_strict_forward_rejects(flan, tmp_path
     torch.manual_seed(0)
     model = StrictLlama(tiny_config("llama")).train()
     ds = prepare_dataset(Dataset.from_list(flan[:N]))
-    mk = lambda c: Trainer(model=model, args=args(tmp_path, per_device_train_batch_size=4), train_dataset=ds, data_collator=c)
+    mk = lambda c: Trainer(model=model, args=args(tmp_path, per_device_train_batch_size=4), train_dataset=ds,
+                           data_collator=c)
     r = check_trainer(mk(FlatteningCollator()), grads=False)
     assert r["forward takes the varlen keys"].fix == "FlatteningCollator(return_flash_attn_kwargs=False)"
     assert "model runs on the packed batch" in r.failed()  # the doctor's run meets the same TypeError
@@ -524,12 +556,15 @@ def test_overlong_and_streams(flan, tmp_path):
         PackedTrainer(model=tiny_model("llama"), args=args(tmp_path, train_sampling_strategy="group_by_length"),
                       train_dataset=ds, max_tokens=1024)
     with pytest.raises(ValueError, match="pass a train_dataset"): mk(None, max_tokens=1024)
-    t = PackedTrainer(model=tiny_model("llama"), args=args(tmp_path, per_device_train_batch_size=1), train_dataset=ds, max_tokens=1024)
-    first = next(iter(t.get_train_dataloader()))  # max_tokens rules: a step is a bin, not per_device_train_batch_size examples
-    assert len(first["cu_seq_lens_q"]) - 1 in {len(b) for b in t.plan.bins} - {1} and first["input_ids"].shape[1] <= 1024
-    with pytest.warns(UserWarning, match="dataloader_num_workers=2 is not used for a streamed"):
-        PackedTrainer(model=tiny_model("llama"), args=args(tmp_path, dataloader_num_workers=2), train_dataset=ds.to_iterable_dataset(),
+    t = PackedTrainer(model=tiny_model("llama"), args=args(tmp_path, per_device_train_batch_size=1), train_dataset=ds,
                       max_tokens=1024)
+    # max_tokens rules: a step is a bin, not per_device_train_batch_size examples
+    first = next(iter(t.get_train_dataloader()))
+    assert len(first["cu_seq_lens_q"]) - 1 in {len(b)
+                                               for b in t.plan.bins} - {1} and first["input_ids"].shape[1] <= 1024
+    with pytest.warns(UserWarning, match="dataloader_num_workers=2 is not used for a streamed"):
+        PackedTrainer(model=tiny_model("llama"), args=args(tmp_path, dataloader_num_workers=2),
+                      train_dataset=ds.to_iterable_dataset(), max_tokens=1024)
 
 
 def _raw_jsonl(tmp_path) -> str:
@@ -541,15 +576,17 @@ def _raw_jsonl(tmp_path) -> str:
 
 
 def test_split_pieces_that_train_nothing_are_left_out(flan, tmp_path):
-    "PackedTrainer plans, deals and streams with untrained='drop': every step it serves trains a token, and it says what it left out."
+    """PackedTrainer plans, deals and streams with untrained='drop':
+    every step it serves trains a token, and it says what it left out."""
     ds = Dataset.from_list(flan[:N])
-    mk = lambda d, **kw: PackedTrainer(model=tiny_model("llama").train(), args=args(tmp_path), train_dataset=d, max_tokens=64,
-                                       overlong="split", **kw)
+    mk = lambda d, **kw: PackedTrainer(model=tiny_model("llama").train(), args=args(tmp_path), train_dataset=d,
+                                       max_tokens=64, overlong="split", **kw)
     with pytest.warns(UserWarning, match=r"0 dropped \(0 tokens lost\) of 32; (\d+) pieces that train no token left out "
                                          r"\((\d+) tokens, untrained='drop'\)") as w:
         t = mk(ds)
     p = t.plan
-    assert p.untrained > 0 and f"; {p.untrained} pieces that train no token left out ({p.untrained_tokens} tokens" in str(w[-1].message)
+    assert p.untrained > 0 and (f"; {p.untrained} pieces that train no token "
+                                f"left out ({p.untrained_tokens} tokens") in str(w[-1].message)
     trains = lambda batch: bool((batch["labels"][0, 1:] != IGNORE_INDEX).any())
     assert p.bin_trained.min() >= 1 and all(trains(b) for b in t.get_train_dataloader())
     with pytest.warns(UserWarning): keep = mk(ds, untrained="keep")
@@ -563,15 +600,17 @@ def test_split_pieces_that_train_nothing_are_left_out(flan, tmp_path):
 
 
 def test_packed_trainer_on_raw_prompt_completion_rows_trains_the_masked_loss(tmp_path):
-    "Raw JSONL rows and a tokenizer: tokenized by load_features' own code, and the masked loss trained (padded reference, 1e-5)."
+    """Raw JSONL rows and a tokenizer: tokenized by load_features' own
+    code, and the masked loss trained (padded reference, 1e-5)."""
     from workbench.samples import load_tokenizer
     path = _raw_jsonl(tmp_path)
     features = load_features(path)  # what `python -m workbench.train --data raw.jsonl` trains
     rec = Recorder()
-    t = PackedTrainer(model=llama(), args=args(tmp_path), train_dataset=Dataset.from_json(path), processing_class=load_tokenizer(),
-                      data_collator=rec)
+    t = PackedTrainer(model=llama(), args=args(tmp_path), train_dataset=Dataset.from_json(path),
+                      processing_class=load_tokenizer(), data_collator=rec)
     assert [r["input_ids"] for r in t.train_dataset] == [f["input_ids"] for f in features]
-    assert [r["labels"] for r in t.train_dataset] == [masked(f) for f in features]  # prompts masked, completions trained
+    # prompts masked, completions trained
+    assert [r["labels"] for r in t.train_dataset] == [masked(f) for f in features]
     t.train()
     ref = reference(rec.batches[:STEPS], features, STEPS)
     assert len(losses(t)) == STEPS and max(abs(a - b) for a, b in zip(losses(t), ref)) <= 1e-5, (losses(t), ref)
@@ -580,11 +619,12 @@ def test_packed_trainer_on_raw_prompt_completion_rows_trains_the_masked_loss(tmp
 
 
 def test_sft_on_raw_rows_tokenizes_as_load_features(tmp_path):
-    "PackedSFTTrainer: raw prompt/completion rows become load_features' features (not TRL's tokenization); the labels mask the prompt."
+    """PackedSFTTrainer: raw prompt/completion rows become load_features'
+    features (not TRL's tokenization); the labels mask the prompt."""
     from workbench.samples import load_tokenizer
     path = _raw_jsonl(tmp_path)
-    t = PackedSFTTrainer(model=tiny_model("llama"), args=args(tmp_path, SFTConfig), train_dataset=Dataset.from_json(path),
-                         processing_class=load_tokenizer(), max_tokens=1024)
+    t = PackedSFTTrainer(model=tiny_model("llama"), args=args(tmp_path, SFTConfig),
+                         train_dataset=Dataset.from_json(path), processing_class=load_tokenizer(), max_tokens=1024)
     features = load_features(path)
     assert [r["labels"] for r in t.train_dataset] == [masked(f) for f in features]
     by_ids = {tuple(r["input_ids"]): r["labels"] for r in t.train_dataset}
@@ -609,8 +649,8 @@ def test_sft_padding_free_flag_is_refused_with_the_reason(flan, tmp_path):
 def test_check_trainer_on_sft_and_padding_collators(flan, tmp_path):
     "A plain SFTTrainer with TRL's padding collator: the doctor is skipped with a warning that names the fix."
     from workbench.samples import load_tokenizer
-    t = SFTTrainer(model=tiny_model("llama").train(), args=args(tmp_path, SFTConfig), train_dataset=Dataset.from_list(flan[:N]),
-                   processing_class=load_tokenizer())
+    t = SFTTrainer(model=tiny_model("llama").train(), args=args(tmp_path, SFTConfig),
+                   train_dataset=Dataset.from_list(flan[:N]), processing_class=load_tokenizer())
     r = check_trainer(t)
     assert r["collator"].status == "warn" and "FlatteningCollator" in r["collator"].fix and r.doctor is None
     assert r["use_cache"].status == "pass"  # TRL passes use_cache=False on every forward
@@ -627,9 +667,10 @@ def test_lora_equals_padded_reference(flan, tmp_path, kind, max_tokens):
     np.testing.assert_allclose(got, reference(steps, raw, STEPS, t.args.learning_rate, make=lora), atol=1e-5, rtol=0)
     r = check_trainer(t, grads=False)
     assert r.clean and r.doctor.cross_example_effect == 0 and "PeftModel" in r["model"].detail, r
-    if kind == "PackedTrainer":  # a plain Trainer on the same PeftModel and use_cache=True: the cache trap, seen through PeftModel
-        plain = Trainer(model=t.model, args=args(tmp_path, use_cache=True, per_device_train_batch_size=2), train_dataset=t.train_dataset,
-                        data_collator=FlatteningCollator())
+    # a plain Trainer on the same PeftModel and use_cache=True: the cache trap, seen through PeftModel
+    if kind == "PackedTrainer":
+        plain = Trainer(model=t.model, args=args(tmp_path, use_cache=True, per_device_train_batch_size=2),
+                        train_dataset=t.train_dataset, data_collator=FlatteningCollator())
         assert {"use_cache", "contamination probe"} <= set(check_trainer(plain, grads=False).failed())
 
 
@@ -639,16 +680,19 @@ def test_epochs_reshuffle_and_eval_during_training(flan, tmp_path):
     ds, rec = Dataset.from_list(flan[:N // 2]), Recorder()
     k = len(plan_bins(ds, 1024, seed=42).bins)  # Trainer's default seed
     ev = {"a": Dataset.from_list(flan[N:N + 6]), "b": flan[N + 6:N + 12]}  # a datasets one and a list of dicts
-    t = PackedTrainer(model=llama(), args=args(tmp_path, max_steps=-1, num_train_epochs=2, eval_strategy="steps", eval_steps=2 * k),
+    t = PackedTrainer(model=llama(),
+                      args=args(tmp_path, max_steps=-1, num_train_epochs=2, eval_strategy="steps", eval_steps=2 * k),
                       train_dataset=ds, eval_dataset=ev, data_collator=rec, max_tokens=1024)
     t.train()
     assert t.state.global_step == 2 * k and t.state.epoch == 2 and len(losses(t)) == 2 * k
     epochs = [[frozenset(map(tuple, b)) for b in rec.batches[e * k:(e + 1) * k]] for e in (0, 1)]
     assert set(epochs[0]) == set(epochs[1]) and len(set(epochs[0])) == k and epochs[0] != epochs[1]
-    logged = {key: v for h in t.state.log_history if h["step"] == 2 * k for key, v in h.items()}  # the final model's evals (a log each)
+    # the final model's evals (a log each)
+    logged = {key: v for h in t.state.log_history if h["step"] == 2 * k for key, v in h.items()}
     padded = Trainer(model=t.model, args=args(tmp_path), data_collator=PaddingCollator())
     for name, d in ev.items():
-        assert abs(logged[f"eval_{name}_loss"] - padded.evaluate(prepare_dataset(d))["eval_loss"]) < 1e-5  # fp32: 2 ulp at 9
+        # fp32: 2 ulp at 9
+        assert abs(logged[f"eval_{name}_loss"] - padded.evaluate(prepare_dataset(d))["eval_loss"]) < 1e-5
 
 
 def test_check_trainer_needs_a_train_dataset(flan, tmp_path):
@@ -660,8 +704,10 @@ def test_check_trainer_on_trls_own_padding_free(flan, tmp_path):
     """TRL's own padding_free collator packs cleanly, but by default (completion_only_loss=None on token data) TRL's labels
     ignore a completion_mask: check_trainer fails it, measured on the rows; completion_only_loss=True passes."""
     from workbench.samples import load_tokenizer
-    mk = lambda **kw: SFTTrainer(model=llama(), train_dataset=Dataset.from_list(flan[:N]), processing_class=load_tokenizer(),
-                                 args=args(tmp_path, SFTConfig, padding_free=True, max_length=None, per_device_train_batch_size=4, **kw))
+    mk = lambda **kw: SFTTrainer(model=llama(), train_dataset=Dataset.from_list(flan[:N]),
+                                 processing_class=load_tokenizer(),
+                                 args=args(tmp_path, SFTConfig, padding_free=True, max_length=None,
+                                           per_device_train_batch_size=4, **kw))
     r = check_trainer(mk(), grads=False)
     assert r.failed() == ["loss masks reach the collator"] and "completion_only_loss=True" in r["loss masks reach the collator"].fix, r
     assert r.doctor.cross_example_effect == 0  # its packing is clean: only the labels are wrong
@@ -671,10 +717,13 @@ def test_check_trainer_on_trls_own_padding_free(flan, tmp_path):
 
 
 def test_check_trainer_on_trls_own_packing(flan, tmp_path):
-    "TRL's packing=True drops completion_mask after building labels: without completion_only_loss every token trains (a warning)."
+    """TRL's packing=True drops completion_mask after building labels:
+    without completion_only_loss every token trains (a warning)."""
     from workbench.samples import load_tokenizer
-    mk = lambda **kw: SFTTrainer(model=llama(), train_dataset=Dataset.from_list(flan[:N]), processing_class=load_tokenizer(),
-                                 args=args(tmp_path, SFTConfig, packing=True, max_length=512, per_device_train_batch_size=2, **kw))
+    mk = lambda **kw: SFTTrainer(model=llama(), train_dataset=Dataset.from_list(flan[:N]),
+                                 processing_class=load_tokenizer(),
+                                 args=args(tmp_path, SFTConfig, packing=True, max_length=512,
+                                           per_device_train_batch_size=2, **kw))
     r = check_trainer(mk(), grads=False)
     assert r.clean and r["prompt masked"].status == "warn" and "completion_only_loss=True" in r["prompt masked"].fix, r
     assert r.doctor.cross_example_effect == 0
@@ -682,10 +731,12 @@ def test_check_trainer_on_trls_own_packing(flan, tmp_path):
     assert good.verdict == "clean", good
 
 
-@pytest.mark.parametrize("attn,dtype", [("eager", torch.float32), ("flex_attention", torch.float32), ("sdpa", torch.bfloat16)],
+@pytest.mark.parametrize("attn,dtype",
+                         [("eager", torch.float32), ("flex_attention", torch.float32), ("sdpa", torch.bfloat16)],
                          ids=["eager", "flex_attention", "sdpa-bf16"])
 def test_check_trainer_attention_and_dtype(flan, tmp_path, attn, dtype):
-    "grads=False: flex_attention has no backward on CPU (grads=True fails it, naming workbench_varlen); bf16 at bf16 tolerance."
+    """grads=False: flex_attention has no backward on CPU (grads=True
+    fails it, naming workbench_varlen); bf16 at bf16 tolerance."""
     t = PackedTrainer(model=tiny_model("llama", attn_implementation=attn, dtype=dtype).train(),
                       args=args(tmp_path, per_device_train_batch_size=2), train_dataset=Dataset.from_list(flan[:N]))
     r = check_trainer(t, grads=False)

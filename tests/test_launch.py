@@ -95,8 +95,9 @@ def test_nothing_listens_beyond_loopback_and_rank_output_shows(kernel):
     assert during and all(ip.startswith("127.") or ip == "::1" for ip in during), during
     out, err = run(kc, "print(listening(psutil.Process()) == before)")
     assert err is None and out.strip() == "True"
-    out, err = run(kc, "import transformers.utils.logging as hub_log\n"  # imported before the fork, bars on in the kernel
-                       "print(hub_log.is_progress_bar_enabled(), launch(hub_log.is_progress_bar_enabled, num_processes=2, cpu=True, quiet=True))")
+    # imported before the fork, bars on in the kernel
+    out, err = run(kc, "import transformers.utils.logging as hub_log\nprint(hub_log.is_progress_bar_enabled(), "
+                       "launch(hub_log.is_progress_bar_enabled, num_processes=2, cpu=True, quiet=True))")
     assert err is None and out.strip().splitlines()[-1] == "True [False, False]", out  # no widget bar drawn from a fork
     out, err = run(kc, "launch(killed_on_rank1, num_processes=2, cpu=True, quiet=True)")
     assert err[0] == "RankError" and "rank 1 of 2 was killed by SIGKILL" in err[1]

@@ -30,7 +30,8 @@ def _accelerate_step():
     acc = Accelerator()
     x, y = _data()
     model = _model()
-    model, opt, loader = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.5), DataLoader(TensorDataset(x, y), batch_size=4))
+    model, opt, loader = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.5),
+                                     DataLoader(TensorDataset(x, y), batch_size=4))
     for xb, yb in loader:  # one batch of 4 per process
         acc.backward(F.mse_loss(model(xb), yb))
     grads = [p.grad.clone() for p in model.parameters()]
@@ -60,9 +61,11 @@ CASE = Case("llama", "sdpa")  # a packed FLAN-like row of 203 tokens (padded to 
 
 
 def _ulysses_under_notebook_launcher(out: str, references: list):
-    "What a notebook user writes for accelerate's notebook_launcher: open the group through accelerate, run the workbench's SP."
+    """What a notebook user writes for accelerate's notebook_launcher:
+    open the group through accelerate, run the workbench's SP."""
     torch.set_num_threads(1)  # a forked process cannot use the parent's OpenMP pool (see workbench.launch)
-    Accelerator(cpu=True)  # notebook_launcher sets RANK/WORLD_SIZE/MASTER_*; on CPU accelerate needs cpu=True to read them
+    # notebook_launcher sets RANK/WORLD_SIZE/MASTER_*; on CPU accelerate needs cpu=True to read them
+    Accelerator(cpu=True)
     result = equivalence_worker([CASE], 2, references)  # Ulysses SP=2 against one process: logits, loss, every gradient
     Path(out, f"rank{dist.get_rank()}.pkl").write_bytes(pickle.dumps(result))  # notebook_launcher returns nothing
 
@@ -70,10 +73,12 @@ def _ulysses_under_notebook_launcher(out: str, references: list):
 def test_notebook_launcher_runs_the_workbench_ulysses_as_one_process(tmp_path):
     references = [one_process(CASE)]
     states = (AcceleratorState, PartialState, GradientState)
-    kept = [dict(cls._shared_state) for cls in states]  # notebook_launcher refuses a process that holds an accelerate state
+    # notebook_launcher refuses a process that holds an accelerate state
+    kept = [dict(cls._shared_state) for cls in states]
     for cls in states: cls._shared_state.clear()     # (an earlier test's Trainer): it runs as in a fresh kernel
     try:
-        notebook_launcher(_ulysses_under_notebook_launcher, (str(tmp_path), references), num_processes=2, use_port=str(free_port()))
+        notebook_launcher(_ulysses_under_notebook_launcher, (str(tmp_path), references), num_processes=2,
+                          use_port=str(free_port()))
     finally:
         for cls, state in zip(states, kept): cls._shared_state.update(state)
     results = [pickle.loads((tmp_path / f"rank{r}.pkl").read_bytes())[0] for r in (0, 1)]

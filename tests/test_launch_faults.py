@@ -59,7 +59,8 @@ FAULTS = {  # fault on rank 1 -> (exc_type, exitcode, text the message must cont
 
 def _fails(fn, num_processes=2, **kw) -> tuple[RankError, float]:
     t = time.time()
-    with pytest.raises(RankError) as e: launch(fn, num_processes=num_processes, cpu=True, quiet=True, deadline_s=DEADLINE, **kw)
+    with pytest.raises(RankError) as e: launch(fn, num_processes=num_processes, cpu=True, quiet=True,
+                                               deadline_s=DEADLINE, **kw)
     return e.value, time.time() - t
 
 
@@ -216,7 +217,8 @@ def test_unpicklable_return_names_the_rank_and_the_type():
     _no_descendants()
 
 
-@pytest.mark.parametrize("limits", [dict(deadline_s=0), dict(deadline_s=-1), dict(timeout_s=0), dict(timeout_s=float("nan"))])
+@pytest.mark.parametrize("limits",
+                         [dict(deadline_s=0), dict(deadline_s=-1), dict(timeout_s=0), dict(timeout_s=float("nan"))])
 def test_limits_that_are_not_positive_seconds_are_refused_before_any_fork(limits):
     with pytest.raises(ValueError, match="both are seconds > 0"): launch(lambda: 0, num_processes=2, cpu=True, **limits)
     _no_descendants()
@@ -231,7 +233,8 @@ def test_a_function_that_destroys_the_process_group_itself_returns():
 
 
 def test_a_collective_timeout_ends_the_launch_without_a_deadline_naming_the_stuck_rank():
-    "Without a deadline, a rank that never reaches a collective ends the launch once its peer's wait times out, and is named."
+    """Without a deadline, a rank that never reaches a collective
+    ends the launch once its peer's wait times out, and is named."""
     def late():
         if dist.get_rank() == 0: time.sleep(1e6)
         dist.barrier()
@@ -378,7 +381,8 @@ def test_ctrl_c_leaves_no_worker_a_rank_started(tmp_path):
 
 
 def _threads_taking_sigint(pid: int) -> list[int]:
-    "The threads of `pid` other than its main one that do not block SIGINT: Linux may hand a process's Ctrl-C to any of them."
+    """The threads of `pid` other than its main one that do not block
+    SIGINT: Linux may hand a process's Ctrl-C to any of them."""
     taking = []
     for tid in map(int, os.listdir(f"/proc/{pid}/task")):
         status = open(f"/proc/{pid}/task/{tid}/status").read()
@@ -388,12 +392,14 @@ def _threads_taking_sigint(pid: int) -> list[int]:
 
 
 def test_ctrl_c_that_linux_hands_to_another_thread_of_the_parent_ends_the_launch():
-    "A wait with no limit hears it only when every rank has ended (here: never); the launch wakes every WAKE_S to run it."
+    """A wait with no limit hears it only when every rank has ended
+    (here: never); the launch wakes every WAKE_S to run it."""
     proc = _script("launch(lambda: time.sleep(1e6), num_processes=2, cpu=True)")
     ranks = _ranks_of(proc)
     taking = _threads_taking_sigint(proc.pid)
     assert taking, "the launching process has no other thread that takes SIGINT: this test sees nothing"
-    ctypes.CDLL(None, use_errno=True).tgkill(proc.pid, taking[0], signal.SIGINT)  # no Python API sends to another process's thread
+    # no Python API sends to another process's thread
+    ctypes.CDLL(None, use_errno=True).tgkill(proc.pid, taking[0], signal.SIGINT)
     try: _, err = proc.communicate(timeout=30)
     finally: proc.kill()
     assert err.rstrip().endswith("KeyboardInterrupt") and "RankError" not in err, err
@@ -416,6 +422,8 @@ def test_importing_the_launcher_keeps_the_cuda_check_off_the_driver():
         code = f"import os, {module}; print(os.environ.get('PYTORCH_NVML_BASED_CUDA_CHECK'))"
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
         assert out.stdout.strip() == "1", (module, out.stderr[-800:])
-    kept = subprocess.run([sys.executable, "-c", "import os, workbench.launch; print(os.environ['PYTORCH_NVML_BASED_CUDA_CHECK'])"],
-                          capture_output=True, text=True, env={**env, "PYTORCH_NVML_BASED_CUDA_CHECK": "0"}, timeout=120)
+    kept = subprocess.run([sys.executable, "-c", "import os, workbench.launch; "
+                                                 "print(os.environ['PYTORCH_NVML_BASED_CUDA_CHECK'])"],
+                          capture_output=True, text=True, env={**env, "PYTORCH_NVML_BASED_CUDA_CHECK": "0"},
+                          timeout=120)
     assert kept.stdout.strip() == "0"

@@ -1,4 +1,5 @@
-"The drawn mask is the model's mask: `effective_mask` against perturbation probes of real tiny models, for every layout and trap."
+"""The drawn mask is the model's mask: `effective_mask` against
+perturbation probes of real tiny models, for every layout and trap."""
 import numpy as np
 import pytest
 import torch
@@ -17,7 +18,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # every test here probes wit
 
 @pytest.fixture(scope="module")
 def features():
-    "The three shortest shipped examples (18-23 tokens): each longer than Mistral's window of 16, and few tokens to probe."
+    """The three shortest shipped examples (18-23 tokens): each
+    longer than Mistral's window of 16, and few tokens to probe."""
     feats = [f for f in load_sample("flan_like", limit=400) if 18 <= len(f["input_ids"]) <= 23]
     assert len(feats) == 3 and len({len(f["input_ids"]) for f in feats}) == 3  # ragged: the padded layouts pad
     return feats
@@ -45,7 +47,8 @@ def test_effective_mask_matches_model(features, family, impl):
         drawn = effective_mask(batch, impl, use_cache=cache, sliding_window=window)
         seen = probe_mask(model, batch, use_cache=cache)
         wrong = np.argwhere(seen != off_diagonal(drawn))
-        assert len(wrong) == 0, f"{family}/{impl}/{name}: {len(wrong)} pairs differ, first (row, q, kv) {wrong[:3].tolist()}"
+        assert len(wrong) == 0, (f"{family}/{impl}/{name}: {len(wrong)} pairs "
+                                 f"differ, first (row, q, kv) {wrong[:3].tolist()}")
 
 
 def test_sliding_window_is_visible(features):
@@ -110,7 +113,8 @@ def specs(draw):
     seg = np.cumsum(draw(st.lists(st.booleans(), min_size=T, max_size=T)))[None]
     key_ok = np.array(draw(st.lists(st.booleans(), min_size=T, max_size=T)))[None]
     query_ok = np.array(draw(st.lists(st.booleans(), min_size=T, max_size=T)))[None]
-    return MaskSpec(seg, key_ok, query_ok, draw(st.one_of(st.none(), st.integers(1, 12))), empty_sees_all=draw(st.booleans()))
+    return MaskSpec(seg, key_ok, query_ok, draw(st.one_of(st.none(), st.integers(1, 12))),
+                    empty_sees_all=draw(st.booleans()))
 
 
 @settings(max_examples=200, deadline=None)

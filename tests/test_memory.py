@@ -27,7 +27,8 @@ GRID = [(m, lv, seq, sp) for m in PRESETS for lv in BASIC for seq, sp in POINTS]
 GRID += [(m, "all + offload", 131072, 4) for m in PRESETS] + [(m, "no checkpointing", 8192, 8) for m in PRESETS]
 GRID += [(m, lv, seq, sp) for m in PRESETS for lv in ("lean + tiled loss", "lean, all + offload")
          for seq, sp in [(8192, 1), (131072, 8)]] + [(m, "lean + transformers loss", 32768, 4) for m in PRESETS]
-GRID += [("qwen3-4b", "lean, all + offload", 32768, 1)]  # the lean fit's worst case: the flash backward binds (sp=1, long rows)
+# the lean fit's worst case: the flash backward binds (sp=1, long rows)
+GRID += [("qwen3-4b", "lean, all + offload", 32768, 1)]
 EXACT = 1e-4  # measured: within 2.4e-5 of the real code wherever no tile rounds (36 of 39 points)
 ROUNDED = {  # the points where the planner is not exact, each with its measured error and a bound just above it
     ("qwen3-4b", "tiled loss + MLP", 131072, 8): 0.02,     # measured -1.37%
@@ -54,7 +55,8 @@ def test_planner_equals_fake_tensor_measurement(model, levers, seq_len, sp):
     measured, planned = _measured_and_planned(model, levers, seq_len, sp)
     error = planned / measured - 1
     bound = ROUNDED.get((model, levers, seq_len, sp), EXACT)
-    assert abs(error) <= bound, f"planner off by {error:+.2e} (bound {bound:g}): {planned / 2**30:.4f} vs {measured / 2**30:.4f} GiB"
+    assert abs(error) <= bound, (f"planner off by {error:+.2e} (bound {bound:g}): "
+                                 f"{planned / 2**30:.4f} vs {measured / 2**30:.4f} GiB")
     if bound != EXACT: assert abs(error) > EXACT, f"{error:+.2e}: now exact, move it out of ROUNDED"
 
 
@@ -117,7 +119,8 @@ def test_param_offload_keeps_only_the_gathered_layer():
     shape = Shape.of(preset_config("llama-3.1-8b"))
     on, off = (estimate("llama-3.1-8b", 65536, levers=LEVER_LADDER["+ checkpoint offload"], optimizer_offload=True,
                         param_offload=p).parts for p in (False, True))
-    assert on["parameters"] == on["gradients"] == 2 * shape.params and on["gathered layer"] == 0  # one process: all resident
+    # one process: all resident
+    assert on["parameters"] == on["gradients"] == 2 * shape.params and on["gathered layer"] == 0
     assert off["parameters"] == off["gradients"] == 0 and off["gathered layer"] == 3 * 2 * shape.layer_params
     sharded = estimate("llama-3.1-8b", 65536, 8, optimizer_offload=True).parts
     assert sharded["parameters"] == 2 * shape.params // 8 and sharded["gathered layer"] == off["gathered layer"]

@@ -16,12 +16,14 @@ docs_build = importlib.util.module_from_spec(_spec); _spec.loader.exec_module(do
 NBS = docs_build.notebooks()
 
 
-CELL_TIMEOUT_S = 540  # under pytest-timeout's 600 s per item: a cell that hangs is named by nbclient, not killed unnamed
+# under pytest-timeout's 600 s per item: a cell that hangs is named by nbclient, not killed unnamed
+CELL_TIMEOUT_S = 540
 
 
 @pytest.mark.parametrize("nb", NBS, ids=[str(p.relative_to(ROOT / "nbs")) for p in NBS])
 def test_notebook(nb):
-    nb_out, _ = docs_build.executed(nb, docs_build.skip_flags(), CELL_TIMEOUT_S)  # raises nbclient's error with the cell and traceback
+    # raises nbclient's error with the cell and traceback
+    nb_out, _ = docs_build.executed(nb, docs_build.skip_flags(), CELL_TIMEOUT_S)
     errors = [o for c in nb_out.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors, f"{nb.name}: {errors[0].get('ename')}: {errors[0].get('evalue')}"
     if nb.parent.name == "tutorials": assert not third_party_warnings(nb_out), third_party_warnings(nb_out)

@@ -7,8 +7,8 @@ from hypothesis import given, settings, strategies as st
 from workbench.core import IGNORE_INDEX, check_packed_batch
 from workbench.samples import load_sample, load_tokenizer
 from workbench.tiny_models import tiny_model
-from workbench.packing import (FlatteningCollator, NaiveConcatCollator, PackedStream, PaddingCollator, TokenBudgetSampler,
-                               packing_report, per_example_logits, plan_bins)
+from workbench.packing import (FlatteningCollator, NaiveConcatCollator, PackedStream, PaddingCollator,
+                               TokenBudgetSampler, packing_report, per_example_logits, plan_bins)
 
 # ---------------------------------------------------------------- properties of the collator
 
@@ -29,7 +29,8 @@ def test_flattening_properties(exs, multiple, start, with_labels):
         feats.append(f)
     if len({"completion_mask" in f for f in feats}) > 1:  # a batch has one schema
         for f, (ids, mask, _) in zip(feats, exs): f["completion_mask"] = mask
-    b = FlatteningCollator(pad_to_multiple_of=multiple, position_ids_start=start, return_seq_idx=True, train_all_tokens=True)(feats)
+    b = FlatteningCollator(pad_to_multiple_of=multiple, position_ids_start=start, return_seq_idx=True,
+                           train_all_tokens=True)(feats)
     lens = [len(f["input_ids"]) for f in feats]
     total, T = sum(lens), b["input_ids"].shape[1]
     # every token of every example exactly once, in order; padding only after them
@@ -61,7 +62,8 @@ def test_bad_input_names_example_and_fix():
              ([{"input_ids": [1, 2]}, {"input_ids": []}], "example 1 is empty"),
              ([{"input_ids": [1, 2]}, {"input_ids": [1.0, 2.5]}], "example 1: input_ids must hold integers"),
              ([{"input_ids": ["a", "b"]}], "example 0: input_ids must hold integers"),
-             ([{"input_ids": [1, 2], "labels": [1, 2]}, {"input_ids": [1, 2], "labels": [1]}], "example 1: labels has 1"),
+             ([{"input_ids": [1, 2], "labels": [1, 2]}, {"input_ids": [1, 2], "labels": [1]}],
+              "example 1: labels has 1"),
              ([{"input_ids": [1]}, {"input_ids": [1] * 20}], "example 1 has 20 tokens, over the budget"),
              ([{"input_ids": [1] * 10}, {"input_ids": [1] * 10}], "TokenBudgetSampler"),
              ([{"input_ids": [1]}, {"text": "hi"}], "example 1 has no 'input_ids'")]
@@ -107,14 +109,16 @@ def test_arguments_and_ids_are_named_with_their_fix():
 
 def test_no_silent_drop_of_columns():
     with pytest.warns(UserWarning, match="source"):
-        b = FlatteningCollator(train_all_tokens=True)([{"input_ids": [1, 2], "source": "x"}, {"input_ids": [3], "source": "y"}])
+        b = FlatteningCollator(train_all_tokens=True)([{"input_ids": [1, 2], "source": "x"},
+                                                       {"input_ids": [3], "source": "y"}])
     assert b["input_ids"].tolist() == [[1, 2, 3]]
 
 # ---------------------------------------------------------------- properties of the planner and sampler
 
 
 def reference_bfd(lengths, capacity):
-    "One item at a time: the textbook best-fit decreasing; returns the sorted bin totals (invariant to tie-breaking among equal rooms)."
+    """One item at a time: the textbook best-fit decreasing; returns the
+    sorted bin totals (invariant to tie-breaking among equal rooms)."""
     rooms, contents = [], []
     for L in sorted(lengths, reverse=True):
         fits = [i for i, r in enumerate(rooms) if r >= L]
@@ -126,7 +130,8 @@ def reference_bfd(lengths, capacity):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(1, 64), min_size=1, max_size=200), st.integers(1, 64), st.sampled_from(["truncate", "split", "drop"]), st.integers(0, 3))
+@given(st.lists(st.integers(1, 64), min_size=1, max_size=200), st.integers(1, 64),
+       st.sampled_from(["truncate", "split", "drop"]), st.integers(0, 3))
 def test_plan_properties(lengths, capacity, overlong, seed):
     plan = plan_bins(lengths, capacity, overlong=overlong, seed=seed)
     lengths = np.array(lengths)
@@ -135,9 +140,11 @@ def test_plan_properties(lengths, capacity, overlong, seed):
     pieces = np.concatenate(plan.bins) if plan.bins else np.array([], dtype=int)
     assert sorted(pieces.tolist()) == list(range(len(plan.length)))  # every piece in exactly one bin
     kept = set(plan.example.tolist())
-    assert kept == set(np.flatnonzero(~over).tolist()) | (set(np.flatnonzero(over).tolist()) if overlong != "drop" else set())
+    assert kept == set(np.flatnonzero(~over).tolist()) | (set(np.flatnonzero(over).tolist()) if overlong != "drop"
+                                                          else set())
     if overlong == "drop": assert plan.dropped == over.sum() and plan.lost_tokens == lengths[over].sum()
-    if overlong == "truncate": assert plan.truncated == over.sum() and plan.lost_tokens == (lengths[over] - capacity).sum()
+    if overlong == "truncate":
+        assert plan.truncated == over.sum() and plan.lost_tokens == (lengths[over] - capacity).sum()
     if overlong == "split":
         assert plan.split == over.sum()
         for e in np.flatnonzero(over):  # the pieces of a split example tile it exactly
@@ -165,7 +172,8 @@ def test_sampler_covers_balances_and_resumes(replicas):
         per_rank = [list(s) for s in samplers]
         assert len({len(p) for p in per_rank}) == 1  # same number of steps everywhere
         served = [i for p in per_rank for batch in p for i in batch]
-        assert len(served) == sum(len(plan.bins[b]) for b in samplers[0].steps.reshape(-1))  # repeats counted, nothing lost
+        # repeats counted, nothing lost
+        assert len(served) == sum(len(plan.bins[b]) for b in samplers[0].steps.reshape(-1))
         assert samplers[0].steps.size == len(plan.bins) + samplers[0].repeated
         assert set(served) == set(range(len(plan.length)))
         assert all(plan.length[b].sum() <= 2048 for p in per_rank for b in p)
@@ -195,7 +203,8 @@ def _served_targets(plan, feats) -> list[list[tuple[int, int]]]:
     for b in plan.bins:
         row = collate([pieces[int(i)] for i in b])
         trained = np.flatnonzero(row["labels"][0, 1:].numpy() != IGNORE_INDEX) + 1  # a target: a label the shift keeps
-        where = np.concatenate([int(plan.offset[i]) + np.arange(int(plan.length[i])) for i in b])  # row position -> token
+        # row position -> token
+        where = np.concatenate([int(plan.offset[i]) + np.arange(int(plan.length[i])) for i in b])
         whose = np.repeat(plan.example[b], plan.length[b])
         out.append(list(zip(whose[trained].tolist(), where[trained].tolist())))
     return out
@@ -209,7 +218,8 @@ def _check_every_step_trains(plan, feats, capacity):
     assert not idle, f"{len(idle)} of {len(plan.bins)} bins train nothing (e.g. bin {idle[0]})"
     # the data's targets: completion tokens but each example's first; a split example's piece starts at multiples of
     # the capacity have no token before them in their piece, so no piece can train them (the cost of splitting)
-    data = Counter((e, p) for e, f in enumerate(feats) for p in np.flatnonzero(np.asarray(f["completion_mask"])).tolist()
+    data = Counter((e, p) for e, f in enumerate(feats)
+                   for p in np.flatnonzero(np.asarray(f["completion_mask"])).tolist()
                    if p > 0 and (len(f["input_ids"]) <= capacity or p % capacity))
     assert Counter(t for ts in served for t in ts) == data
 
@@ -219,12 +229,14 @@ def test_flan_like_every_step_trains_and_every_target_once(flan_all):
     plan = plan_bins(flan_all, 256, overlong="split")
     _check_every_step_trains(plan, flan_all, 256)
     old = plan_bins(flan_all, 256, overlong="split", untrained="keep")  # the old behaviour: prompt-only pieces kept
-    with pytest.raises(AssertionError, match=r"453 of 2631 bins train nothing"): _check_every_step_trains(old, flan_all, 256)
+    with pytest.raises(AssertionError, match=r"453 of 2631 bins train nothing"):
+        _check_every_step_trains(old, flan_all, 256)
     assert len(plan.bins) < len(old.bins) and (plan.fill, old.fill) > (0.99, 0.99)
 
 
 def test_untrained_pieces_are_counted(flan_all):
-    "The plan counts the pieces it left out and their tokens: exactly the pieces that train no target, found independently."
+    """The plan counts the pieces it left out and their tokens:
+    exactly the pieces that train no target, found independently."""
     old = plan_bins(flan_all, 256, overlong="split", untrained="keep")
     pieces, collate = old.dataset(flan_all), FlatteningCollator()
     idle = [i for i in range(len(old.length)) if not (collate([pieces[i]])["labels"][0, 1:] != IGNORE_INDEX).any()]
@@ -233,7 +245,8 @@ def test_untrained_pieces_are_counted(flan_all):
     assert len(plan.length) == len(old.length) - len(idle) and plan.length.sum() == old.length.sum() - plan.untrained_tokens
     assert (plan.split, plan.lost_tokens, old.untrained) == (old.split, 0, 0)
     assert f"untrained pieces dropped {len(idle)} ({old.length[idle].sum()} tokens)" in repr(plan)
-    assert "bins training none 0)" in repr(plan) and f"bins training none {int((old.bin_trained == 0).sum())})" in repr(old)
+    assert "bins training none 0)" in repr(plan) and ("bins training none "
+                                                      f"{int((old.bin_trained == 0).sum())})") in repr(old)
     assert plan.trained.sum() == old.trained.sum() and plan.bin_trained.min() >= 1
     stream = PackedStream(flan_all, 256, buffer_size=500, overlong="split")  # the stream leaves out the same pieces
     bins = list(stream)
@@ -255,7 +268,8 @@ def test_untrained_policy_small_cases():
     one = plan_bins([{"input_ids": [1, 2, 3, 4, 5], "completion_mask": [0, 0, 0, 0, 1]}], 4, overlong="split")
     assert (len(one.bins), one.untrained, one.untrained_tokens) == (0, 2, 5)  # token 4 starts its piece: nothing trains
     labels = plan_bins([{"input_ids": [1, 2, 3, 4], "labels": [-100, 2, 3, -100]}], 2, overlong="split")
-    assert (labels.offset.tolist(), labels.trained.tolist(), labels.untrained) == ([0], [1], 1)  # label 3 starts its piece
+    # label 3 starts its piece
+    assert (labels.offset.tolist(), labels.trained.tolist(), labels.untrained) == ([0], [1], 1)
     docs = plan_bins([{"input_ids": [1, 2, 3, 4], "seq_lengths": [2, 1, 1]}], 4)  # TRL rows: documents start at 0, 2, 3
     assert docs.trained.tolist() == [1]
     with pytest.raises(ValueError, match=r"example 1: seq_lengths \[2, 2\] must be positive document lengths summing to its 3"):
@@ -263,11 +277,13 @@ def test_untrained_policy_small_cases():
     bare = plan_bins([10, 3], 4, overlong="split")  # lengths carry no labels: every piece kept, the counts unknown
     assert (len(bare.length), bare.untrained, bare.trained, bare.bin_trained) == (4, 0, None, None)
     assert "trained targets unknown: planned from bare lengths" in repr(bare)
-    with pytest.raises(ValueError, match=r"untrained must be one of \('drop', 'keep'\)"): plan_bins([3], 8, untrained="skip")
+    with pytest.raises(ValueError, match=r"untrained must be one of \('drop', 'keep'\)"):
+        plan_bins([3], 8, untrained="skip")
     with pytest.raises(ValueError, match="untrained must be one of"): PackedStream(feats, 4, untrained=True)
     with pytest.raises(ValueError, match="does none of it train"): TokenBudgetSampler(one)
     s = PackedStream(feats, 4, overlong="split"); it = iter(s); next(it)
-    old = {k: v for k, v in s.state_dict().items() if k != "untrained"}  # a state saved before the policy: every piece kept
+    # a state saved before the policy: every piece kept
+    old = {k: v for k, v in s.state_dict().items() if k != "untrained"}
     with pytest.raises(ValueError, match="state was saved with untrained='keep' but this stream has untrained='drop'"):
         PackedStream(feats, 4, overlong="split").load_state_dict(old)
     PackedStream(feats, 4, overlong="split", untrained="keep").load_state_dict(old)
@@ -307,7 +323,8 @@ def test_packed_equals_padded_logits_loss_grads(flan, attn):
 
 
 def test_cache_trap_is_real(flan):
-    "With use_cache left at its default, transformers builds a cache and ignores packed boundaries: the reason for use_cache=False."
+    """With use_cache left at its default, transformers builds a cache
+    and ignores packed boundaries: the reason for use_cache=False."""
     model = tiny_model("llama", attn_implementation="sdpa")
     ex, lens = flan[:4], [len(f["input_ids"]) for f in flan[:4]]
     batch = {k: v for k, v in FlatteningCollator()(ex).items() if k != "labels"}
@@ -320,13 +337,15 @@ def test_cache_trap_is_real(flan):
 
 def _dataset(flan):
     from datasets import Dataset
-    return Dataset.from_list([{"input_ids": f["input_ids"], "completion_mask": f["completion_mask"]} for f in flan[:24]])
+    return Dataset.from_list([{"input_ids": f["input_ids"], "completion_mask": f["completion_mask"]}
+                              for f in flan[:24]])
 
 
 def test_trl_sft_trainer_three_steps(flan, tmp_path):
     from trl import SFTConfig, SFTTrainer
     model = tiny_model("llama", attn_implementation="sdpa").train()
-    args = SFTConfig(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=8, report_to=[], logging_steps=1,
+    args = SFTConfig(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=8, report_to=[],
+                     logging_steps=1,
                      save_strategy="no", use_cpu=True, completion_only_loss=True)  # padding-free via our collator
     trainer = SFTTrainer(model=model, args=args, train_dataset=_dataset(flan), processing_class=load_tokenizer(),
                          data_collator=FlatteningCollator())
@@ -334,7 +353,8 @@ def test_trl_sft_trainer_three_steps(flan, tmp_path):
     check_packed_batch(batch)
     masks = {tuple(f["input_ids"]): f["completion_mask"] for f in flan[:24]}
     cu, ids, labels = batch["cu_seq_lens_q"].tolist(), batch["input_ids"][0].tolist(), batch["labels"][0].tolist()
-    for lo, hi in zip(cu[:-1], cu[1:]):  # TRL folded completion_mask into labels; our collator kept them and the boundaries
+    # TRL folded completion_mask into labels; our collator kept them and the boundaries
+    for lo, hi in zip(cu[:-1], cu[1:]):
         mask = masks[tuple(ids[lo:hi])]
         assert labels[lo:hi] == [IGNORE_INDEX] + [t if m else IGNORE_INDEX for t, m in zip(ids[lo + 1:hi], mask[1:])]
     out = trainer.train()
@@ -347,10 +367,13 @@ from unittest import mock
 
 import workbench.packing as packing_mod
 
-_OPTIONS = st.fixed_dictionaries({"pad_to_multiple_of": st.sampled_from([None, 1, 8, 64]), "position_ids_start": st.integers(0, 2),
+_OPTIONS = st.fixed_dictionaries({"pad_to_multiple_of": st.sampled_from([None, 1, 8, 64]),
+                                  "position_ids_start": st.integers(0, 2),
                                   "return_seq_idx": st.booleans(), "return_flash_attn_kwargs": st.booleans(),
-                                  "separator_id": st.sampled_from([IGNORE_INDEX, 0]), "return_tensors": st.sampled_from(["pt", "np"])})
-_COLUMNS = st.sets(st.sampled_from(["labels", "completion_mask", "assistant_masks", "attention_mask", "token_type_ids"]))
+                                  "separator_id": st.sampled_from([IGNORE_INDEX, 0]),
+                                  "return_tensors": st.sampled_from(["pt", "np"])})
+_COLUMNS = st.sets(st.sampled_from(["labels", "completion_mask", "assistant_masks", "attention_mask",
+                                    "token_type_ids"]))
 
 
 def _column(key, ids, draw):
@@ -361,7 +384,8 @@ def _column(key, ids, draw):
 
 @st.composite
 def list_batches(draw):
-    "Batches of dicts of flat lists; `uniform` says whether every example carries the same columns (the fast path's batch)."
+    """Batches of dicts of flat lists; `uniform` says whether every
+    example carries the same columns (the fast path's batch)."""
     lens = draw(st.lists(st.integers(1, 30), min_size=1, max_size=10))
     columns, uniform = draw(_COLUMNS), draw(st.booleans())
     feats = []
@@ -402,7 +426,8 @@ def test_fast_path_equals_general_path(feats, options):
 
 
 def test_fast_path_taken_and_refused():
-    "The comparison above is not vacuous: the fast path answers a Dataset-like batch and leaves every other to the general path."
+    """The comparison above is not vacuous: the fast path answers a
+    Dataset-like batch and leaves every other to the general path."""
     same = [{"input_ids": [5, 6, 7], "labels": [5, 6, 7], "completion_mask": [0, 1, 1]},
             {"input_ids": [8, 9], "labels": [8, -100], "completion_mask": [1, 1]}]
     assert packing_mod._flatten_lists(same) is not None
@@ -414,6 +439,9 @@ def test_fast_path_taken_and_refused():
                [{"input_ids": [5, 6, 7, 8], "seq_lengths": [2, 2]}],
                [{"input_ids": [5, 6], "attention_mask": [1, 0]}]]
     for feats in refused: assert packing_mod._flatten_lists(feats) is None
-    for feats in refused[:3]: _same_batch(FlatteningCollator(train_all_tokens=True)(feats), _collate(feats, {}, fast=False))
-    with pytest.raises(ValueError, match="attention_mask has zeros"): FlatteningCollator(train_all_tokens=True)(refused[3])
-    with pytest.raises(ValueError, match="must hold integers"): FlatteningCollator(train_all_tokens=True)([{"input_ids": [5, 6.0]}])
+    for feats in refused[:3]: _same_batch(FlatteningCollator(train_all_tokens=True)(feats),
+                                          _collate(feats, {}, fast=False))
+    with pytest.raises(ValueError, match="attention_mask has zeros"):
+        FlatteningCollator(train_all_tokens=True)(refused[3])
+    with pytest.raises(ValueError, match="must hold integers"):
+        FlatteningCollator(train_all_tokens=True)([{"input_ids": [5, 6.0]}])

@@ -1,4 +1,5 @@
-"Proofs for issue 13's packing rules: every example read, TRL's packed rows, exact sampler state under workers, plan size."
+"""Proofs for issue 13's packing rules: every example read, TRL's
+packed rows, exact sampler state under workers, plan size."""
 import numpy as np
 import pytest
 import torch
@@ -86,11 +87,14 @@ def test_collators_read_every_example(exs, multiple):
     ([{"input_ids": torch.tensor([1.0, 2.0])}], "example 0: input_ids must hold integers, got a torch.float32"),
     ([{"input_ids": np.array([1.5, 2.0])}], "example 0: input_ids must hold integers"),
     ([{"input_ids": torch.tensor([1, 2])}, {"input_ids": [3, 4.5]}], "example 1: input_ids must hold integers"),
-    ([{"input_ids": [1, 2], "labels": np.array([1, 2])}, {"input_ids": [3, 4], "labels": [3, 4.5]}], "example 1: labels must hold integers"),
-    ([{"input_ids": [1, 2]}, {"input_ids": [1, 2], "completion_mask": torch.tensor([[1]])}], "example 1: completion_mask has 1 entries"),
+    ([{"input_ids": [1, 2], "labels": np.array([1, 2])}, {"input_ids": [3, 4], "labels": [3, 4.5]}],
+     "example 1: labels must hold integers"),
+    ([{"input_ids": [1, 2]}, {"input_ids": [1, 2], "completion_mask": torch.tensor([[1]])}],
+     "example 1: completion_mask has 1 entries"),
     ([{"input_ids": [1, 2], "labels": torch.tensor(5)}], r"example 0: labels has shape \[\]"),
     ([{"input_ids": [1, 2], "token_type_ids": [0, 0]}, {"input_ids": [3]}], "example 1 lacks 'token_type_ids'"),
-    ([{"input_ids": [1, 2], "attention_mask": [1, 1]}, {"input_ids": [3, 4], "attention_mask": [1, 0]}], "example 1: attention_mask has zeros"),
+    ([{"input_ids": [1, 2], "attention_mask": [1, 1]}, {"input_ids": [3, 4], "attention_mask": [1, 0]}],
+     "example 1: attention_mask has zeros"),
     ([{"input_ids": [1, 2], "seq_lengths": [3]}], r"example 0: seq_lengths \[3\] must be positive document lengths summing to its 2"),
     ([{"input_ids": [1, 2], "seq_lengths": [2, 0]}], "must be positive"),
     ([{"input_ids": [1, 2, 3], "position_ids": [0, 1, 0], "seq_lengths": [1, 2]}], "disagree with the documents"),
@@ -177,7 +181,8 @@ def test_planned_features_refuse_other_lengths():
 
 def _loader(plan, feats, workers, replicas, rank):
     sampler = TokenBudgetSampler(plan, seed=3, num_replicas=replicas, rank=rank)
-    return sampler, ResumableLoader(plan.dataset(feats), sampler, collate_fn=FlatteningCollator(train_all_tokens=True), num_workers=workers)
+    return sampler, ResumableLoader(plan.dataset(feats), sampler, collate_fn=FlatteningCollator(train_all_tokens=True),
+                                    num_workers=workers)
 
 
 def _bin_of(batch) -> tuple:
@@ -224,14 +229,16 @@ def test_plain_dataloader_with_workers_runs_ahead_resumable_does_not():
     feats = [{"input_ids": [e] * 10} for e in range(40)]
     plan = plan_bins(lengths, 20)
     s = TokenBudgetSampler(plan, seed=0)
-    it = iter(DataLoader(plan.dataset(feats), batch_sampler=s, collate_fn=FlatteningCollator(train_all_tokens=True), num_workers=2))
+    it = iter(DataLoader(plan.dataset(feats), batch_sampler=s, collate_fn=FlatteningCollator(train_all_tokens=True),
+                         num_workers=2))
     next(it)
     assert s.consumed > 1  # prefetched: what the workers took, not what the consumer received
     with pytest.raises(RuntimeError, match=r"num_workers=2 .* ResumableLoader\(dataset, sampler, num_workers=2"):
         s.state_dict()  # before: the count the workers fetched, as if received
     del it
     s = TokenBudgetSampler(plan, seed=0)
-    it = iter(ResumableLoader(plan.dataset(feats), s, collate_fn=FlatteningCollator(train_all_tokens=True), num_workers=2))
+    it = iter(ResumableLoader(plan.dataset(feats), s, collate_fn=FlatteningCollator(train_all_tokens=True),
+                              num_workers=2))
     next(it)
     assert s.state_dict()["consumed"] == 1
     del it
@@ -242,7 +249,8 @@ def test_break_and_continue_with_persistent_workers():
     lengths = np.random.default_rng(0).integers(1, 50, 100)
     feats = [{"input_ids": [e] * int(n)} for e, n in enumerate(lengths)]
     plan = plan_bins(lengths, 100)
-    make = lambda **kw: ResumableLoader(plan.dataset(feats), TokenBudgetSampler(plan, seed=1), collate_fn=FlatteningCollator(train_all_tokens=True), **kw)
+    make = lambda **kw: ResumableLoader(plan.dataset(feats), TokenBudgetSampler(plan, seed=1),
+                                        collate_fn=FlatteningCollator(train_all_tokens=True), **kw)
     ref = make()
     epochs = [[_bin_of(b) for b in ref] for _ in range(2)]
     loader = make(num_workers=2, persistent_workers=True)
@@ -274,13 +282,15 @@ def test_set_epoch_and_state_rules():
     assert (s.state_dict()["epoch"], s.state_dict()["consumed"]) == (1, 0)
     with pytest.raises(ValueError, match="seed=2 but this sampler has seed=9"):
         TokenBudgetSampler(plan, seed=9).load_state_dict(s.state_dict())
-    with pytest.raises(ValueError, match="num_replicas x grad_accum = 1 x 1 bins per optimizer step but this sampler serves 2 x 1"):
+    with pytest.raises(ValueError, match="num_replicas x grad_accum = 1 x 1 bins per "
+                                         "optimizer step but this sampler serves 2 x 1"):
         TokenBudgetSampler(plan, seed=2, num_replicas=2).load_state_dict(s.state_dict())
     with pytest.raises(ValueError, match="steps="):
         TokenBudgetSampler(plan_bins([5] * 10, 5), seed=2).load_state_dict(s.state_dict())
     with pytest.raises(ValueError, match="state lacks"): s.load_state_dict({"epoch": 0, "served": 1, "seed": 2})
     with pytest.raises(ValueError, match="outside"): s.load_state_dict({**s.state_dict(), "consumed": 10**6})
-    with pytest.raises(ValueError, match="rank 2 is outside num_replicas=2"): TokenBudgetSampler(plan, num_replicas=2, rank=2)
+    with pytest.raises(ValueError, match="rank 2 is outside num_replicas=2"):
+        TokenBudgetSampler(plan, num_replicas=2, rank=2)
 
 # ---------------------------------------------------------------- the planner does not grow with the capacity
 

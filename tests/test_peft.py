@@ -63,7 +63,8 @@ def test_doctor_measures_lora_models_and_flags_the_default_cache(packed, targets
 
 
 def test_the_gradients_compared_are_the_adapters_and_nonzero(packed):
-    "The doctor's gradient check is not vacuous for a PEFT model: the adapters' gradients are real and packed == padded."
+    """The doctor's gradient check is not vacuous for a PEFT model:
+    the adapters' gradients are real and packed == padded."""
     model = lora(tiny_model("llama"), EVERYWHERE)
     grads = {}
     for name, batch in (("packed", packed), ("padded", padded_twin(packed))):
@@ -95,7 +96,8 @@ def test_peft_model_without_task_type_and_merged_model(packed):
 
 
 def test_varlen_attention_under_peft_equals_padded_and_probes_clean(packed):
-    "`workbench_varlen` (its CPU reference path) set through the PeftModel reaches the base model and reads cu_seq_lens."
+    """`workbench_varlen` (its CPU reference path) set through the
+    PeftModel reaches the base model and reads cu_seq_lens."""
     model = lora(tiny_model("mistral"), EVERYWHERE)
     model.set_attn_implementation(VARLEN)  # forwarded to the transformers model inside
     assert unwrap(model)[1].config._attn_implementation == VARLEN
@@ -118,7 +120,8 @@ def test_bf16_base_with_fp32_adapters(packed):
 
 
 def test_gradient_checkpointing_with_peft(packed):
-    "Reentrant checkpointing under PEFT needs inputs that require grad (the embeddings are frozen): transformers' switch adds the hook."
+    """Reentrant checkpointing under PEFT needs inputs that require grad
+    (the embeddings are frozen): transformers' switch adds the hook."""
     def grads(checkpointing, hook):
         model = lora(tiny_model("llama"), EVERYWHERE).train()
         if checkpointing: model.activation_checkpointing_enable({"use_reentrant": True})
@@ -155,7 +158,8 @@ def test_lora_under_sp2_equals_one_process():
         adapters = 2 * 2 * len(case.lora) + len(case.lora_save)  # layers x (A, B) x modules, + lm_head's weight
         assert r["n_params"] == adapters, f"{case}: {r['n_params']} parameters got gradients, expected {adapters}"
         worst = max(r["logits"], r["loss"], r["grads"])
-        assert worst <= TOL[case.dtype], f"{case}: logits {r['logits']:.2e}, loss {r['loss']:.2e}, grads {r['grads']:.2e}"
+        assert worst <= TOL[case.dtype], (f"{case}: logits {r['logits']:.2e}, loss "
+                                          f"{r['loss']:.2e}, grads {r['grads']:.2e}")
 
 
 # ---------------------------------------------------------------- workbench.train --lora-r: adapters only, saved as PEFT
@@ -198,11 +202,14 @@ def test_train_lora_sp2_sharded_equals_one_process_and_saves_a_peft_adapter(tmp_
 
 
 @pytest.mark.parametrize("method", ["prefix", "prompt"])
-@pytest.mark.filterwarnings("ignore:Position ids are not supported:UserWarning",  # peft's own words on what the doctor fails
+# peft's own words on what the doctor fails
+@pytest.mark.filterwarnings("ignore:Position ids are not supported:UserWarning",
                             "ignore:`past_key_values` is deprecated:FutureWarning")  # peft's prefix -> transformers
 def test_prompt_learning_adapters_are_refused_with_the_reason(packed, method):
-    "Prefix / prompt tuning add virtual tokens per row, not per packed example: the doctor fails them and names the fix."
-    config = (peft.PrefixTuningConfig if method == "prefix" else peft.PromptTuningConfig)(num_virtual_tokens=4, task_type="CAUSAL_LM")
+    """Prefix / prompt tuning add virtual tokens per row, not per
+    packed example: the doctor fails them and names the fix."""
+    config = (peft.PrefixTuningConfig if method == "prefix"
+              else peft.PromptTuningConfig)(num_virtual_tokens=4, task_type="CAUSAL_LM")
     report = check_packing(peft.get_peft_model(tiny_model("llama"), config), packed, NO_CACHE)
     finding = report["PEFT adapter packs"]
     assert not report.clean and finding.status == "fail" and "PaddingCollator" in finding.fix, report

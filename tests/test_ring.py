@@ -34,11 +34,14 @@ F64 = [Case("llama", "sdpa", dtype="float64"),                  # MHA, 203 FLAN-
        Case("qwen2", "sdpa", dtype="float64"),                  # GQA, 2 kv heads
        Case("mistral", "sdpa", dtype="float64"),                # GQA + sliding window 16
        Case("qwen2", "sdpa", packed=False, dtype="float64"),    # one document spanning every shard
-       Case("llama", "sdpa", packed=False, dtype="float64", tokens=3)]  # fewer tokens than processes: shards of padding only
+       # fewer tokens than processes: shards of padding only
+       Case("llama", "sdpa", packed=False, dtype="float64", tokens=3)]
 F32 = [Case("qwen2", "eager"), Case("mistral", "sdpa"),
-       Case("llama", "sdpa", checkpointing=True),  # layers recomputed in backward: the ring and the all-to-alls run again
+       # layers recomputed in backward: the ring and the all-to-alls run again
+       Case("llama", "sdpa", checkpointing=True),
        Case("qwen2", "sdpa", dtype="bfloat16")]    # bf16 blocks travel as bf16, statistics in fp32
-TOL = {"float32": 1e-5, "float64": 1e-10, "bfloat16": 3e-2}  # bf16: as close as two bf16 kernels get (measured ≤ 1.3e-2)
+# bf16: as close as two bf16 kernels get (measured ≤ 1.3e-2)
+TOL = {"float32": 1e-5, "float64": 1e-10, "bfloat16": 3e-2}
 # Per-step fp32 training losses (about 9 here) against one process: within 1e-6 relative, about 8 fp32 ulps. The ring
 # reorders the softmax sums: the fused kernel's 2x2 run lands 1 ulp away on one build box and 2 ulps (1.9e-6) on another
 # (AMD EPYC); the same run with documents ignored (a cross-document leak) lands 3.7e-4 relative away.
@@ -62,7 +65,8 @@ def _jobs(jobs: list) -> list:
 
 
 def _one_thread(fn, *args):
-    "The reference as the launched ranks compute it: one thread, so the same summation order (losses equal to the last ulp)."
+    """The reference as the launched ranks compute it: one thread,
+    so the same summation order (losses equal to the last ulp)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try: return fn(*args)
@@ -76,14 +80,20 @@ def _references(cases, dps):
 def assert_ring_results(results: list, n_expected: int):
     assert len(results) == n_expected
     for r in results:
-        tol, where = TOL[r["case"].dtype], f"{r['case']} at ulysses={r['ulysses']}, ring={r['ring']}, dp={r['dp']}, {r['strategy']}, {r['kernel']} kernel, rank {r['rank']}"
+        tol, where = TOL[r["case"].dtype], (f"{r['case']} at ulysses={r['ulysses']}, ring={r['ring']}, "
+                                            f"dp={r['dp']}, {r['strategy']}, {r['kernel']} kernel, rank {r['rank']}")
         assert r["n_params"] >= 21, f"{where}: only {r['n_params']} parameters got gradients"
         assert max(r["logits"], r["loss"], r["grads"]) <= tol, (
-            f"{where}: relative error logits {r['logits']:.2e}, loss {r['loss']:.2e}, gradients {r['grads']:.2e} > {tol}")
-        assert r["p2p"] == r["p2p_formula"], f"{where}: sent {r['p2p']} elements (forward, backward), formula {r['p2p_formula']}"
-        assert r["p2p_bytes"][0] == r["p2p"][0] * getattr(torch, r["case"].dtype).itemsize, f"{where}: blocks left their dtype"
-        assert r["a2a"] == r["a2a_formula"], f"{where}: all-to-all {r['a2a']} elements (forward, backward), formula {r['a2a_formula']}"
-        assert r["skipped"] == r["skipped_predicted"], f"{where}: skipped {r['skipped']} block pairs, counted {r['skipped_predicted']}"
+            f"{where}: relative error logits {r['logits']:.2e}, loss "
+            f"{r['loss']:.2e}, gradients {r['grads']:.2e} > {tol}")
+        assert r["p2p"] == r["p2p_formula"], (f"{where}: sent {r['p2p']} elements (forward, "
+                                              f"backward), formula {r['p2p_formula']}")
+        assert r["p2p_bytes"][0] == r["p2p"][0] * getattr(torch, r["case"].dtype).itemsize, (
+            f"{where}: blocks left their dtype")
+        assert r["a2a"] == r["a2a_formula"], (f"{where}: all-to-all {r['a2a']} elements "
+                                              f"(forward, backward), formula {r['a2a_formula']}")
+        assert r["skipped"] == r["skipped_predicted"], (f"{where}: skipped {r['skipped']} block "
+                                                        f"pairs, counted {r['skipped_predicted']}")
 
 
 def rows(n=3):
@@ -122,7 +132,8 @@ def test_layouts_listed_and_bad_pairs_refused():
 
 
 def test_one_block_equals_sdpa_across_families_or_refuses_by_name():
-    "A ring of one block is plain exact attention: other families' attention modules (norms, windows, biases) fit the seam."
+    """A ring of one block is plain exact attention: other families'
+    attention modules (norms, windows, biases) fit the seam."""
     row = rows(1)[0]
     keys = ("input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
     for family in ("gemma3", "phi3", "olmo2", "qwen3", "starcoder2"):
@@ -145,7 +156,8 @@ def test_every_plan_is_a_permutation_and_shards_undo(parts, strategy):
     assert n >= 203 and torch.equal(plan.flatten().sort().values, torch.arange(n))
     shards = [ring_shard(batch, plan, s) for s in range(parts)]
     assert torch.equal(unshard([s["input_ids"] for s in shards], plan, 203), row["input_ids"])
-    assert torch.equal(unshard([s["position_ids"] for s in shards], plan, 203), row["position_ids"])  # global positions travel
+    # global positions travel
+    assert torch.equal(unshard([s["position_ids"] for s in shards], plan, 203), row["position_ids"])
     assert torch.equal(unshard([s["shift_labels"] for s in shards], plan, 203), shift_labels(row["labels"])[:, :203])
     assert (unshard([s["shift_labels"] for s in shards], plan)[:, 203:] == -100).all()  # the padding trains nothing
     assert {s["num_items_in_batch"] for s in shards} == {int((row["labels"][0, 1:] != -100).sum())}
@@ -158,8 +170,10 @@ def test_shards_refuse_what_they_cannot_cut():
         ring_shard(row, torch.arange(203).flip(0)[:200].view(4, 50), 0)
     dup = torch.arange(204).view(4, 51).clone(); dup[0, 0] = 1
     with pytest.raises(ValueError, match="exactly once"): ring_shard(plan_row(row, 4, "contiguous")[0], dup, 0)
-    with pytest.raises(ValueError, match="outside a plan of 4 shards"): ring_shard(plan_row(row, 4, "contiguous")[0], contiguous_plan(204, 4), 4)
-    with pytest.raises(ValueError, match="ring blocks of ulysses=3"): ring_shard(plan_row(row, 4, "contiguous")[0], contiguous_plan(204, 4), 0, 3)
+    with pytest.raises(ValueError, match="outside a plan of 4 shards"):
+        ring_shard(plan_row(row, 4, "contiguous")[0], contiguous_plan(204, 4), 4)
+    with pytest.raises(ValueError, match="ring blocks of ulysses=3"):
+        ring_shard(plan_row(row, 4, "contiguous")[0], contiguous_plan(204, 4), 0, 3)
     with pytest.raises(ValueError, match="attention_mask"):
         ring_shard({**row, "attention_mask": torch.ones_like(row["input_ids"])}, contiguous_plan(203, 1), 0)
     with pytest.raises(ValueError, match="choose one of"): plan_row(row, 2, "random")
@@ -174,7 +188,8 @@ def test_skipped_pairs_predicted_from_the_plan():
     one_doc = documents(torch.tensor([0, 160]))
     assert int((~block_pairs(contiguous_plan(160, 4), one_doc)).sum()) == 6              # causality alone
     assert int((~block_pairs(zigzag_plan(160, 4), one_doc)).sum()) == 0                  # zigzag: every pair works
-    assert int((~block_pairs(contiguous_plan(160, 4), one_doc, window=16)).sum()) == 9   # window: a block and the one before
+    # window: a block and the one before
+    assert int((~block_pairs(contiguous_plan(160, 4), one_doc, window=16)).sum()) == 9
 
 
 def test_document_aware_sharding_balances_flan_like_rows():
@@ -191,7 +206,8 @@ def test_document_aware_sharding_balances_flan_like_rows():
 
 # ---------------------------------------------------------------- equivalence: 2 and 4 processes, one launch each
 
-FUSED = [0, 1, 2, 3, 4]  # of F64: MHA, GQA, a sliding window (its band as the calls' masks), one document over every shard, padding-only shards
+# of F64: MHA, GQA, a sliding window (its band as the calls' masks), one document over every shard, padding-only shards
+FUSED = [0, 1, 2, 3, 4]
 
 
 def test_ring_of_two_equals_one_process():
@@ -201,10 +217,12 @@ def test_ring_of_two_equals_one_process():
     fused = [cases[i] for i in FUSED]
     jobs = [(check_ring, (cases, [(1, 2)], PLANS, refs)),
             (check_ring, (fused, [(1, 2)], PLANS, {1: [refs[1][i] for i in FUSED]}, "fused"))]
-    plain_results, fused_results = zip(*launch(_jobs, jobs, num_processes=2, cpu=True, quiet=True, timeout_s=120, deadline_s=240))
+    plain_results, fused_results = zip(*launch(_jobs, jobs, num_processes=2, cpu=True, quiet=True, timeout_s=120,
+                                               deadline_s=240))
     checks = [r for rank in plain_results for r in rank]
     assert_ring_results(checks, 2 * len(PLANS) * len(cases))
-    assert any(r["skipped_predicted"] > 0 for r in checks)  # the skips are checked where there are some (contiguous shards)
+    # the skips are checked where there are some (contiguous shards)
+    assert any(r["skipped_predicted"] > 0 for r in checks)
     fused_checks = [r for rank in fused_results for r in rank]
     assert_ring_results(fused_checks, 2 * len(PLANS) * len(fused))
     assert {r["kernel"] for r in fused_checks} == {"fused"} and any(r["skipped"] > 0 for r in fused_checks)
@@ -214,14 +232,18 @@ def test_ring_of_four_hybrid_2x2_and_training_equal_one_process():
     f64_layouts = [(1, 4), (2, 2), (4, 1)]  # (4, 1): qwen2's 2 kv heads fewer than the Ulysses degree
     rows3 = rows(3)
     f32_model, f64_model = partial(two_heads, dtype=torch.float32), partial(two_heads, dtype=torch.float64)
-    train = [(1, 4), (2, 2)]  # a 2-head, 1-kv-head model Ulysses alone cannot run at SP=4; (2, 2) replicates the kv head
+    # a 2-head, 1-kv-head model Ulysses alone cannot run at SP=4; (2, 2) replicates the kv head
+    train = [(1, 4), (2, 2)]
     jobs = [(check_ring, (F64, f64_layouts, ("balanced",), _references(F64, [1]))),
             (check_ring, (F64[:2] + F32, [(1, 2)], ("zigzag",), _references(F64[:2] + F32, [2]))),  # DP 2 x ring 2
             *[(ring_losses, (f32_model, rows3, layout)) for layout in train],
             *[(ring_losses, (f64_model, rows3[:1], layout)) for layout in train],
-            (check_ring, (F64[:3], [(1, 4), (2, 2)], ("balanced",), _references(F64[:3], [1]), "fused")),  # fused: ring 4, 2 x 2
-            (check_ring, (F64[:2], [(1, 2)], ("zigzag",), _references(F64[:2], [2]), "fused")),            # fused: DP 2 x ring 2
-            (ring_losses, (f32_model, rows3, (1, 4), "balanced", 1e-2, "fused"))]                          # fused: training
+            # fused: ring 4, 2 x 2
+            (check_ring, (F64[:3], [(1, 4), (2, 2)], ("balanced",), _references(F64[:3], [1]), "fused")),
+            # fused: DP 2 x ring 2
+            (check_ring, (F64[:2], [(1, 2)], ("zigzag",), _references(F64[:2], [2]), "fused")),
+            # fused: training
+            (ring_losses, (f32_model, rows3, (1, 4), "balanced", 1e-2, "fused"))]
     per_rank = launch(_jobs, jobs, num_processes=4, cpu=True, quiet=True, timeout_s=120, deadline_s=300)
     checks = [r for rank in per_rank for job in rank[:2] for r in job]
     assert_ring_results(checks, 4 * (len(F64) * len(f64_layouts) + len(F64[:2] + F32)))
@@ -242,11 +264,13 @@ def test_ring_of_four_hybrid_2x2_and_training_equal_one_process():
 # ---------------------------------------------------------------- workbench.train: --ring
 
 def _torchrun_nodes(port: int, args: list, timeout: float = 240) -> list[str]:
-    "Two `torchrun --nnodes 2 --node_rank {0,1}` invocations of 2 processes each on 127.0.0.1; their outputs (the trees ended on a timeout)."
+    """Two `torchrun --nnodes 2 --node_rank {0,1}` invocations of 2 processes
+    each on 127.0.0.1; their outputs (the trees ended on a timeout)."""
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(n),
-                               "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(port), *args],
+                               "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(port),
+                               *args],
                               cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               start_new_session=True) for n in (0, 1)]
     try:
@@ -266,31 +290,39 @@ def test_train_ring_from_the_notebook_launcher_torchrun_nodes_and_accelerate_equ
     common = dict(model="qwen2", data="orca_like", steps=2, max_tokens=512)
     one = run(TrainConfig(**common, out=str(tmp_path / "one")))
     hybrid = run(TrainConfig(**common, sp=2, ring=2, ring_kernel="plain", out=str(tmp_path / "hybrid")))
-    logs = _torchrun_nodes(free_port(), ["-m", "workbench.train", "--sp", "2", "--ring", "2", "--ring-kernel", "fused", "--dp", "1", "--model", "qwen2",
-                                         "--data", "orca_like", "--steps", "2", "--max-tokens", "512", "--out", str(tmp_path / "nodes")])
+    logs = _torchrun_nodes(free_port(), ["-m", "workbench.train", "--sp", "2", "--ring", "2", "--ring-kernel", "fused",
+                                         "--dp", "1", "--model", "qwen2",
+                                         "--data", "orca_like", "--steps", "2", "--max-tokens", "512", "--out",
+                                         str(tmp_path / "nodes")])
     nodes = json.loads(logs[0].strip().splitlines()[-1])["losses"]  # global rank 0 (node 0) prints the losses
     accel = run_tree([sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "4", "-m",
-                      "workbench.train", "--sp", "2", "--ring", "2", "--nproc", "4", "--model", "qwen2", "--data", "orca_like",
-                      "--steps", "2", "--max-tokens", "512", "--out", str(tmp_path / "accelerate")],
+                      "workbench.train", "--sp", "2", "--ring", "2", "--nproc", "4", "--model", "qwen2", "--data",
+                      "orca_like", "--steps", "2", "--max-tokens", "512", "--out", str(tmp_path / "accelerate")],
                      timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})  # accelerate's workers: torchrun's
     assert accel.returncode == 0, accel.stderr[-3000:]
     accelerated = json.loads(accel.stdout.strip().splitlines()[-1])["losses"]
-    assert len(one) == len(hybrid) == len(nodes) == len(accelerated) == 2 and min(one) > 1  # two steps that train something
+    # two steps that train something
+    assert len(one) == len(hybrid) == len(nodes) == len(accelerated) == 2 and min(one) > 1
     for got in (hybrid, nodes, accelerated):
         assert close_losses(got, one), (got, one)
     metrics = [json.loads(l) for l in (tmp_path / "hybrid" / "metrics.jsonl").read_text().splitlines()]
     assert {m["rank"] for m in metrics} == {0, 1, 2, 3}
     for step in (0, 1):  # every real token on exactly one rank: the ranks' tokens add up to one process's
         mine = sum(m["tokens"] for m in metrics if m["step"] == step)
-        assert mine == sum(m["tokens"] for m in (json.loads(l) for l in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines())
+        assert mine == sum(m["tokens"] for m in (json.loads(l)
+                                                 for l in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines())
                            if m["step"] == step)
     saved = json.loads((tmp_path / "hybrid" / "config.json").read_text())
-    assert saved["ring"] == 2 and saved["ring_kernel"] == "plain" and saved["predicted"]["step_s"] > 0  # predicted (workbench.cost)
+    # predicted (workbench.cost)
+    assert saved["ring"] == 2 and saved["ring_kernel"] == "plain" and saved["predicted"]["step_s"] > 0
     assert json.loads((tmp_path / "accelerate" / "config.json").read_text())["ring_kernel"] == "fused"  # auto, on CPU
-    assert "expected_peak_bytes" in saved and saved["expected_peak_bytes"] is None  # fp32: the planner models bf16/fp16 only
+    # fp32: the planner models bf16/fp16 only
+    assert "expected_peak_bytes" in saved and saved["expected_peak_bytes"] is None
     assert TrainConfig(sp=2, ring=2, dp=2).world == 8
-    for bad, words in ((dict(ring=2, loss_chunk=64), "ring (--ring) > 1"), (dict(ring=2, attn="eager"), "ring (--ring) > 1"),
-                       (dict(ring=2, shard=True), "ring (--ring) > 1"), (dict(ring=0), "ring (--ring) must be an integer >= 1"),
+    for bad, words in ((dict(ring=2, loss_chunk=64), "ring (--ring) > 1"),
+                       (dict(ring=2, attn="eager"), "ring (--ring) > 1"),
+                       (dict(ring=2, shard=True), "ring (--ring) > 1"), (dict(ring=0),
+                                                                         "ring (--ring) must be an integer >= 1"),
                        (dict(ring=2, ring_kernel="flash"), "is not one of ('auto', 'plain', 'fused')"),
                        (dict(ring_kernel="fused"), "this run has no ring")):
         with pytest.raises(ValueError, match=re.escape(words)): TrainConfig(**bad)
@@ -301,12 +333,14 @@ def test_train_ring_from_the_notebook_launcher_torchrun_nodes_and_accelerate_equ
     with pytest.raises(ValueError, match=r"ulysses=8 does not suit.*layouts of SP=16 that work: \[\(1, 16\), \(2, 8\), \(4, 4\)\]"):
         run(TrainConfig(model="qwen2", sp=8, ring=2, steps=1, out=str(tmp_path / "bad")))  # refused before any fork
     assert not (tmp_path / "bad").exists()
-    nodes_config = json.loads((tmp_path / "nodes" / "config.json").read_text())  # fused in fp32: its calls predicted, its peak not planned (bf16 only)
+    # fused in fp32: its calls predicted, its peak not planned (bf16 only)
+    nodes_config = json.loads((tmp_path / "nodes" / "config.json").read_text())
     assert nodes_config["ring_kernel"] == "fused" and nodes_config["expected_peak_bytes"] is None and nodes_config["predicted"]["step_s"] > 0
 
 
 def test_training_runs_the_configured_ring_kernel_and_refuses_fused_in_fp32_on_a_gpu(tmp_path, monkeypatch):
-    "--ring-kernel reaches the ring (a spy in place of ring_forward); on CUDA 'fused' in fp32 is refused before any process starts."
+    """--ring-kernel reaches the ring (a spy in place of ring_forward);
+    on CUDA 'fused' in fp32 is refused before any process starts."""
     from workbench.config import TrainConfig
     from workbench.train import forward_backward, run
     seen = []  # the training step hands the configured kernel to the ring (a spy in place of ring_forward)
@@ -316,12 +350,15 @@ def test_training_runs_the_configured_ring_kernel_and_refuses_fused_in_fp32_on_a
             m.setattr("workbench.sp.layout.ring_forward", spy)
             forward_backward(None, [{"num_items_in_batch": 1}], None, TrainConfig(ring=2, ring_kernel=kernel))
     assert seen == list(KERNELS)
-    with monkeypatch.context() as m:  # CUDA's flash kernel computes in bf16: an fp32 run is refused before any process starts
+    # CUDA's flash kernel computes in bf16: an fp32 run is refused before any process starts
+    with monkeypatch.context() as m:
         m.setattr("workbench.train.rank_device", lambda: torch.device("cuda", 0))
         with pytest.raises(ValueError, match=r"'fused' runs CUDA's flash attention, which computes in bfloat16, and this run trains in float32"):
-            run(TrainConfig(model="qwen2", ring=2, ring_kernel="fused", dtype="float32", steps=1, out=str(tmp_path / "gpu")))
+            run(TrainConfig(model="qwen2", ring=2, ring_kernel="fused", dtype="float32", steps=1,
+                            out=str(tmp_path / "gpu")))
         with pytest.raises(ValueError, match=r"'fused' has no sliding window on CUDA yet and this model's layers use one"):
-            run(TrainConfig(model="mistral", ring=2, ring_kernel="fused", dtype="bfloat16", steps=1, out=str(tmp_path / "gpu")))
+            run(TrainConfig(model="mistral", ring=2, ring_kernel="fused", dtype="bfloat16", steps=1,
+                            out=str(tmp_path / "gpu")))
     assert not (tmp_path / "gpu").exists()
 
 
@@ -353,25 +390,31 @@ def test_cost_balanced_steps_with_a_ring_train_as_without_it(tmp_path):
 
 
 def _flash_varlen_emulated(q, k, v, cu_q, cu_k, max_q, max_k, dropout, causal, debug, *, scale):
-    "CUDA's varlen flash forward in plain products, per sequence: `[T, H, D]` in, out `[T, H, D]` and log-sum-exp `[H, T]`."
+    """CUDA's varlen flash forward in plain products, per sequence:
+    `[T, H, D]` in, out `[T, H, D]` and log-sum-exp `[H, T]`."""
     outs, lses = [], []
-    for (q0, q1), (k0, k1) in zip(zip(cu_q[:-1].tolist(), cu_q[1:].tolist()), zip(cu_k[:-1].tolist(), cu_k[1:].tolist())):
+    for (q0, q1), (k0, k1) in zip(zip(cu_q[:-1].tolist(), cu_q[1:].tolist()),
+                                  zip(cu_k[:-1].tolist(), cu_k[1:].tolist())):
         s = torch.einsum("qhd,khd->hqk", q[q0:q1], k[k0:k1]) * scale
         if causal:  # bottom-right aligned, as flash-attn's causal mask for q_len != k_len
-            s = s.masked_fill(torch.ones(q1 - q0, k1 - k0, dtype=torch.bool).tril(k1 - k0 - (q1 - q0)).logical_not(), float("-inf"))
+            s = s.masked_fill(torch.ones(q1 - q0, k1 - k0, dtype=torch.bool).tril(k1 - k0 - (q1 - q0)).logical_not(),
+                              float("-inf"))
         lse = torch.logsumexp(s, -1)
         outs.append(torch.einsum("hqk,khd->qhd", torch.exp(s - lse[..., None]), v[k0:k1]))
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses, 1), None, None, None
 
 
-def _flash_varlen_backward_emulated(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout, causal, rng, unused, *, scale):
+def _flash_varlen_backward_emulated(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, dropout, causal, rng, unused, *,
+                                    scale):
     "Its backward from the given (merged) out and log-sum-exp, as flash computes it."
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for (q0, q1), (k0, k1) in zip(zip(cu_q[:-1].tolist(), cu_q[1:].tolist()), zip(cu_k[:-1].tolist(), cu_k[1:].tolist())):
+    for (q0, q1), (k0, k1) in zip(zip(cu_q[:-1].tolist(), cu_q[1:].tolist()),
+                                  zip(cu_k[:-1].tolist(), cu_k[1:].tolist())):
         s = torch.einsum("qhd,khd->hqk", q[q0:q1], k[k0:k1]) * scale
         if causal:
-            s = s.masked_fill(torch.ones(q1 - q0, k1 - k0, dtype=torch.bool).tril(k1 - k0 - (q1 - q0)).logical_not(), float("-inf"))
+            s = s.masked_fill(torch.ones(q1 - q0, k1 - k0, dtype=torch.bool).tril(k1 - k0 - (q1 - q0)).logical_not(),
+                              float("-inf"))
         p = torch.exp(s - lse[:, q0:q1, None])
         do, o = dout[q0:q1], out[q0:q1]
         dv[k0:k1] = torch.einsum("hqk,qhd->khd", p, do)
@@ -399,7 +442,8 @@ def test_the_cuda_varlen_path_gathers_offsets_and_merges_as_the_cpu_path(monkeyp
         grads = [torch.zeros_like(q) for _ in range(3)]
         for rows in blocks:
             o, l = out[:, :, rows], lse[:, :, rows]
-            for cols in blocks: forward(q[:, :, rows], k[:, :, cols], v[:, :, cols], ring_module.fused_calls(rows, cols, doc), 8 ** -0.5, o, l)
+            for cols in blocks: forward(q[:, :, rows], k[:, :, cols], v[:, :, cols],
+                                        ring_module.fused_calls(rows, cols, doc), 8 ** -0.5, o, l)
             out[:, :, rows], lse[:, :, rows] = o, l
         for rows in blocks:
             dq = torch.zeros_like(q[:, :, rows])
@@ -412,7 +456,8 @@ def test_the_cuda_varlen_path_gathers_offsets_and_merges_as_the_cpu_path(monkeyp
             grads[0][:, :, rows] = dq
         results[path] = [out, lse, *grads]
     whole_keys = ring_module.varlen_calls(ring_module.fused_calls(blocks[1], blocks[0], doc), "cpu")[0][1]
-    assert len(whole_keys.unique()) < len(whole_keys)  # key rows gathered twice: their gradients must add, not overwrite
+    # key rows gathered twice: their gradients must add, not overwrite
+    assert len(whole_keys.unique()) < len(whole_keys)
     for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), results["cpu"], results["cuda"]):
         assert (a - b).abs().max() < 1e-12, name
 

@@ -39,17 +39,22 @@ HEAD_DIM = 16
 MEMORY_CASES = {2: [(1, 2, 4, 4), (1, 2, 4, 2)],   # world size -> (ulysses, ring, heads, kv heads): MHA, GQA
                 4: [(1, 4, 4, 1), (2, 2, 4, 1)]}   # ring of 4 (MQA); hybrid 2 x 2 (the kv head replicated over Ulysses)
 N_TOKENS = 256  # tokens of the row (ring blocks of 128 or 64)
-TILE = 40  # query rows per tile in the tiled case (at least 2 x head_dim): blocks of 128 or 64 rows in 4 or 2 tiles, the last one short
-SHORT = 48  # tokens of a short row: blocks of 24 or 12 rows, shorter than 2 x head_dim (a product, not the scores, sets the peak)
+# query rows per tile in the tiled case (at least 2 x head_dim):
+# blocks of 128 or 64 rows in 4 or 2 tiles, the last one short
+TILE = 40
+# tokens of a short row: blocks of 24 or 12 rows, shorter than 2 x head_dim (a product, not the scores, sets the peak)
+SHORT = 48
 LENGTHS = [150, 33, 1, 90, 64]  # a packed row: some block pairs are skipped, so ranks differ in work
 FUSED_ROWS = {  # the fused kernel's rows: (plan, packed lengths or None for one document, sliding window, row tokens)
     "zigzag": ("zigzag", None, None, N_TOKENS), "contiguous": ("contiguous", None, None, N_TOKENS),
     "packed": ("balanced", LENGTHS, None, N_TOKENS), "short": ("balanced", [3] * 60 + [16], None, N_TOKENS),
     "windowed": ("zigzag", None, 16, N_TOKENS), "windowed packed": ("balanced", LENGTHS, 16, N_TOKENS),
     "long window": ("zigzag", None, 300, 2048)}  # a band's mask, built beside the block, sets the peak
-COMM_CASES = {2: [(1, 2, "qwen2", False, "plain"), (1, 2, "qwen2", False, "fused")],  # (ulysses, ring, family, checkpointing, kernel)
+# (ulysses, ring, family, checkpointing, kernel)
+COMM_CASES = {2: [(1, 2, "qwen2", False, "plain"), (1, 2, "qwen2", False, "fused")],
               4: [(1, 4, "qwen2", False, "plain"), (2, 2, "qwen2", True, "plain"), (2, 2, "llama", False, "plain"),
-                  (2, 2, "qwen2", True, "fused"), (1, 4, "mistral", False, "fused")]}  # mistral: its sliding window in the calls
+                  # mistral: its sliding window in the calls
+                  (2, 2, "qwen2", True, "fused"), (1, 4, "mistral", False, "fused")]}
 
 
 def _shape(heads, kv_heads) -> Shape:
@@ -58,23 +63,28 @@ def _shape(heads, kv_heads) -> Shape:
 
 
 def _row(u, r, plan, n_tokens=N_TOKENS, lengths=None):
-    "The ring blocks `[r, m]` and every token's document: one document of `n_tokens` under `plan`, or `lengths` packed under `plan`."
+    """The ring blocks `[r, m]` and every token's document: one document
+    of `n_tokens` under `plan`, or `lengths` packed under `plan`."""
     if lengths is None:
         index = zigzag_plan(n_tokens, u * r) if plan == "zigzag" else contiguous_plan(n_tokens, u * r)
         return index.reshape(r, -1), documents(torch.tensor([0, n_tokens]))
-    padded, index = plan_row(FlatteningCollator(train_all_tokens=True)([{"input_ids": [1] * n} for n in lengths]), u * r, plan)
+    padded, index = plan_row(FlatteningCollator(train_all_tokens=True)([{"input_ids": [1] * n} for n in lengths]),
+                             u * r, plan)
     return index.reshape(r, -1), documents(padded["cu_seq_lens_q"])
 
 
-def _attention_bytes(u, r, heads, kv_heads, plan, tile=QUERY_TILE, n_tokens=N_TOKENS, kernel="plain", lengths=None, window=None):
-    "One ring_attend call on this rank as the hybrid layout hands it (heads already exchanged), bf16: its peak live bytes."
+def _attention_bytes(u, r, heads, kv_heads, plan, tile=QUERY_TILE, n_tokens=N_TOKENS, kernel="plain", lengths=None,
+                     window=None):
+    """One ring_attend call on this rank as the hybrid layout hands
+    it (heads already exchanged), bf16: its peak live bytes."""
     grid = ParallelGrid.build(u, r)
     g = torch.Generator().manual_seed(dist.get_rank())
     index, doc = _row(u, r, plan, n_tokens, lengths)  # made outside, as the layer makes the documents before attention
     m = index.shape[1]
     q = torch.randn(1, heads // u, m, HEAD_DIM, generator=g).bfloat16().requires_grad_()
     k, v = (torch.randn(1, max(kv_heads, u) // u, m, HEAD_DIM, generator=g).bfloat16().requires_grad_() for _ in "kv")
-    w = torch.randn(q.shape, generator=g).bfloat16()  # made outside: (out * w).sum() hands the ring a fresh bf16 gradient
+    # made outside: (out * w).sum() hands the ring a fresh bf16 gradient
+    w = torch.randn(q.shape, generator=g).bfloat16()
     with LiveBytes() as lb:
         (ring_attend(q, k, v, index, doc, grid.group("ring"), tile=tile, window=window, kernel=kernel) * w).sum().backward()
     return lb.peak - 4  # less the test's own bf16 scalar loss and its seed gradient (2 bytes each)
@@ -95,12 +105,14 @@ def _step(u, r, family, checkpointing, kernel):
 
 def _rank(world):
     torch.set_num_threads(1)
-    memory = {(case, plan): _attention_bytes(*case, plan) for case in MEMORY_CASES[world] for plan in ("zigzag", "contiguous")}
+    memory = {(case, plan): _attention_bytes(*case, plan)
+              for case in MEMORY_CASES[world] for plan in ("zigzag", "contiguous")}
     memory.update({(case, "tiled"): _attention_bytes(*case, "zigzag", tile=TILE) for case in MEMORY_CASES[world]})
     memory.update({(case, "short"): _attention_bytes(*case, "zigzag", n_tokens=SHORT) for case in MEMORY_CASES[world]})
     for case in MEMORY_CASES[world]:
         for name, (plan, lengths, window, n_tokens) in FUSED_ROWS.items():
-            memory[case, "fused", name] = _attention_bytes(*case, plan, n_tokens=n_tokens, kernel="fused", lengths=lengths, window=window)
+            memory[case, "fused", name] = _attention_bytes(*case, plan, n_tokens=n_tokens, kernel="fused",
+                                                           lengths=lengths, window=window)
         memory[case, "ring rank"] = ParallelGrid.build(*case[:2]).rank("ring")
     return memory, {case: _step(*case) for case in COMM_CASES[world]}
 
@@ -119,7 +131,8 @@ def test_ring_attention_bytes_equal_live_bytes(measured):
             zigzag = [memory[(u, r, heads, kv), "zigzag"] for memory, _ in ranks]
             contiguous = [memory[(u, r, heads, kv), "contiguous"] for memory, _ in ranks]
             assert zigzag == [planned] * world, (u, r, heads, kv, zigzag, planned)
-            assert max(contiguous) == planned and min(contiguous) < planned  # the first ring rank skips pairs: holds less
+            # the first ring rank skips pairs: holds less
+            assert max(contiguous) == planned and min(contiguous) < planned
             tiled = sum(ring_attention_bytes(_shape(heads, kv), N_TOKENS // (u * r), u, r, tile=TILE).values())
             assert [memory[(u, r, heads, kv), "tiled"] for memory, _ in ranks] == [tiled] * world and tiled < planned
             short = sum(ring_attention_bytes(_shape(heads, kv), SHORT // (u * r), u, r).values())
@@ -137,24 +150,28 @@ def test_fused_ring_bytes_equal_live_bytes(measured):
                 shape = replace(_shape(heads, kv), window=window)
                 index, doc = _row(u, r, plan, n_tokens, lengths)
                 n = index.numel() // (u * r)
-                bound = sum(ring_attention_bytes(shape, n, u, r, kernel="fused").values())  # the largest calls at every step
+                # the largest calls at every step
+                bound = sum(ring_attention_bytes(shape, n, u, r, kernel="fused").values())
                 measured_bytes = []
                 for memory, _ in ranks:
                     plans = ring_plans(index, doc, memory[(u, r, heads, kv), "ring rank"], window=window)
                     planned = sum(ring_attention_bytes(shape, n, u, r, kernel="fused", plans=plans).values())
                     measured_bytes.append(memory[(u, r, heads, kv), "fused", name])
-                    assert measured_bytes[-1] == planned <= bound, (u, r, heads, kv, name, measured_bytes[-1], planned, bound)
+                    assert measured_bytes[-1] == planned <= bound, (u, r, heads, kv, name, measured_bytes[-1], planned,
+                                                                    bound)
                 if name == "contiguous": assert max(measured_bytes) == bound, (u, r, heads, kv, measured_bytes, bound)
 
 
 def test_comm_bytes_and_flops_equal_the_dispatcher(measured):
     for world, ranks in measured.items():
         for u, r, family, ck, kernel in COMM_CASES[world]:
-            cost = step_cost(tiny_config(family), [LENGTHS], sp=u, ring=r, levers=Levers(checkpointing=ck), dtype_bytes=4, ring_kernel=kernel)
+            cost = step_cost(tiny_config(family), [LENGTHS], sp=u, ring=r, levers=Levers(checkpointing=ck),
+                             dtype_bytes=4, ring_kernel=kernel)
             steps = [s[u, r, family, ck, kernel] for _, s in ranks]
             for s in steps:  # every rank sends the same: its blocks, its gradients, its all-to-alls
                 assert s["p2p_bytes"] == cost.bytes["ring"] and s["a2a"] * 4 == cost.bytes["all-to-all"], (u, r, family, s, cost.bytes)
-            assert max(s["flops"] for s in steps) == cost.total, (u, r, family, kernel, [s["flops"] for s in steps], cost.total)
+            assert max(s["flops"] for s in steps) == cost.total, (u, r, family, kernel, [s["flops"] for s in steps],
+                                                                  cost.total)
             assert cost.bytes["all-to-all"] > 0 if u > 1 else cost.bytes["all-to-all"] == 0
 
 
@@ -165,8 +182,10 @@ def test_interacting_blocks_is_block_pairs():
         lens = synthetic_lengths("flan", int(rng.integers(2, 6)), seed=int(rng.integers(1000))).tolist()
         for (u, r), strategy, window in zip([(1, 2), (2, 2), (1, 4), (2, 3)] * 3, PLANS * 4, [0, 7, 64, 0] * 3):
             cu, blocks = ring_blocks(lens, u, r, strategy)
-            assert (interacting_blocks(blocks, cu, window) == block_pairs(blocks, documents(torch.tensor(cu)), window or None).numpy()).all()
-            padded, plan = plan_row(FlatteningCollator(train_all_tokens=True)([{"input_ids": [1] * n} for n in lens]), u * r, strategy)
+            assert (interacting_blocks(blocks, cu, window) == block_pairs(blocks, documents(torch.tensor(cu)), window
+                                                                          or None).numpy()).all()
+            padded, plan = plan_row(FlatteningCollator(train_all_tokens=True)([{"input_ids": [1] * n} for n in lens]),
+                                    u * r, strategy)
             assert cu.tolist() == padded["cu_seq_lens_q"].tolist() and torch.equal(blocks, plan.reshape(r, -1))
 
 
@@ -180,8 +199,10 @@ def test_planner_past_the_head_limit():
         ring = ring_attention_bytes(odd, 32768, u, r)
         assert e.parts["ring attention"] == sum(ring.values()) - ring["saved for backward"] > 0
         assert e.total == sum(e.parts.values()) and e.ring == r and e.local_tokens == 32768 and "ring=" in str(e)
-        assert estimate(odd, 131072, u, ring=r, levers=Levers(tiled_loss=True), optimizer_offload=True).parts["ring attention"] == 0  # the MLP binds
-    assert estimate(odd, 8192, 2, ring=2, optimizer_offload=True).parts["ring attention"] == 0  # the loss binds a short row
+        # the MLP binds
+        assert estimate(odd, 131072, u, ring=r, levers=Levers(tiled_loss=True), optimizer_offload=True).parts["ring attention"] == 0
+    # the loss binds a short row
+    assert estimate(odd, 8192, 2, ring=2, optimizer_offload=True).parts["ring attention"] == 0
     assert "ring attention" not in estimate(odd, 8192, 2).parts  # Ulysses alone: unchanged
     lim = max_context(odd, 80, 2, ring=2, optimizer_offload=True)
     assert lim.tokens % 4 == 0 and estimate(odd, lim.tokens + 4, 2, ring=2, optimizer_offload=True).gib > 80
@@ -210,7 +231,8 @@ def test_prediction_puts_each_group_on_its_link():
     for u, r, ring_link in ((4, 2, dev.nvlink), (8, 2, dev.internode), (1, 16, dev.internode)):
         p = predict_step("qwen3-4b", [[131072]], dev, sp=u, ring=r, levers=Levers())
         b = p.cost.bytes
-        assert p.terms["comm"] == pytest.approx(b["all-to-all"] / dev.nvlink + (b["ring"] + b["gradient reduction"]) / ring_link)
+        assert p.terms["comm"] == pytest.approx(b["all-to-all"] / dev.nvlink
+                                                + (b["ring"] + b["gradient reduction"]) / ring_link)
         assert b["ring"] > 0 and (b["all-to-all"] > 0) == (u > 1)
     one = step_cost("qwen3-4b", [[131072]], sp=1, ring=4, ring_plan="contiguous")
     d = 4 * 32 * 128 * 32768**2 * 36  # 4 * heads * head_dim * m^2 per pair, every layer
@@ -220,7 +242,8 @@ def test_prediction_puts_each_group_on_its_link():
 @pytest.mark.parametrize("split,gpus,memory", [("ring", 2, 40), ("hybrid", 4, 80), ("hybrid", 8, 40)])
 def test_plan_layout_ring_never_refused(split, gpus, memory):
     "Every returned ring / hybrid layout passes check_layout and fits the memory planner (ring part included)."
-    config = preset_config("qwen3-4b", num_attention_heads=6, num_key_value_heads=2)  # Ulysses stops at 2 on 4 or 8 GPUs
+    # Ulysses stops at 2 on 4 or 8 GPUs
+    config = preset_config("qwen3-4b", num_attention_heads=6, num_key_value_heads=2)
     layouts = plan_layout(config, np.r_[synthetic_lengths("flan", 100), [12_000]], gpus, memory, split=split)
     for r in layouts.table.itertuples():
         check_layout(config, r.ulysses, r.ring, world_size=gpus)
@@ -241,7 +264,8 @@ def test_ring_run_has_readout_and_prediction(tmp_path, capfd):
     from workbench.readouts import memory_readout
     from workbench.tracking import read_metrics
     from workbench.train import run
-    cfg = TrainConfig(model="qwen2", sp=sp, ring=ring, steps=2, max_tokens=256, dtype="bfloat16", out=str(tmp_path / "run"))
+    cfg = TrainConfig(model="qwen2", sp=sp, ring=ring, steps=2, max_tokens=256, dtype="bfloat16",
+                      out=str(tmp_path / "run"))
     run(cfg)
     out = capfd.readouterr().out
     assert cfg.ring_kernel == "auto" and cfg.block_kernel == "fused"  # the default, settled on a machine without CUDA
@@ -249,7 +273,8 @@ def test_ring_run_has_readout_and_prediction(tmp_path, capfd):
     assert "not compared with the planner" in out  # a CPU's resident memory is not the planner's device bytes
     record = json.loads((tmp_path / "run" / "config.json").read_text())
     planned, line = memory_readout(cfg)
-    unplanned, why = memory_readout(cfg, torch.float32)  # the planner's activation terms are bf16/fp16 only: no fp32 figure
+    # the planner's activation terms are bf16/fp16 only: no fp32 figure
+    unplanned, why = memory_readout(cfg, torch.float32)
     assert unplanned is None and "not planned for fp32" in why and f"{planned / 2**30:.3f} GiB" in why
     assert record["expected_peak_bytes"] == planned > 0 and f"{planned / 2**30:.3f} GiB" in line and record["ring_kernel"] == "fused"
     assert set(record["predicted"]) == {"step_s", "mfu", "flops_per_step", "peak_flops", "device"}

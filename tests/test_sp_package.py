@@ -39,7 +39,8 @@ def test_one_grid_for_every_layout():
     with pytest.raises(ValueError, match="dimensions"): g.group("sp")
     import torch
     q = torch.zeros(1, 4, 8, 16)
-    with pytest.raises(ValueError, match=r"a ring of 2.*register_ring\(\)"):  # Ulysses alone would attend within its block
+    # Ulysses alone would attend within its block
+    with pytest.raises(ValueError, match=r"a ring of 2.*register_ring\(\)"):
         ulysses_attention(None, q, q, q, None, inner="sdpa", sp_grid=g, cu_seq_lens_q=torch.tensor([0, 8]))
 
 
@@ -48,11 +49,13 @@ def test_a_wheel_carries_every_module(tmp_path):
     shipped data."""
     import shutil, zipfile
     from pathlib import Path
-    root, src = Path(__file__).resolve().parents[1], tmp_path / "src"  # a copy: setuptools would reuse a stale build/ here
+    # a copy: setuptools would reuse a stale build/ here
+    root, src = Path(__file__).resolve().parents[1], tmp_path / "src"
     for name in ("workbench", "data_samples"):
         shutil.copytree(root / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"): shutil.copy(root / name, src / name)
-    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(src)],
+    r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                        str(tmp_path), str(src)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     names = set(zipfile.ZipFile(next(tmp_path.glob("workbench-*.whl"))).namelist())

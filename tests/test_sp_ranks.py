@@ -10,7 +10,8 @@ from workbench.sp_proofs import Case, case_rows, one_process, prove_ring
 from workbench.sp.ranks import rank_view
 
 CASES = [Case("qwen2", "sdpa"), Case("mistral", "sdpa"),  # fp32; 203 FLAN-like tokens packed; mistral: a window of 16
-         Case("qwen2", "sdpa", packed=False)]  # one document: contiguous ring blocks skip unequally (the rank -> block map shows)
+         # one document: contiguous ring blocks skip unequally (the rank -> block map shows)
+         Case("qwen2", "sdpa", packed=False)]
 
 
 def test_the_view_equals_a_real_run_process_by_process():

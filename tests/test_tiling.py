@@ -239,7 +239,8 @@ def growth(step, lengths) -> tuple[list[int], list]:
 
 
 def linear(ops: list[int]) -> bool:
-    "Whether the operator counts at lengths n, 2n, 4n grow no faster than a line (the second step no more than twice the first)."
+    """Whether the operator counts at lengths n, 2n, 4n grow no faster
+    than a line (the second step no more than twice the first)."""
     return ops[2] - ops[1] <= 2 * (ops[1] - ops[0]) * 1.05
 
 

@@ -1,4 +1,5 @@
-"report_to: trackers are a sink of metrics.jsonl (rank 0, once per step, resume without duplicates); their faults never cost the run."
+"""report_to: trackers are a sink of metrics.jsonl (rank 0, once per
+step, resume without duplicates); their faults never cost the run."""
 import json
 import os
 import signal
@@ -56,7 +57,8 @@ def scalars(out: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def assert_tensorboard_equals_metrics(out: Path):
-    "Every scalar of every rank-0 row of metrics.jsonl, once per step, is in the event files (as float32, what TB stores)."
+    """Every scalar of every rank-0 row of metrics.jsonl, once per
+    step, is in the event files (as float32, what TB stores)."""
     rows = sorted((r for r in read_metrics(out) if r["rank"] == 0), key=lambda r: r["step"])
     logged = scalars(out)
     keys = [k for k in rows[0] if k not in ("step", "rank")]
@@ -90,7 +92,8 @@ def test_names_as_report_to_reads_them():
     assert TrainConfig(report_to="tensorboard, probe,tensorboard").report_to == ("tensorboard", "probe")
     assert TrainConfig(report_to="all").report_to == tuple(installed)
     assert TrainConfig(report_to="all,probe").report_to == (*installed, "probe")
-    with pytest.raises(ValueError, match="'wandbb' is not a tracker accelerate knows: use one of .*'tensorboard'.*'wandb'"):
+    with pytest.raises(ValueError, match="'wandbb' is not a tracker accelerate "
+                                         "knows: use one of .*'tensorboard'.*'wandb'"):
         TrainConfig(report_to=["wandbb"])
     with pytest.raises(ValueError, match="'none' means no tracker"): TrainConfig(report_to="none,tensorboard")
     with pytest.raises(ValueError, match="must be tracker names"): TrainConfig(report_to=[TensorBoardTracker])
@@ -102,10 +105,11 @@ def test_names_as_report_to_reads_them():
 
 
 def test_cli_flag_help_and_usage_errors(tmp_path, capsys):
-    shown = subprocess.run([sys.executable, "-m", "workbench.train", "--help"], cwd=ROOT, capture_output=True, text=True,
-                           timeout=120, check=True).stdout
+    shown = subprocess.run([sys.executable, "-m", "workbench.train", "--help"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=120, check=True).stdout
     help_text = " ".join(shown.split())
-    assert "--report-to REPORT_TO trackers also fed every metrics row, on rank 0: tensorboard,wandb,mlflow,... or all / none" in help_text
+    assert ("--report-to REPORT_TO trackers also fed every metrics "
+            "row, on rank 0: tensorboard,wandb,mlflow,... or all / none") in help_text
     assert "--lr LR AdamW learning rate (default: 0.001)" in help_text  # every flag has its field's comment as help
     p = _parser()
     given = lambda *flags: _config(p, p.parse_args(list(flags)), 1).report_to
@@ -128,7 +132,8 @@ def test_a_tracker_that_raises_in_log_costs_nothing(tmp_path, monkeypatch, capsy
     assert len(losses) == 3 and [r["step"] for r in read_metrics(out)] == [0, 1, 2]
     assert (out / CHECKPOINTS / "step-000003" / "manifest.json").is_file()
     err = capsys.readouterr().err
-    assert err.count("warning: tracker tensorboard failed to log step 1 (OSError: disk full)") == 1  # once, not per step
+    # once, not per step
+    assert err.count("warning: tracker tensorboard failed to log step 1 (OSError: disk full)") == 1
     assert "warning: tracker tensorboard missed 2 step(s); metrics.jsonl has them all" in err
     assert "warning: tracker tensorboard failed to finish (ZeroDivisionError: division by zero)" in err
     assert calls(out) == ["start", "config sp=1", "log 0", "log 1", "log 2", "finish"]  # the other tracker saw all
@@ -144,7 +149,8 @@ def test_finish_after_an_error_and_a_failed_start(tmp_path, monkeypatch):
     assert signal.getsignal(signal.SIGTERM) is before  # the handler is gone again
     def no_start(self): raise ConnectionError("no server")
     monkeypatch.setattr(TensorBoardTracker, "start", no_start)
-    with pytest.raises(RuntimeError, match="'tensorboard' failed to start .*ConnectionError: no server.*nothing was trained"):
+    with pytest.raises(RuntimeError, match="'tensorboard' failed to start .*ConnectionError: "
+                                           "no server.*nothing was trained"):
         train_rank(TrainConfig(steps=3, report_to="probe,tensorboard", out=str(tmp_path / "b"), **SMALL))
     assert calls(tmp_path / "b") == ["start", "config sp=1", "finish"] and read_metrics(tmp_path / "b") == []
 
@@ -162,7 +168,8 @@ def test_sigterm_inside_a_tracker_write_ends_the_run_after_the_row(tmp_path, mon
     with pytest.raises(SystemExit) as e: train_rank(TrainConfig(steps=3, report_to="probe", out=str(out), **SMALL))
     assert e.value.code == 128 + signal.SIGTERM
     assert calls(out) == ["start", "config sp=1", "log 0", "log 1", "log 1 written whole", "finish"]
-    assert [r["step"] for r in read_metrics(out)] == [0, 1]  # the row in progress was written and logged; no step after it
+    # the row in progress was written and logged; no step after it
+    assert [r["step"] for r in read_metrics(out)] == [0, 1]
 
 
 def test_ctrl_c_on_the_cli_finishes_the_trackers(tmp_path):

@@ -21,7 +21,8 @@ def _losses(out: Path) -> list[float]:
 
 @pytest.fixture(scope="module")
 def cli_runs(tmp_path_factory):
-    "One SP=2 run of the CLI each way: self-launched, under torchrun, self-launched FSDP2-sharded (the checkpoint tests load)."
+    """One SP=2 run of the CLI each way: self-launched, under torchrun,
+    self-launched FSDP2-sharded (the checkpoint tests load)."""
     tmp_path = tmp_path_factory.mktemp("cli")
     args = ["--sp", "2", "--steps", "2", "--max-tokens", "256", "--data", "orca_like", "--model", "qwen2"]
     subprocess.run([sys.executable, "-m", "workbench.train", "--nproc", "2", "--out", str(tmp_path / "self"), *args],
@@ -30,8 +31,8 @@ def cli_runs(tmp_path_factory):
                          "-m", "workbench.train", "--out", str(tmp_path / "torchrun"), *args],  # dp from WORLD_SIZE
                         cwd=ROOT, timeout=240)  # a timeout ends torchrun's workers too
     assert torchrun.returncode == 0, torchrun.stderr[-3000:]
-    subprocess.run([sys.executable, "-m", "workbench.train", "--nproc", "2", "--shard", "--out", str(tmp_path / "sharded"),
-                    *args], check=True, cwd=ROOT, timeout=240)
+    subprocess.run([sys.executable, "-m", "workbench.train", "--nproc", "2", "--shard", "--out",
+                    str(tmp_path / "sharded"), *args], check=True, cwd=ROOT, timeout=240)
     return tmp_path
 
 
@@ -66,7 +67,8 @@ if __name__ == "__main__": torch.save(load_and_run(sys.argv[1]), sys.argv[2])
 
 
 def assert_loads_as_trained(out: Path, config, fresh: Path | None = None) -> dict:
-    "The newest checkpoint's model directory: in its manifest, every weight equal to state.pt's, the same logits (in a fresh process when `fresh` is a scratch folder)."
+    """The newest checkpoint's model directory: in its manifest, every weight equal to
+    state.pt's, the same logits (in a fresh process when `fresh` is a scratch folder)."""
     import torch
     from transformers import AutoModelForCausalLM
     from workbench.samples import load_tokenizer
@@ -87,7 +89,8 @@ def assert_loads_as_trained(out: Path, config, fresh: Path | None = None) -> dic
                            cwd=fresh, timeout=120)
             got = torch.load(fresh / "got.pt", weights_only=True)
             assert not got["workbench"]
-        assert got["attn"] == "sdpa" and torch.equal(got["ids"], load_tokenizer()(TEXT, return_tensors="pt")["input_ids"])
+        assert got["attn"] == "sdpa" and torch.equal(got["ids"],
+                                                     load_tokenizer()(TEXT, return_tensors="pt")["input_ids"])
         reference = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
         reference.load_state_dict(trained)
         torch.set_num_threads(1)
@@ -97,7 +100,8 @@ def assert_loads_as_trained(out: Path, config, fresh: Path | None = None) -> dic
 
 
 def test_sp2_sharded_checkpoint_loads_with_from_pretrained_in_a_fresh_process(cli_runs, tmp_path):
-    "The CLI's SP=2 FSDP2-sharded run (sp=2, shard, 2 steps, 256 tokens, orca_like, qwen2): its checkpoint loads elsewhere."
+    """The CLI's SP=2 FSDP2-sharded run (sp=2, shard, 2 steps, 256
+    tokens, orca_like, qwen2): its checkpoint loads elsewhere."""
     from workbench.tiny_models import tiny_config
     assert_loads_as_trained(cli_runs / "sharded", tiny_config("qwen2"), fresh=tmp_path)
 
@@ -119,7 +123,8 @@ def test_tied_embeddings_from_a_config_directory_save_one_head(tmp_path):
 
 
 def test_the_run_plans_its_features_so_every_step_trains():
-    "plan_run gets the features: at 256 tokens on FLAN-like no bin trains nothing, with either balance, and the readout counts what was left out."
+    """plan_run gets the features: at 256 tokens on FLAN-like no bin trains
+    nothing, with either balance, and the readout counts what was left out."""
     from dataclasses import replace
     from workbench.config import model_config, TrainConfig
     from workbench.data import load_features
@@ -131,15 +136,18 @@ def test_the_run_plans_its_features_so_every_step_trains():
         plan, sampler, _, _, _ = plan_run(replace(cfg, balance=balance), model_config(cfg), feats, rank=1)
         assert plan.bin_trained.min() >= 1 and plan.untrained > 0
         assert (plan.bin_trained[sampler.epoch_steps()] > 0).all()  # what the ranks are served
-    lengths = plan_run(cfg, model_config(cfg), [len(f["input_ids"]) for f in feats])[0]  # bare lengths: nothing known, nothing left out
+    # bare lengths: nothing known, nothing left out
+    lengths = plan_run(cfg, model_config(cfg), [len(f["input_ids"]) for f in feats])[0]
     assert (lengths.untrained, lengths.trained) == (0, None) and len(lengths.bins) > len(plan.bins)
     line = plan_readout(plan)
-    assert f"{plan.untrained} pieces ({plan.untrained_tokens} tokens) train no token (prompt only) and are left out" in line
+    assert (f"{plan.untrained} pieces ({plan.untrained_tokens} "
+            "tokens) train no token (prompt only) and are left out") in line
     assert f"split into {len(plan.length) + plan.untrained - plan.n_examples + plan.split} pieces" in line
 
 
 def test_a_step_that_trains_nothing_is_refused(tmp_path, monkeypatch):
-    "A step with no trained token on any rank stops the run before its forward: no 0.0 logged as a loss, no optimizer step."
+    """A step with no trained token on any rank stops the run before
+    its forward: no 0.0 logged as a loss, no optimizer step."""
     import workbench.train as T
     from workbench.packing import TokenBudgetSampler, plan_bins
     from workbench.train import check_trained
@@ -157,12 +165,14 @@ def test_a_step_that_trains_nothing_is_refused(tmp_path, monkeypatch):
     assert seen == [feats]  # train_rank plans the features (their masks), not bare lengths
     check_trained(1, 0, [[0]])  # one trained token anywhere is a step
     monkeypatch.undo()
-    with pytest.raises(ValueError, match="does none of it train"):  # the run's own plan leaves the prompt out: no bins at all
+    # the run's own plan leaves the prompt out: no bins at all
+    with pytest.raises(ValueError, match="does none of it train"):
         T.plan_run(T.TrainConfig(max_tokens=64), T.model_config(T.TrainConfig()), feats)
 
 
 def test_a_run_reads_its_data_once_for_all_its_ranks(tmp_path, monkeypatch):
-    "run() reads and tokenizes the data in the parent and hands the features to the ranks it forks: one read for SP=2, not three."
+    """run() reads and tokenizes the data in the parent and hands the
+    features to the ranks it forks: one read for SP=2, not three."""
     import os
     import workbench.train as T
     reads, real = tmp_path / "reads", T.run_features
@@ -192,13 +202,16 @@ def test_a_dp2_checkpoint_resumes_on_ulysses_and_on_a_ring_with_two_micro_steps(
         out = tmp_path / name
         shutil.copytree(tmp_path / "saved", out)
         resumed = run(TrainConfig(**common, dp=1, grad_accum=2, steps=4, resume=True, out=str(out), **layout))
-        assert len(resumed) == 2 and max(abs(a - b) / abs(b) for a, b in zip(resumed, straight[2:])) <= 1e-5, (name, resumed, straight)
+        assert len(resumed) == 2 and max(abs(a - b) / abs(b)
+                                         for a, b in zip(resumed, straight[2:])) <= 1e-5, (name, resumed, straight)
         manifest = latest_checkpoint(out, say=lambda _: None)[1]
         kernel = "fused" if name == "ring" else "plain"  # the default kernel on CPU: fused where there is a ring
-        assert manifest["step"] == 4 and manifest["layout"] == {"dp": 1, "sp": 1, "ring": 1, "gather": 1, "grad_accum": 2, **layout,
+        assert manifest["step"] == 4 and manifest["layout"] == {"dp": 1, "sp": 1, "ring": 1, "gather": 1,
+                                                                "grad_accum": 2, **layout,
                                                                      "ring_kernel": kernel}
     before = (tmp_path / "saved" / "metrics.jsonl").read_text()
-    words = "it trained 2 bins per optimizer step (dp x grad_accum = 2 x 1) and this run has 1 x 1 = 1 (--dp, --grad-accum)"
+    words = ("it trained 2 bins per optimizer step (dp x grad_accum = "
+             "2 x 1) and this run has 1 x 1 = 1 (--dp, --grad-accum)")
     with pytest.raises(ValueError, match=re.escape(words)):
         run(TrainConfig(**common, sp=2, steps=4, resume=True, out=str(tmp_path / "saved")))
     assert (tmp_path / "saved" / "metrics.jsonl").read_text() == before

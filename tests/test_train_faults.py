@@ -1,4 +1,5 @@
-"workbench.train never loses work: kill -9 at seeded points (inside the save too), kill one rank of two, Ctrl-C; every resume equals an uninterrupted run."
+"""workbench.train never loses work: kill -9 at seeded points (inside the save
+too), kill one rank of two, Ctrl-C; every resume equals an uninterrupted run."""
 import json
 import os
 import random
@@ -112,7 +113,8 @@ while line := sys.stdin.readline():
 
 class _Run:
     "One job of the zygote: pid, poll(), wait(), returncode and stderr, as of a subprocess.Popen."
-    def __init__(self, zygote, pid: int, err: Path): self.zygote, self.pid, self.err, self.returncode = zygote, pid, err, None
+    def __init__(self, zygote, pid: int, err: Path):
+        self.zygote, self.pid, self.err, self.returncode = zygote, pid, err, None
 
     def poll(self):
         if self.returncode is None:
@@ -152,7 +154,8 @@ class _Zygote:
 
     def start(self, args, point: str = "", k: int = 0) -> _Run:
         self.n += 1; err = self.tmp / f"err{self.n}.txt"
-        self.p.stdin.write((json.dumps(dict(point=point, k=k, args=[str(a) for a in args], err=str(err))) + "\n").encode())
+        self.p.stdin.write((json.dumps(dict(point=point, k=k, args=[str(a) for a in args], err=str(err)))
+                            + "\n").encode())
         pid = self._line(TIMEOUT)
         assert pid is not None, "the zygote did not fork"
         return _Run(self, int(pid), err)
@@ -170,7 +173,8 @@ def zygote(tmp_path_factory):
     _ZYGOTE.append(z)
     yield z
     _ZYGOTE.remove(z); z.close()
-POINTS = ("in torch.save", "in save_pretrained", "before the manifest", "before the rename", "while pruning", "mid metrics line", "after n rows")
+POINTS = ("in torch.save", "in save_pretrained", "before the manifest", "before the rename", "while pruning",
+          "mid metrics line", "after n rows")
 
 
 def _env():
@@ -179,7 +183,8 @@ def _env():
 
 
 def _cli(*args, point: str = "", k: int = 0) -> subprocess.CompletedProcess:
-    "`python -m workbench.train *args` to its end (in a fork of the zygote), with the fault `point` at call `k` if given."
+    """`python -m workbench.train *args` to its end (in a fork of
+    the zygote), with the fault `point` at call `k` if given."""
     run = _ZYGOTE[0].start(args, point, k)
     code = run.wait(TIMEOUT)
     return subprocess.CompletedProcess(args, code, "", run.stderr)
@@ -216,7 +221,8 @@ def _left(out: Path) -> int:
 
 
 def _killed_run(tmp: Path, out: Path, point: str, k: int, resume: bool) -> int:
-    "The trainer killed at the k-th call of `point` in its rank, or (after k more rows) the CLI process itself; -SIGKILL or 0."
+    """The trainer killed at the k-th call of `point` in its rank,
+    or (after k more rows) the CLI process itself; -SIGKILL or 0."""
     args = [*ARGS, "--out", str(out), *(["--resume"] if resume else [])]
     if point == "after n rows":
         p = _ZYGOTE[0].start(args)
@@ -248,13 +254,16 @@ def test_kill_9_at_seeded_points_then_resume_equals_uninterrupted(tmp_path, refe
     worst = _check_against(out, reference)
     from workbench.checkpoint import checkpoints
     complete = [d.name for d, m in checkpoints(out) if m is not None]
-    assert complete == [f"step-{STEPS - 1:06d}", f"step-{STEPS:06d}"], complete  # --keep 2 (a half-pruned one is ignored)
+    # --keep 2 (a half-pruned one is ignored)
+    assert complete == [f"step-{STEPS - 1:06d}", f"step-{STEPS:06d}"], complete
     assert not list((out / "checkpoints").glob(".tmp-*"))
     print(f"chain {chain}: {report}, resumed, max |loss diff| {worst:.1e}")
 
 
 def _ranks(p: subprocess.Popen, n: int, deadline: float) -> list[psutil.Process]:
-    "The rank processes, once all `n` exist: the launcher forks them in rank order, so by pid they are ranks 0, 1, ... (call it once the ranks train: `workbench.cost` measures the CPU in forks of the launcher before it launches them)"
+    """The rank processes, once all `n` exist: the launcher forks them in rank order,
+    so by pid they are ranks 0, 1, ... (call it once the ranks train: `workbench.cost`
+    measures the CPU in forks of the launcher before it launches them)"""
     while time.time() < deadline:
         mine = psutil.Process(p.pid).cmdline()
         found = [c for c in psutil.Process(p.pid).children(recursive=True) if c.cmdline() == mine]
@@ -305,7 +314,8 @@ def _interrupt_two_ranks(out: Path, fault: str, rows: int, resume: bool, extra=(
 
 @pytest.mark.parametrize("trial", range(3))
 def test_kill_one_rank_of_two_or_ctrl_c_then_resume_equals_uninterrupted(tmp_path, reference_2, trial):
-    "Two faults per trial on an SP=2 run (kill -9 of a seeded rank, or SIGINT to the group), each after a seeded number of rows."
+    """Two faults per trial on an SP=2 run (kill -9 of a seeded rank,
+    or SIGINT to the group), each after a seeded number of rows."""
     rng, out, report = random.Random(100 + trial), tmp_path / "run", []
     for i in range(2):
         fault = "SIGINT" if (trial, i) in ((0, 1), (2, 0)) else f"kill -9 rank {rng.randint(0, 1)}"
@@ -318,7 +328,8 @@ def test_kill_one_rank_of_two_or_ctrl_c_then_resume_equals_uninterrupted(tmp_pat
 
 
 def test_sharded_run_killed_resumes_to_the_same_losses(tmp_path, reference_2):
-    "FSDP2-sharded states: kill -9 rank 1 mid-run, resume; the same steps as the unsharded run (FSDP2 sums in another order)."
+    """FSDP2-sharded states: kill -9 rank 1 mid-run, resume; the same
+    steps as the unsharded run (FSDP2 sums in another order)."""
     out = tmp_path / "run"
     code = _interrupt_two_ranks(out, "kill -9 rank 1", 4, resume=False, extra=["--shard"])
     r = _cli(*ARGS_2, "--shard", "--out", str(out), "--resume")
@@ -336,7 +347,8 @@ def test_a_save_slower_than_the_collective_timeout_does_not_kill_the_run(tmp_pat
                        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
     assert r.returncode == 0, r.stderr[-3000:]
     from workbench.checkpoint import checkpoints
-    assert [(d.name, m is not None) for d, m in checkpoints(out)] == [("step-000002", True)]  # only the last: no --save-every
+    # only the last: no --save-every
+    assert [(d.name, m is not None) for d, m in checkpoints(out)] == [("step-000002", True)]
 
 
 def test_a_save_slower_than_the_stall_limit_does_not_end_the_run(tmp_path):
@@ -352,7 +364,8 @@ def test_a_save_slower_than_the_stall_limit_does_not_end_the_run(tmp_path):
     assert [(d.name, m is not None) for d, m in checkpoints(out)] == [("step-000001", True)]
 
 def test_ctrl_c_of_a_single_process_run_exits_130_and_resumes(tmp_path, reference):
-    "SIGINT to a terminal run of one process after 2 steps: exit code 130, the last checkpoint named, resume equals the reference."
+    """SIGINT to a terminal run of one process after 2 steps: exit code
+    130, the last checkpoint named, resume equals the reference."""
     out = tmp_path / "run"
     p = _ZYGOTE[0].start([*ARGS, "--out", str(out)])  # in its own session, as a terminal's foreground job
     try:
@@ -368,7 +381,8 @@ def test_ctrl_c_of_a_single_process_run_exits_130_and_resumes(tmp_path, referenc
 
 
 def test_kill_inside_save_pretrained_leaves_the_previous_model_loadable(tmp_path, reference):
-    "kill -9 with half of step 3's model.safetensors written: step 2 stays the newest complete checkpoint, its model loads; resume finishes."
+    """kill -9 with half of step 3's model.safetensors written: step 2 stays
+    the newest complete checkpoint, its model loads; resume finishes."""
     import torch
     from transformers import AutoModelForCausalLM
     from workbench.checkpoint import latest_checkpoint, MODEL_DIR

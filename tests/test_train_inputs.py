@@ -1,4 +1,5 @@
-"workbench.train from the command line: one step of every shipped family (sdpa and workbench_varlen), and a clear error for every misuse."
+"""workbench.train from the command line: one step of every shipped family
+(sdpa and workbench_varlen), and a clear error for every misuse."""
 import contextlib
 import io
 import json
@@ -17,7 +18,8 @@ def _main(*argv) -> tuple[list | None, str, str]:
     "Run the CLI in-process: (losses or None, stdout, the usage error or the failing rank's error)."
     out, err = io.StringIO(), io.StringIO()
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err): return main(list(argv)), out.getvalue(), ""
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            return main(list(argv)), out.getvalue(), ""
     except SystemExit as e:
         assert e.code == 2, (e.code, err.getvalue())
         return None, out.getvalue(), err.getvalue().strip().splitlines()[-1]
@@ -47,16 +49,18 @@ def test_one_step_of_every_family(tmp_path, tiny_data, family, attn):
 
 def test_the_gpu_long_preset_trains_a_step(tmp_path):
     "--preset gpu-long (workbench_varlen, checkpointing, tiled loss) with a short row, on the CPU fallback."
-    losses, printed, error = _main("--preset", "gpu-long", "--steps", "1", "--max-tokens", "1024", "--out", str(tmp_path))
+    losses, printed, error = _main("--preset", "gpu-long", "--steps", "1", "--max-tokens", "1024", "--out",
+                                   str(tmp_path))
     assert losses is not None and len(losses) == 1 and 0 < losses[0] < 20, error
 
 
 def test_workbench_varlen_needs_no_import_first():
-    "A fresh interpreter that never imported workbench.attention can still name the key (and import workbench has no side effect)."
+    """A fresh interpreter that never imported workbench.attention can
+    still name the key (and import workbench has no side effect)."""
     import subprocess, sys
-    code = ("import sys, workbench; assert 'workbench.attention' not in sys.modules and 'transformers' not in sys.modules\n"
-            "from workbench.sp.ulysses import register_ulysses; assert 'workbench.attention' not in sys.modules\n"
-            "print(register_ulysses('workbench_varlen'))")
+    code = ("import sys, workbench; assert 'workbench.attention' not in sys.modules and 'transformers' "
+            "not in sys.modules\nfrom workbench.sp.ulysses import register_ulysses; assert "
+            "'workbench.attention' not in sys.modules\nprint(register_ulysses('workbench_varlen'))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ulysses_workbench_varlen", r.stderr[-2000:]
 
@@ -78,18 +82,21 @@ def test_gemma2_trains_with_the_attention_its_refusals_name(tmp_path, tiny_data)
 
 
 def test_a_chat_file_trains_only_its_assistant_turns(tmp_path):
-    "--data chat.jsonl: messages rendered with the shipped chat template; the step's trained tokens are the assistant turns'."
+    """--data chat.jsonl: messages rendered with the shipped chat
+    template; the step's trained tokens are the assistant turns'."""
     from workbench.samples import load_tokenizer
     from workbench.tracking import read_metrics
     turn = lambda role, content: {"role": role, "content": content}
     convs = [[turn("system", "Be brief."), turn("user", "What is 2 + 2?"), turn("assistant", "4.")],
-             [turn("user", "Name a colour."), turn("assistant", "Blue."), turn("user", "Another?"), turn("assistant", "Red.")]]
+             [turn("user", "Name a colour."), turn("assistant", "Blue."), turn("user", "Another?"),
+              turn("assistant", "Red.")]]
     data = tmp_path / "chat.jsonl"
     data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
     losses, _, error = _main("--steps", "1", "--max-tokens", "256", "--data", str(data), "--out", str(tmp_path / "run"))
     assert losses is not None and 0 < losses[0] < 20, error
     tok = load_tokenizer()
-    answers = sum(len(tok(t["content"], add_special_tokens=False)["input_ids"]) + 1 for c in convs for t in c if t["role"] == "assistant")
+    answers = sum(len(tok(t["content"], add_special_tokens=False)["input_ids"]) + 1
+                  for c in convs for t in c if t["role"] == "assistant")
     assert [r["trained"] for r in read_metrics(tmp_path / "run")] == [answers]  # both conversations fit one row
 
 
@@ -122,8 +129,10 @@ def test_load_features_names_the_row_in_every_json_shape(tmp_path):
     cases = {"arr.json": (json.dumps([{"text": "a"}, 5]), "arr.json row 2: a JSON object is needed, got int"),
              "broken.json": ('[{"text": "a"},\n {"text": "b"\n]', "broken.json line 3: not valid JSON"),
              "gaps.jsonl": ('{"text": "a"}\n\n{"text": 1}\n', "gaps.jsonl row 2: text must be strings"),
-             "cells.csv": ("prompt,completion\nhi,there\nyo,\n", "row 2: row 1 has prompt + completion, row 2 has columns ['prompt']"),
-             "bools.jsonl": ('{"input_ids": [true, false]}\n', "row 1: input_ids must be a non-empty list of integer token ids")}
+             "cells.csv": ("prompt,completion\nhi,there\nyo,\n", "row 2: row 1 has prompt + completion, "
+                                                                 "row 2 has columns ['prompt']"),
+             "bools.jsonl": ('{"input_ids": [true, false]}\n', "row 1: input_ids must be a "
+                                                               "non-empty list of integer token ids")}
     for name, (text, words) in cases.items():
         (tmp_path / name).write_text(text)
         with pytest.raises(ValueError) as e: load_features(str(tmp_path / name))
@@ -133,7 +142,8 @@ def test_load_features_names_the_row_in_every_json_shape(tmp_path):
 
 
 def _word_tokenizer(rows: list[dict]):
-    "A whitespace word-level tokenizer over the words of `rows`, ids in reverse order of first appearance: no id means what the shipped one's does."
+    """A whitespace word-level tokenizer over the words of `rows`, ids in reverse
+    order of first appearance: no id means what the shipped one's does."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     words = list(dict.fromkeys(w for r in rows for w in (r["prompt"] + " " + r["completion"]).split()))
@@ -141,11 +151,13 @@ def _word_tokenizer(rows: list[dict]):
     for i, w in enumerate(reversed(words)): vocab[w] = 4 + i
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", pad_token="<pad>", bos_token="<s>",
+                                   eos_token="</s>")
 
 
 def test_a_model_directory_trains_with_its_own_tokenizer_and_saves_it(tmp_path):
-    "--model DIR: DIR's tokenizer (a vocabulary unlike the shipped one) tokenizes the data and is the checkpoint's; a DIR without one is refused."
+    """--model DIR: DIR's tokenizer (a vocabulary unlike the shipped one)
+    tokenizes the data and is the checkpoint's; a DIR without one is refused."""
     from transformers import AutoTokenizer
     from workbench.samples import load_records, load_tokenizer, tokenize_records
     from workbench.tiny_models import tiny_config
@@ -163,12 +175,15 @@ def test_a_model_directory_trains_with_its_own_tokenizer_and_saves_it(tmp_path):
     ours, shipped = tokenize_records(rows, tok), tokenize_records(rows, load_tokenizer())
     tokens, trained = sum(len(f["input_ids"]) for f in ours), sum(sum(f["completion_mask"]) for f in ours)
     assert tokens != sum(len(f["input_ids"]) for f in shipped)  # the two tokenizers can be told apart by the counts
-    losses, _, error = _main("--model", str(own), "--data", str(data), "--steps", "1", "--max-tokens", "512", "--out", str(tmp_path / "run"))
+    losses, _, error = _main("--model", str(own), "--data", str(data), "--steps", "1", "--max-tokens", "512", "--out",
+                             str(tmp_path / "run"))
     assert losses is not None, error
-    assert [(r["tokens"], r["trained"]) for r in read_metrics(tmp_path / "run")] == [(tokens, trained)]  # the 4 rows fit one step
+    # the 4 rows fit one step
+    assert [(r["tokens"], r["trained"]) for r in read_metrics(tmp_path / "run")] == [(tokens, trained)]
     saved = AutoTokenizer.from_pretrained(latest_checkpoint(tmp_path / "run")[0] / MODEL_DIR)
     assert saved.get_vocab() == tok.get_vocab() and saved(rows[0]["prompt"])["input_ids"] == tok(rows[0]["prompt"])["input_ids"]
-    losses, _, error = _main("--model", str(bare), "--data", str(data), "--steps", "1", "--out", str(tmp_path / "refused"))
+    losses, _, error = _main("--model", str(bare), "--data", str(data), "--steps", "1", "--out",
+                             str(tmp_path / "refused"))
     assert losses is None and "has no tokenizer" in error and "--tokenizer PATH" in error and "tokenizer.save_pretrained(" in error
     p = _parser()
     given = _config(p, p.parse_args(["--model", str(bare), "--tokenizer", str(own), "--data", str(data)]), 1)

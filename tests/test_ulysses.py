@@ -111,7 +111,8 @@ def test_two_processes_equal_one():
 
 
 def test_tiled_loss_and_mlp_under_sp2_equal_one_untiled_process():
-    "fp64: the tiled loss (tiles smaller than a shard), the tiled MLP and the lean kernels under SP=2 on packed rows equal one untiled process."
+    """fp64: the tiled loss (tiles smaller than a shard), the tiled MLP and
+    the lean kernels under SP=2 on packed rows equal one untiled process."""
     cases = [Case("llama", "sdpa", dtype="float64", loss_chunk=16, mlp_chunk=24),
              Case("qwen2", "eager", dtype="float64", loss_chunk=37, mlp_chunk=7, checkpointing=True),
              Case("qwen3", "sdpa", dtype="float64", loss_chunk=16, mlp_chunk=24, lean=True)]
