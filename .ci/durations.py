@@ -46,8 +46,9 @@ def notebook_summary(path: Path) -> str:
 
 
 def group(module: str, name: str) -> str:
-    """The unit the suite is ordered by (tests/conftest.py): a test module, whose items share its fixtures, or one notebook,
-    named without its folder and number so that renumbering keeps its time (`03_runtime/13_train.ipynb` -> `train`)."""
+    """The unit the suite is ordered by (tests/conftest.py): a test module, whose items share its fixtures, or one
+    notebook, named without its folder and number so that renumbering keeps its time (`03_runtime/13_train.ipynb` ->
+    `train`)."""
     if not name.startswith("test_notebook["): return module
     return "notebook " + Path(name[len("test_notebook["):-1]).stem.lstrip("0123456789_")
 

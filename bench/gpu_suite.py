@@ -88,9 +88,9 @@ class Part:
 
 
 # GPU caps, most valuable first. The default suite: 150 + 40 + 40 + 100 + 60 + 25 = 415 s; the long-context one (issue
-# 48): 40 + 100 + 200 + 55 + 20 = 415 s; each plus at most 60 s for --install-flash-attn, under 8 min in the worst case. Dry
-# caps catch a hang: a dry part took 5-11 s on the 2-core build box at a load average of 2-5 (mostly imports) and 7-23 s
-# beside 15 busy loops (load 15-19); 150 s each is ~6x the slowest of those.
+# 48): 40 + 100 + 200 + 55 + 20 = 415 s; each plus at most 60 s for --install-flash-attn, under 8 min in the worst case.
+# Dry caps catch a hang: a dry part took 5-11 s on the 2-core build box at a load average of 2-5 (mostly imports) and
+# 7-23 s beside 15 busy loops (load 15-19); 150 s each is ~6x the slowest of those.
 PARTS = (Part(1, "packing", 150, 150), Part(2, "kernels", 40, 150), Part(3, "sp_kernels", 40, 150),
          Part(4, "long_context", 100, 150), Part(5, "memory", 60, 150), Part(6, "step_time", 25, 150),
          Part(7, "levers_at_length", 100, 150), Part(8, "alst", 200, 150), Part(9, "profile_64k", 55, 150),
@@ -210,8 +210,9 @@ RING = 4     # the ring whose block pairs part 3 runs in one process (zigzag blo
 
 
 def ring_in_one_process(q, k, v, grad, ring_index, doc) -> list:
-    """Every block pair of a ring run in one process through the fused kernel (no exchange): the row's output and its q, k,
-    v gradients `[T, H, D]` in fp32, each block's gradients from its merged output and log-sum-exp, as the ring computes them."""
+    """Every block pair of a ring run in one process through the fused kernel (no exchange): the row's output and its q,
+    k, v gradients `[T, H, D]` in fp32, each block's gradients from its merged output and log-sum-exp, as the ring
+    computes them."""
     import torch
     from workbench.sp.ring import fused_backward, fused_calls, fused_forward
     qb, kb, vb, gb = (x.transpose(0, 1)[None] for x in (q, k, v, grad))  # [1, H, T, D]
@@ -239,7 +240,8 @@ def ring_in_one_process(q, k, v, grad, ring_index, doc) -> list:
 
 def ring_check(tensors, cu, doc, dtype, repeats: int) -> dict:
     """The fused kernel over a ring of RING zigzag blocks in one process (off-diagonal pairs, split documents) against
-    the fp32 reference of the whole row: max |Δ| of the output and every gradient, and the median time of all its pairs."""
+    the fp32 reference of the whole row: max |Δ| of the output and every gradient, and the median time of all its
+    pairs."""
     import torch
     from workbench.attention import reference_varlen
     from workbench.sp.balance import zigzag_plan

@@ -1,6 +1,6 @@
-"""The ring's block-pair kernels side by side (issue 31): plain (masked products in query tiles) against fused (PyTorch's
-CPU flash attention per document stretch), then one training step of ring 2 (each kernel) against Ulysses 2 and one
-process on the same packed long-document rows.
+"""The ring's block-pair kernels side by side (issue 31): plain (masked products in query tiles) against fused
+(PyTorch's CPU flash attention per document stretch), then one training step of ring 2 (each kernel) against Ulysses 2
+and one process on the same packed long-document rows.
 
 Run: OMP_NUM_THREADS=1 PYTHONPATH=$PWD .venv/bin/python bench/ring_kernel.py [--rounds 3] [--lengths 2048,8192,32768]
 Part 1 runs in this process (one thread): one block pair of a whole row (the diagonal pair, every document causal),

@@ -1,5 +1,5 @@
-"""The varlen attention's CPU path (`workbench.attention.reference_varlen`, what `workbench_varlen` and every Ulysses rank
-run on CPU) side by side with the same per-document calls made without a batch axis, which PyTorch's CPU dispatcher
+"""The varlen attention's CPU path (`workbench.attention.reference_varlen`, what `workbench_varlen` and every Ulysses
+rank run on CPU) side by side with the same per-document calls made without a batch axis, which PyTorch's CPU dispatcher
 sends to the math kernel (batched products, every score formed). Forward and backward of one packed row, one thread.
 
 Run: OMP_NUM_THREADS=1 PYTHONPATH=$PWD .venv/bin/python bench/varlen_cpu.py [--rounds 3] [--lengths 2048,8192]

@@ -12,7 +12,8 @@
 2. The executed notebooks become pages: `#| hide` cells are dropped, directive lines and top-level checks (`assert`,
    fastcore's `test_*`: they run in the suite) are stripped from the code shown, long lines wrap,
    plotly figures (also those inside widgets, as they were when the notebook ended) become interactive divs that draw
-   with the site's one copy of plotly.js (a widget's controls need a kernel and are not shown), and links to notebooks point at their pages.
+   with the site's one copy of plotly.js (a widget's controls need a kernel and are not shown), and links to notebooks
+   point at their pages.
 3. An API reference is written from the docments of every name in each module's `__all__` (fastcore.docments).
 4. mkdocs-material renders it all with the README as the home page; the nav lists whatever notebooks exist.
 Nothing is loaded from a network at build or view time: plotly.js and MathJax are copied from installed packages.
@@ -117,8 +118,9 @@ def kernel_config():
 
 
 def execute(nb_path: Path, flags: set[str], timeout: float | None = None) -> tuple[nbformat.NotebookNode, float]:
-    """Run `nb_path` in a fresh python3 kernel from its own folder; cells nbdev_test skips are not run. Raises on an error.
-    `timeout`: seconds a cell may run (None: no limit; the pytest path is bounded by pytest-timeout per notebook)."""
+    """Run `nb_path` in a fresh python3 kernel from its own folder; cells nbdev_test skips are not run. Raises on an
+    error. `timeout`: seconds a cell may run (None: no limit; the pytest path is bounded by pytest-timeout per
+    notebook)."""
     from nbclient import NotebookClient
     nb = nbformat.read(nb_path, as_version=4)
     for cell in nb.cells:
@@ -441,7 +443,8 @@ def build(jobs: int = 2, only: str = "*", timeout: float | None = None) -> dict[
     times["execute"] = round(time.monotonic() - start, 1)
     t = time.monotonic()
     write_sources({p: page(results[p][0]) for p in paths})
-    # No fixed time limit (the pages took ~3 min on a loaded 2-core box); in CI tests/test_docs.py bounds the whole build.
+    # No fixed time limit (the pages took ~3 min on a loaded 2-core box); in CI tests/test_docs.py bounds the whole
+    # build.
     subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "-f", str(BUILD / "mkdocs.yml")],
                    check=True, cwd=ROOT, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     times["render"] = round(time.monotonic() - t, 1)

@@ -33,7 +33,8 @@ def free_port() -> int:
 
 def jupyter_env(tmp: Path, lab_defaults: bool = False) -> dict:
     """Environment of a test server: a test-only Jupyter config (no news toast), offline hub, one thread, this checkout;
-    with `lab_defaults`, JupyterLab's own notebook settings (cells scrolled away are windowed out, as a user gets them)."""
+    with `lab_defaults`, JupyterLab's own notebook settings (cells scrolled away are windowed out, as a user gets
+    them)."""
     assert Path(CHROMIUM).exists(), "Debian's chromium is missing: apt-get install -y chromium (.ci/run does it)"
     ARTIFACTS.mkdir(exist_ok=True)
     config = tmp / "jupyter-config"

@@ -139,7 +139,8 @@ def test_bad_balance_values_and_unmodelled_models_are_refused(tmp_path):
                           str(tmp_path / "cli")],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert cli.returncode == 2 and "balance (--balance) 'flops' is not one of" in cli.stderr, cli.stderr
-    with pytest.raises(ValueError, match=r"balance \(--balance\) 'cost' needs the cost of this model's steps: mixtral is a mixture"):
+    with pytest.raises(ValueError, match=r"balance \(--balance\) 'cost' needs the cost "
+                                         r"of this model's steps: mixtral is a mixture"):
         # before any process starts
         preflight_run(TrainConfig(model="mixtral", balance="cost", out=str(tmp_path / "moe")))
     assert cost_modelled(TrainConfig(model="mixtral"), tiny_config("mixtral")) is False  # tokens: trains on, no readout
@@ -170,7 +171,8 @@ def test_a_cost_balanced_dp_run_trains_the_planned_groups_and_refuses_the_other_
     assert all(logged[s, r] == expect["cost", s, r] for s in range(4) for r in range(2)), (logged, expect)
     assert any(expect["tokens", s, r] != expect["cost", s, r] for s in range(4) for r in range(2))  # it could fail
     config = json.loads((tmp_path / "run" / "config.json").read_text())
-    assert config["balance"] == "cost" and config["imbalance"] == imbalance["cost"] and set(imbalance["cost"]) == {"tokens", "cost"}
+    assert (config["balance"] == "cost" and config["imbalance"] == imbalance["cost"]
+            and set(imbalance["cost"]) == {"tokens", "cost"})
     # a tokens run: its own grouping's, no cost grouping dealt
     assert imbalance["tokens"] == {"tokens": imbalance["cost"]["tokens"]}
     with pytest.raises(ValueError, match=r"balance='cost' \(--balance; this run has 'tokens'\)"):

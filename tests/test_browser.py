@@ -5,8 +5,8 @@ to a folder and a `datasets.Dataset` made in the notebook (no shipped sample): t
 mask with cross-example pairs (and unticking bring back none); a control change must redraw the figure's data; a box
 zoom dragged with the mouse (past the figure's corner) must come back from the kernel clamped into the row, one token
 per cell, with the tokens' decoded text on the axes and in the hover. One JupyterLab run serves all of these (issue 15's
-own-data checks and the redraw check were two runs of the same notebook). In Voila the same redraw check runs. PNG export
-goes through kaleido. Screenshots go to test-artifacts/.
+own-data checks and the redraw check were two runs of the same notebook). In Voila the same redraw check runs. PNG
+export goes through kaleido. Screenshots go to test-artifacts/.
 
 The servers, the Jupyter config and the browser come from browser_utils (shared with test_browser_dashboard.py).
 """

@@ -86,7 +86,8 @@ def test_sequence_parallel_share_and_bytes():
 
 def test_configs_without_optional_fields():
     phi = tiny_config("phi")
-    assert getattr(phi, "head_dim", None) is None and Dims.of(phi).head_dim == phi.hidden_size // phi.num_attention_heads
+    assert (getattr(phi, "head_dim", None) is None
+            and Dims.of(phi).head_dim == phi.hidden_size // phi.num_attention_heads)
     broken = tiny_config("llama")
     broken.num_key_value_heads = None  # the model's own code cannot build this: the error says so
     with pytest.raises(ValueError, match="cannot build a llama model"): Dims.of(broken)
@@ -312,12 +313,14 @@ def test_run_records_prediction(tmp_path):
 
 def test_unmodelled_runs_get_no_prediction():
     """LoRA (no weight gradients for frozen weights) and mixtures of experts: no prediction, so no MFU is claimed, and
-    `unmodelled` says why. The fused ring kernel is predicted (its calls counted), and differently from the plain one."""
+    `unmodelled` says why. The fused ring kernel is predicted (its calls counted), and differently from the plain
+    one."""
     from workbench.cost import run_prediction, unmodelled
     from workbench.config import TrainConfig
     plan = plan_bins(synthetic_lengths("flan", 32), 2048)
     assert run_prediction(TrainConfig(), tiny_config("llama"), plan) is not None
-    assert run_prediction(TrainConfig(ring=2, ring_kernel="plain"), tiny_config("llama"), plan) is not None and unmodelled(TrainConfig(), tiny_config("llama")) is None
+    assert (run_prediction(TrainConfig(ring=2, ring_kernel="plain"), tiny_config("llama"), plan) is not None
+            and unmodelled(TrainConfig(), tiny_config("llama")) is None)
     fused = run_prediction(TrainConfig(ring=2, ring_kernel="fused"), tiny_config("llama"), plan)
     assert fused is not None and fused.flops_per_step < run_prediction(TrainConfig(ring=2, ring_kernel="plain"), tiny_config("llama"), plan).flops_per_step
     lora = TrainConfig(); lora.lora_r = 4  # set after construction: TrainConfig checks that peft is installed

@@ -42,8 +42,8 @@ def test_streaming_keeps_every_token_once(lengths, capacity, buffer_size, overlo
         with pytest.raises(ValueError, match="more than capacity"): list(stream)
         return
     bins = list(stream)
-    # ids alone train every token but a piece's first: a piece of one token (the last of an example whose length is 1 more
-    # than a multiple of the capacity) trains nothing, and untrained='drop' leaves exactly those out
+    # ids alone train every token but a piece's first: a piece of one token (the last of an example whose length is 1
+    # more than a multiple of the capacity) trains nothing, and untrained='drop' leaves exactly those out
     pieces = [[f["input_ids"][lo:lo + capacity] for lo in range(0, n, capacity)] for f, n in zip(feats, lengths)]
     idle = [p for ps in pieces for p in ps if len(p) == 1] if untrained == "drop" else []
     kept = [{**f, "input_ids": [t for p in ps if untrained == "keep" or len(p) > 1 for t in p]}
@@ -171,7 +171,8 @@ def test_edges_of_size():
     _check_kept(bins, feats, 8)
     lengths = [5, 3, 7, 2, 6, 1, 4]  # a stream shorter than the buffer is one global best-fit-decreasing pass
     stream = PackedStream(_features(lengths), 8, buffer_size=100, untrained="keep")  # as the bare lengths: [1] kept
-    assert len(list(stream)) == len(plan_bins(lengths, 8).bins) and stream.report.fill == stream.report.global_plan().fill
+    assert (len(list(stream)) == len(plan_bins(lengths, 8).bins)
+            and stream.report.fill == stream.report.global_plan().fill)
     tensors = [{"input_ids": torch.arange(10).reshape(1, 10), "completion_mask": torch.ones(1, 10, dtype=torch.long)}]
     # [1, T] tensors, as a tokenizer returns
     pieces = [f for b in PackedStream(tensors, 4, overlong="split") for f in b]

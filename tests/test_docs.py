@@ -29,8 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SITE = ROOT / "site"
 NOTEBOOKS = sorted(p for p in (ROOT / "nbs").rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts)
 KERNELSPEC = {"display_name": "python3", "language": "python", "name": "python3"}
-# pages known to hold plotly figures, and the fewest each holds: those drawn from widgets' state count too (a dashboard's
-# six figures, an explorer's mask and layout)
+# pages known to hold plotly figures, and the fewest each holds: those drawn from widgets' state count too (a
+# dashboard's six figures, an explorer's mask and layout)
 FIGURE_PAGES = {"nbs/01_packing/07_viz.html": 1, "nbs/04_runtime/13_dashboard.html": 6,
                 "nbs/04_runtime/15_explorer.html": 2,
                 "nbs/tutorials/launch_sp.html": 6, "nbs/tutorials/explore_masks.html": 2, "nbs/architecture.html": 1}
@@ -260,8 +260,8 @@ def load_build():
 
 
 def test_make_docs_reports_each_notebook_and_reuses_executions(tmp_path, monkeypatch, capsys):
-    """One line per notebook as it finishes (executed, then cached on the next run); a per-cell limit only when asked for.
-    The kernel gets no PYTEST_* variable, so it captures what subprocesses print, as under `make docs`."""
+    """One line per notebook as it finishes (executed, then cached on the next run); a per-cell limit only when asked
+    for. The kernel gets no PYTEST_* variable, so it captures what subprocesses print, as under `make docs`."""
     build = load_build()
     monkeypatch.setattr(build, "ROOT", tmp_path); monkeypatch.setattr(build, "CACHE", tmp_path / ".docs-cache")
     (tmp_path / "nbs").mkdir()
@@ -270,15 +270,18 @@ def test_make_docs_reports_each_notebook_and_reuses_executions(tmp_path, monkeyp
                                  "'from a subprocess'])"), ("slow", "import time; time.sleep(10)")]:
         nb = nbformat.v4.new_notebook(metadata={"kernelspec": KERNELSPEC}, cells=[nbformat.v4.new_code_cell(code)])
         nbformat.write(nb, tmp_path / "nbs" / f"{name}.ipynb"); paths.append(tmp_path / "nbs" / f"{name}.ipynb")
-    with pytest.raises(RuntimeError, match=r"1 of 2 notebooks failed:\s+nbs/slow.ipynb failed to execute:\s+A cell timed out"):
+    with pytest.raises(RuntimeError, match=r"1 of 2 notebooks failed:\s+nbs/slow.ipynb "
+                                           r"failed to execute:\s+A cell timed out"):
         build.execute_all(paths, set(), jobs=2, timeout=4)
     out = capsys.readouterr().out
     assert "2 notebooks: 0 cached, 2 to execute (2 at a time, 4 s per cell)" in out, out
-    assert re.search(r"\] nbs/quick.ipynb +executed in [\d.]+ s\n", out) and re.search(r"\] nbs/slow.ipynb +FAILED\n", out), out
+    assert (re.search(r"\] nbs/quick.ipynb +executed in [\d.]+ s\n", out)
+            and re.search(r"\] nbs/slow.ipynb +FAILED\n", out)), out
     results = build.execute_all(paths, set(), jobs=2)  # no limit: the slow one runs to its end
     out = capsys.readouterr().out
     assert "2 notebooks: 1 cached, 1 to execute (2 at a time, no per-cell time limit)" in out, out
-    assert re.search(r"\] nbs/quick.ipynb +cached\n", out) and re.search(r"\] nbs/slow.ipynb +executed in [\d.]+ s\n", out), out
+    assert (re.search(r"\] nbs/quick.ipynb +cached\n", out)
+            and re.search(r"\] nbs/slow.ipynb +executed in [\d.]+ s\n", out)), out
     assert "".join(o.get("text", "") for o in results[paths[0]][0].cells[0].outputs) == "quick\nfrom a subprocess\n"
 
 

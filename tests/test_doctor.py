@@ -134,7 +134,8 @@ def test_convolution_layers_detected(feats):
     # with it, transformers refuses
     refused = check_packing(model, FlatteningCollator(return_seq_idx=True, train_all_tokens=True)(feats), NO_CACHE)
     assert not silent.clean and silent["sequence-mixing layers"].status == "fail"  # measured, not read from class names
-    assert "ShortConv" in silent["sequence-mixing layers"].detail and "padded batches" in silent["sequence-mixing layers"].fix
+    assert ("ShortConv" in silent["sequence-mixing layers"].detail
+            and "padded batches" in silent["sequence-mixing layers"].fix)
     assert silent["contamination probe"].status == "fail" and "padded batches" in silent["contamination probe"].fix
     assert 0 < silent.cross_example_effect < 1e-2  # a weak leak: exact zero is the test, not a tolerance
     assert not refused.clean and "causal_conv1d" in refused["model runs on the packed batch"].detail
@@ -146,7 +147,8 @@ def test_model_without_position_ids(packed):
     model = tr.BloomForCausalLM(tr.BloomConfig(vocab_size=8192, hidden_size=64, n_layer=2, n_head=4)).eval()
     sick = check_packing(model, packed)
     assert not sick.clean and sick["forward accepts position_ids"].status == "fail"
-    assert "PaddingCollator" in sick["forward accepts position_ids"].fix and "cross-example effect 0" in sick.verified_with
+    assert ("PaddingCollator" in sick["forward accepts position_ids"].fix
+            and "cross-example effect 0" in sick.verified_with)
 
 
 def test_report_renders(packed):

@@ -73,12 +73,14 @@ def test_traps_caught_and_fixed_in_every_dtype(packed, dtype):
     assert not cache.clean and cache["cache off"].status == "fail" and cache.cross_example_effect > 0
     assert "use_cache=False" in cache["cache off"].fix and _verified(cache)
     ones = check_packing(model, {**packed, "attention_mask": torch.ones_like(packed["input_ids"])}, NO_CACHE)
-    assert not ones.clean and ones["no attention_mask"].status == "fail" and "drop attention_mask" in ones["no attention_mask"].fix
+    assert (not ones.clean and ones["no attention_mask"].status == "fail"
+            and "drop attention_mask" in ones["no attention_mask"].fix)
     labels = packed["labels"].clone()
     labels[0, 1:] = packed["input_ids"][0, 1:]  # every first label trained (the loss leak the probe cannot see)
     sick = check_packing(model, {**packed, "labels": labels}, NO_CACHE)
     assert not sick.clean and sick["first labels masked"].status == "fail" and sick.cross_example_effect == 0
-    assert "4 of 4" in sick["first labels masked"].detail and "-100" in sick["first labels masked"].fix and _verified(sick)
+    assert ("4 of 4" in sick["first labels masked"].detail and "-100" in sick["first labels masked"].fix
+            and _verified(sick))
 
 
 def _extra_boundary(batch):
@@ -93,11 +95,13 @@ def _extra_boundary(batch):
 def test_boundaries_checked_against_their_reader(packed, dtype):
     bad = _extra_boundary(packed)
     varlen = check_packing(tiny_model("llama", attn_implementation=KEY, dtype=dtype), bad, NO_CACHE)
-    assert not varlen.clean and varlen["boundaries agree"].status == "fail" and "reads the boundaries from cu_seq_lens_q" in varlen["boundaries agree"].detail
+    assert (not varlen.clean and varlen["boundaries agree"].status == "fail"
+            and "reads the boundaries from cu_seq_lens_q" in varlen["boundaries agree"].detail)
     assert (varlen.layout_difference > varlen.tolerance and "rebuild cu_seq_lens" in varlen["boundaries agree"].fix
             and _verified(varlen))
     sdpa = check_packing(tiny_model("llama", dtype=dtype), bad, NO_CACHE)  # sdpa reads position_ids: right, but warned
-    assert sdpa.clean and sdpa["boundaries agree"].status == "warn" and "rebuild cu_seq_lens" in sdpa["boundaries agree"].fix
+    assert (sdpa.clean and sdpa["boundaries agree"].status == "warn"
+            and "rebuild cu_seq_lens" in sdpa["boundaries agree"].fix)
     assert not any(KEY in f.fix for f in sdpa.findings)  # the old false alarm suggested varlen, which really leaks here
     seq = {**packed, "seq_idx": torch.zeros_like(packed["input_ids"], dtype=torch.int32)}  # seq_idx marks one example
     assert "seq_idx" in check_packing(tiny_model("llama", dtype=dtype), seq, NO_CACHE)["boundaries agree"].detail
@@ -114,7 +118,8 @@ def test_batch_without_position_ids(packed):
     gpt2 = tr.GPT2LMHeadModel._from_config(tr.GPT2Config(vocab_size=8192, n_embd=64, n_layer=2, n_head=4),
                                            attn_implementation=KEY).eval()
     absolute = check_packing(gpt2, no_pos, NO_CACHE)
-    assert not absolute.clean and absolute.cross_example_effect == 0 and absolute["position_ids in the batch"].status == "fail"
+    assert (not absolute.clean and absolute.cross_example_effect == 0
+            and absolute["position_ids in the batch"].status == "fail")
     assert "position_ids restarting" in absolute["position_ids in the batch"].fix and _verified(absolute)
     nothing = {k: v for k, v in no_pos.items() if not k.startswith(("cu_seq", "max_length"))}
     blind = check_packing(tiny_model("llama"), nothing, NO_CACHE)
@@ -127,7 +132,8 @@ def test_model_without_position_ids_is_measured(packed):
     torch.manual_seed(0)
     bloom = tr.BloomForCausalLM(tr.BloomConfig(vocab_size=8192, hidden_size=64, n_layer=2, n_head=4)).eval()
     report = check_packing(bloom, packed, NO_CACHE)
-    assert report["forward accepts position_ids"].status == "fail" and "PaddingCollator" in report["forward accepts position_ids"].fix
+    assert (report["forward accepts position_ids"].status == "fail"
+            and "PaddingCollator" in report["forward accepts position_ids"].fix)
     torch.manual_seed(0)  # OPT takes position_ids, but its sdpa mask ignores packing: measured, and the measured fix
     opt = tr.OPTForCausalLM(tr.OPTConfig(vocab_size=8192, hidden_size=64, num_hidden_layers=2, ffn_dim=128,
                                          num_attention_heads=4, word_embed_proj_dim=64)).eval()
@@ -151,7 +157,8 @@ def test_mamba_hybrid_leak_caught_in_bf16(packed):
                          expert_layer_offset=1, num_experts=2, mamba_d_state=8, mamba_expand=2)
     report = check_packing(tr.JambaForCausalLM(cfg).to(torch.bfloat16).eval(), packed, NO_CACHE)
     assert not report.clean and 0 < report.cross_example_effect < OLD_TOLERANCE[torch.bfloat16]
-    assert "JambaMambaMixer" in report["sequence-mixing layers"].detail and "padded batches" in report["contamination probe"].fix
+    assert ("JambaMambaMixer" in report["sequence-mixing layers"].detail
+            and "padded batches" in report["contamination probe"].fix)
 
 
 class KwargsOnly(torch.nn.Module):
@@ -223,8 +230,8 @@ def _rounding_by_count(grouped_mm):
 
 def test_moe_routing_does_not_fake_a_leak(monkeypatch):
     """A clean MoE whose grouped expert matmuls round by token count: plain forwards differ, the probe stays exactly 0.
-    Whether a CPU's kernels round by count depends on its BLAS (an AMD EPYC box's do not: the plain forwards were equal),
-    so the experts' grouped matmul is replaced by one that does, through transformers' own dispatcher."""
+    Whether a CPU's kernels round by count depends on its BLAS (an AMD EPYC box's do not: the plain forwards were
+    equal), so the experts' grouped matmul is replaced by one that does, through transformers' own dispatcher."""
     from transformers.integrations import moe
     from workbench.core import example_ids
     from workbench.samples import load_sample

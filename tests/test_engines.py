@@ -154,10 +154,10 @@ def test_accelerate_trainer_same_verdicts():
 
 
 def test_trl_sft_trainer_through_alst():
-    """TRL's SFTTrainer through ALST, as its users configure it (SFTConfig(parallelism_config=..., deepspeed=...)): its own
-    loss path (the fused LM head) and metrics. Packed rows under sdpa leak (the broken case) and the verdict flips with
-    workbench_varlen to HF's SP loss verdict (scaled, gradients SP x, up to transformers 5.24; exact from 5.25), the
-    verdict of unpacked rows too."""
+    """TRL's SFTTrainer through ALST, as its users configure it (SFTConfig(parallelism_config=..., deepspeed=...)): its
+    own loss path (the fused LM head) and metrics. Packed rows under sdpa leak (the broken case) and the verdict flips
+    with workbench_varlen to HF's SP loss verdict (scaled, gradients SP x, up to transformers 5.24; exact from 5.25),
+    the verdict of unpacked rows too."""
     from accelerate.parallelism_config import ParallelismConfig
     report = prove_config(ParallelismConfig(sp_size=2, sp_backend="deepspeed"), family=FAMILY, deadline_s=300,
                           trainer="trl")
@@ -306,11 +306,13 @@ def test_prove_engine_on_a_users_model_directory(tmp_path):
     ours = report.find(engine="workbench")
     leak, fixed = report.find(engine="alst", attention="sdpa"), report.find(engine="alst", attention="workbench_varlen")
     assert ours.status == "exact" and ours.diff["grads"] <= GRAD_TOL, ours
-    assert leak.status == "leaks" and leak.leak_diff <= LOSS_TOL < leak.diff["loss"] and leak.diff["grads_rescaled"] > 1e-2, leak
+    assert (leak.status == "leaks" and leak.leak_diff <= LOSS_TOL < leak.diff["loss"]
+            and leak.diff["grads_rescaled"] > 1e-2), leak
     assert "across the documents" in leak.cause and "beyond the model's sliding window" in leak.cause
     # flipped
     assert fixed.status == "exact" and fixed.diff["loss"] <= LOSS_TOL and fixed.diff["grads"] <= GRAD_TOL, fixed
     assert all(v.diff["same_rows"] and v.diff["ranks_agree"] for v in report.verdicts)
     assert report.shrunk["layers"] == (8, 4) and report.shrunk["hidden"] == (256, 128)
     assert (report.shrunk["heads"], report.shrunk["kv heads"], report.shrunk["sliding window"]) == ((8, 8), (2, 2), (4096, 16))
-    assert "cohere2-tiny" in ours.run.name and "layers 8 → 4" in str(report) and "layers 8 → 4" in report._repr_markdown_()
+    assert ("cohere2-tiny" in ours.run.name and "layers 8 → 4" in str(report)
+            and "layers 8 → 4" in report._repr_markdown_())

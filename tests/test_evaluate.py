@@ -31,8 +31,9 @@ def held_out():
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory, held_out) -> Path:
-    """A 12-step Ulysses 2 run that evaluates the ten held-out examples (as a file of prompt + completion rows) after steps
-    6 and 12 and keeps the checkpoints of both: a random model's argmax is never the label, so its accuracy proves nothing."""
+    """A 12-step Ulysses 2 run that evaluates the ten held-out examples (as a file of prompt + completion rows) after
+    steps 6 and 12 and keeps the checkpoints of both: a random model's argmax is never the label, so its accuracy proves
+    nothing."""
     from workbench.samples import load_tokenizer
     from workbench.data import load_features
     from workbench.train import run
@@ -63,7 +64,8 @@ def test_evaluation_during_training_equals_each_example_alone_on_the_checkpoint(
         reference = each_alone(TrainConfig(model=str(model), max_tokens=512), held_out)
         assert np.max(np.abs(np.array(r["example_loss"])
                              - reference.loss) / reference.loss) < 1e-6, (r["step"], r, reference)
-        assert abs(r["loss"] - reference.mean_loss()) < 1e-6 * reference.mean_loss() and r["accuracy"] == reference.mean_accuracy()
+        assert (abs(r["loss"] - reference.mean_loss()) < 1e-6 * reference.mean_loss()
+                and r["accuracy"] == reference.mean_accuracy())
         assert r["tokens"] == int(reference.tokens.sum())
     assert rows[1]["loss"] < rows[0]["loss"]  # the model learned between them
 
@@ -85,7 +87,8 @@ def test_every_layout_equals_each_example_alone(held_out, trained):
 
 
 def test_bad_input_is_refused_before_any_process_starts(held_out, tmp_path):
-    with pytest.raises(ValueError, match=r"max_tokens \(--max-tokens\) 64: .*Evaluation keeps every example whole: raise --max-tokens"):
+    with pytest.raises(ValueError, match=r"max_tokens \(--max-tokens\) 64: .*Evaluation "
+                                         r"keeps every example whole: raise --max-tokens"):
         evaluate(TrainConfig(model="qwen2", max_tokens=64), held_out)
     with pytest.raises(ValueError, match="sp_size=8 is more than the 4 attention heads"):
         evaluate(TrainConfig(model="qwen2", sp=8), held_out)
@@ -96,14 +99,16 @@ def test_bad_input_is_refused_before_any_process_starts(held_out, tmp_path):
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert cli.returncode == 2 and "--steps, --lr do not apply to evaluation" in cli.stderr, cli.stderr
     # evaluation during training: refused when built, or before any process starts
-    with pytest.raises(ValueError, match=r"eval_every \(--eval-every\) 2 evaluates held-out data: name it with eval_data"):
+    with pytest.raises(ValueError, match=r"eval_every \(--eval-every\) 2 evaluates "
+                                         r"held-out data: name it with eval_data"):
         TrainConfig(eval_every=2)
     with pytest.raises(ValueError, match=r"loss_chunk \(--loss-chunk\) exists to avoid"):
         TrainConfig(eval_data="x.jsonl", loss_chunk=64)
     from workbench.train import preflight_run
     rows = (ROOT / "data_samples" / "orca_like.jsonl").read_text().splitlines()[-2:]
     (tmp_path / "two.jsonl").write_text("\n".join(rows) + "\n")
-    with pytest.raises(ValueError, match=r"eval_data \(--eval-data\) .*two.jsonl.*max_tokens \(--max-tokens\) 64: .*raise --max-tokens"):
+    with pytest.raises(ValueError, match=r"eval_data \(--eval-data\) .*two.jsonl.*max_tokens "
+                                         r"\(--max-tokens\) 64: .*raise --max-tokens"):
         preflight_run(TrainConfig(model="qwen2", data="orca_like", max_tokens=64, eval_data=str(tmp_path / "two.jsonl"),
                                   out=str(tmp_path / "run")))
 

@@ -124,7 +124,8 @@ def test_default_trainer_drops_masks_and_the_collator_says_so_once(flan, tmp_pat
     with pytest.warns(UserWarning, match="every token is trained") as caught:
         t.train()
     said = [w for w in caught if "every token is trained" in str(w.message)]
-    assert len(said) == 1 and "remove_unused_columns removed them: use prepare_dataset or PackedTrainer" in str(said[0].message)
+    assert (len(said) == 1
+            and "remove_unused_columns removed them: use prepare_dataset or PackedTrainer" in str(said[0].message))
     assert len(rec.batches) > 1  # several batches collated, one warning
     ref = reference(rec.batches[:STEPS], raw, STEPS)
     assert abs(losses(t)[0] - ref[0]) > 1e-3  # trained on prompt tokens
@@ -197,8 +198,8 @@ def test_ddp_two_ranks_equal_reference(flan, tmp_path, data, kind, max_tokens, g
                          [(N, None, False, 0), (N, None, False, 2), (6, 2, False, 0), (N, None, True, 0)],
                          ids=["mid-epoch", "mid-epoch-2-workers", "epoch-boundary", "stream"])
 def test_token_budget_resume_is_exact(flan, tmp_path, n, bins, stream, workers):
-    """Mid-epoch, also with 2 forked workers that prefetch: skip_first_batches re-draws the epoch's order, so the resume is
-    still exact; at an epoch boundary; and a stream, re-packed up to the checkpoint's step."""
+    """Mid-epoch, also with 2 forked workers that prefetch: skip_first_batches re-draws the epoch's order, so the resume
+    is still exact; at an epoch boundary; and a stream, re-packed up to the checkpoint's step."""
     ds = Dataset.from_list(flan[:n])
     if stream: ds = ds.to_iterable_dataset()  # resumed by re-packing the stream up to the checkpoint's step
     mk = lambda d, **kw: PackedTrainer(model=tiny_model("llama").train(),
@@ -251,7 +252,8 @@ def test_packed_eval_split_equals_unpacked(flan, tmp_path, cls):
         trl = SFTTrainer(model=kw["model"], args=args(tmp_path, SFTConfig), train_dataset=ev, eval_dataset=ev,
                          processing_class=load_tokenizer())
         a, b = packed.evaluate(), trl.evaluate()
-        assert abs(a["eval_entropy"] - b["eval_entropy"]) < 1e-5 and a["eval_mean_token_accuracy"] == b["eval_mean_token_accuracy"]
+        assert (abs(a["eval_entropy"] - b["eval_entropy"]) < 1e-5
+                and a["eval_mean_token_accuracy"] == b["eval_mean_token_accuracy"])
         assert abs(a["eval_loss"] - b["eval_loss"]) < 1e-5
 
 
@@ -286,14 +288,16 @@ def test_packed_eval_on_two_ranks_equals_one_process_unpacked(flan, tmp_path):
             np.testing.assert_allclose(p[i, :n], q.predictions[i, :n], atol=1e-5, rtol=0)
             np.testing.assert_array_equal(r["label_ids"][i, :n], q.label_ids[i, :n])
             assert (r["label_ids"][i, n:] == IGNORE_INDEX).all()
-        assert r["metrics"]["test_accuracy"] == q.metrics["test_accuracy"] and r["metrics"]["test_n"] == q.metrics["test_n"]
+        assert (r["metrics"]["test_accuracy"] == q.metrics["test_accuracy"]
+                and r["metrics"]["test_n"] == q.metrics["test_n"])
         assert abs(r["metrics"]["test_target_logit"] - q.metrics["test_target_logit"]) < 1e-6
 
 
 def _alst_predict_rank(train_rows, rows, out_dir, attention, guarded, trl):
     """Two CPU processes under DeepSpeed ALST (SP 2) through accelerate, as for the HF Trainer: two SGD steps on rows of
     one example each (equal lengths: gloo's all_gather in ALST's adapter takes no uneven shards), then predict packed
-    evaluation rows. `guarded=False` lets a refused set-up run (the broken case); `trl`: PackedSFTTrainer and SFTConfig."""
+    evaluation rows. `guarded=False` lets a refused set-up run (the broken case); `trl`: PackedSFTTrainer and
+    SFTConfig."""
     import os
     import torch.distributed as dist
     import workbench.hf as hf
@@ -324,11 +328,12 @@ def _alst_predict_rank(train_rows, rows, out_dir, attention, guarded, trl):
 
 
 def test_packed_eval_under_alst_equals_one_process_unpacked(flan, tmp_path):
-    """PackedTrainer and PackedSFTTrainer under DeepSpeed ALST (SP 2, workbench_varlen): per example, the packed predictions of the trained
-    model equal one process's padded predictions of the same weights, and so do accuracy, trained tokens and target
-    logits. With sdpa as ALST's inner attention (refused by check_parallelism_args, let through here) the same comparison fails:
-    evaluation attends across the documents of each packed row. Before accelerate 1.12 (the floors) there is no ALST
-    through accelerate: the recipe's config refuses, naming the release."""
+    """PackedTrainer and PackedSFTTrainer under DeepSpeed ALST (SP 2, workbench_varlen): per example, the packed
+    predictions of the trained model equal one process's padded predictions of the same weights, and so do accuracy,
+    trained tokens and target logits. With sdpa as ALST's inner attention (refused by check_parallelism_args, let
+    through here) the same comparison fails: evaluation attends across the documents of each packed row. Before
+    accelerate 1.12 (the floors) there is no ALST through accelerate: the recipe's config refuses, naming the
+    release."""
     from workbench.tiny_models import release
     from workbench.engines import alst_parallelism_config
     if release("accelerate") < (1, 12):
@@ -360,7 +365,8 @@ def test_packed_eval_under_alst_equals_one_process_unpacked(flan, tmp_path):
                 np.testing.assert_array_equal(r["label_ids"][i, :n], q.label_ids[i, :n])
         if attention == "workbench_varlen":
             for r in res:
-                assert r["metrics"]["test_accuracy"] == q.metrics["test_accuracy"] and r["metrics"]["test_n"] == q.metrics["test_n"]
+                assert (r["metrics"]["test_accuracy"] == q.metrics["test_accuracy"]
+                        and r["metrics"]["test_n"] == q.metrics["test_n"])
                 assert abs(r["metrics"]["test_target_logit"] - q.metrics["test_target_logit"]) < 1e-6
     # measured about 3e-7 and 0.7
     assert max(worst[("workbench_varlen", False)], worst[("workbench_varlen", True)]) < 1e-5 < 0.1 < worst[("sdpa", False)], worst
@@ -448,7 +454,8 @@ def test_check_trainer_reentrant_checkpointing_with_frozen_embeddings(flan, tmp_
                 args=args(tmp_path, per_device_train_batch_size=4, activation_checkpointing=True,
                           activation_checkpointing_kwargs={"use_reentrant": True}))
     r = check_trainer(t, grads=False)
-    assert r["activation checkpointing"].status == "warn" and "use_reentrant': False" in r["activation checkpointing"].fix
+    assert (r["activation checkpointing"].status == "warn"
+            and "use_reentrant': False" in r["activation checkpointing"].fix)
 
 
 # ---------------------------------------------------------------- what users hand it
@@ -581,8 +588,8 @@ def test_split_pieces_that_train_nothing_are_left_out(flan, tmp_path):
     ds = Dataset.from_list(flan[:N])
     mk = lambda d, **kw: PackedTrainer(model=tiny_model("llama").train(), args=args(tmp_path), train_dataset=d,
                                        max_tokens=64, overlong="split", **kw)
-    with pytest.warns(UserWarning, match=r"0 dropped \(0 tokens lost\) of 32; (\d+) pieces that train no token left out "
-                                         r"\((\d+) tokens, untrained='drop'\)") as w:
+    with pytest.warns(UserWarning, match=r"0 dropped \(0 tokens lost\) of 32; (\d+) pieces that "
+                                         r"train no token left out \((\d+) tokens, untrained='drop'\)") as w:
         t = mk(ds)
     p = t.plan
     assert p.untrained > 0 and (f"; {p.untrained} pieces that train no token "
@@ -701,15 +708,16 @@ def test_check_trainer_needs_a_train_dataset(flan, tmp_path):
 
 
 def test_check_trainer_on_trls_own_padding_free(flan, tmp_path):
-    """TRL's own padding_free collator packs cleanly, but by default (completion_only_loss=None on token data) TRL's labels
-    ignore a completion_mask: check_trainer fails it, measured on the rows; completion_only_loss=True passes."""
+    """TRL's own padding_free collator packs cleanly, but by default (completion_only_loss=None on token data) TRL's
+    labels ignore a completion_mask: check_trainer fails it, measured on the rows; completion_only_loss=True passes."""
     from workbench.samples import load_tokenizer
     mk = lambda **kw: SFTTrainer(model=llama(), train_dataset=Dataset.from_list(flan[:N]),
                                  processing_class=load_tokenizer(),
                                  args=args(tmp_path, SFTConfig, padding_free=True, max_length=None,
                                            per_device_train_batch_size=4, **kw))
     r = check_trainer(mk(), grads=False)
-    assert r.failed() == ["loss masks reach the collator"] and "completion_only_loss=True" in r["loss masks reach the collator"].fix, r
+    assert (r.failed() == ["loss masks reach the collator"]
+            and "completion_only_loss=True" in r["loss masks reach the collator"].fix), r
     assert r.doctor.cross_example_effect == 0  # its packing is clean: only the labels are wrong
     good = check_trainer(mk(completion_only_loss=True), grads=False)
     assert good.clean and good["loss masks reach the collator"].status == "pass", good

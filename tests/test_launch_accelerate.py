@@ -1,5 +1,5 @@
-"""A user's own accelerate loop under `workbench.launch` (a plain `Accelerator()` sees the launch and its DDP step is the
-one-process full-batch step), and accelerate's own `notebook_launcher` running the workbench's Ulysses exactly."""
+"""A user's own accelerate loop under `workbench.launch` (a plain `Accelerator()` sees the launch and its DDP step is
+the one-process full-batch step), and accelerate's own `notebook_launcher` running the workbench's Ulysses exactly."""
 import pickle
 from pathlib import Path
 

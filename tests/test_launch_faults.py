@@ -415,8 +415,8 @@ def test_ranks_die_with_a_killed_parent():
 
 def test_importing_the_launcher_keeps_the_cuda_check_off_the_driver():
     """On the H200, `python -m workbench.train` failed in every forked rank ("Cannot re-initialize CUDA in forked
-    subprocess"): torch.cuda.is_available() in the parent had started CUDA's driver. Importing any entry point that forks
-    (the launcher, the trainer) makes torch ask NVML instead, unless the user set the switch themselves."""
+    subprocess"): torch.cuda.is_available() in the parent had started CUDA's driver. Importing any entry point that
+    forks (the launcher, the trainer) makes torch ask NVML instead, unless the user set the switch themselves."""
     env = {k: v for k, v in os.environ.items() if k != "PYTORCH_NVML_BASED_CUDA_CHECK"}
     for module in ("workbench.launch", "workbench.train"):
         code = f"import os, {module}; print(os.environ.get('PYTORCH_NVML_BASED_CUDA_CHECK'))"

@@ -149,7 +149,8 @@ def test_plan_properties(lengths, capacity, overlong, seed):
         assert plan.split == over.sum()
         for e in np.flatnonzero(over):  # the pieces of a split example tile it exactly
             p = np.flatnonzero(plan.example == e)
-            assert plan.offset[p].tolist() == list(range(0, lengths[e], capacity)) and plan.length[p].sum() == lengths[e]
+            assert (plan.offset[p].tolist() == list(range(0, lengths[e], capacity))
+                    and plan.length[p].sum() == lengths[e])
     assert reference_bfd(plan.length.tolist(), capacity) == sorted(plan.bin_tokens.tolist())
     assert plan_bins(lengths, capacity, overlong=overlong, seed=seed).bins.__len__() == len(plan.bins)
 
@@ -242,7 +243,8 @@ def test_untrained_pieces_are_counted(flan_all):
     idle = [i for i in range(len(old.length)) if not (collate([pieces[i]])["labels"][0, 1:] != IGNORE_INDEX).any()]
     plan = plan_bins(flan_all, 256, overlong="split")
     assert (plan.untrained, plan.untrained_tokens) == (len(idle), int(old.length[idle].sum())) and len(idle) > 0
-    assert len(plan.length) == len(old.length) - len(idle) and plan.length.sum() == old.length.sum() - plan.untrained_tokens
+    assert (len(plan.length) == len(old.length) - len(idle)
+            and plan.length.sum() == old.length.sum() - plan.untrained_tokens)
     assert (plan.split, plan.lost_tokens, old.untrained) == (old.split, 0, 0)
     assert f"untrained pieces dropped {len(idle)} ({old.length[idle].sum()} tokens)" in repr(plan)
     assert "bins training none 0)" in repr(plan) and ("bins training none "
@@ -272,7 +274,8 @@ def test_untrained_policy_small_cases():
     assert (labels.offset.tolist(), labels.trained.tolist(), labels.untrained) == ([0], [1], 1)
     docs = plan_bins([{"input_ids": [1, 2, 3, 4], "seq_lengths": [2, 1, 1]}], 4)  # TRL rows: documents start at 0, 2, 3
     assert docs.trained.tolist() == [1]
-    with pytest.raises(ValueError, match=r"example 1: seq_lengths \[2, 2\] must be positive document lengths summing to its 3"):
+    with pytest.raises(ValueError, match=r"example 1: seq_lengths \[2, 2\] must be "
+                                         r"positive document lengths summing to its 3"):
         plan_bins([{"input_ids": [1, 2]}, {"input_ids": [1, 2, 3], "seq_lengths": [2, 2]}], 4)
     bare = plan_bins([10, 3], 4, overlong="split")  # lengths carry no labels: every piece kept, the counts unknown
     assert (len(bare.length), bare.untrained, bare.trained, bare.bin_trained) == (4, 0, None, None)

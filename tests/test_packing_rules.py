@@ -95,7 +95,8 @@ def test_collators_read_every_example(exs, multiple):
     ([{"input_ids": [1, 2], "token_type_ids": [0, 0]}, {"input_ids": [3]}], "example 1 lacks 'token_type_ids'"),
     ([{"input_ids": [1, 2], "attention_mask": [1, 1]}, {"input_ids": [3, 4], "attention_mask": [1, 0]}],
      "example 1: attention_mask has zeros"),
-    ([{"input_ids": [1, 2], "seq_lengths": [3]}], r"example 0: seq_lengths \[3\] must be positive document lengths summing to its 2"),
+    ([{"input_ids": [1, 2], "seq_lengths": [3]}], r"example 0: seq_lengths \[3\] must be "
+                                                  r"positive document lengths summing to its 2"),
     ([{"input_ids": [1, 2], "seq_lengths": [2, 0]}], "must be positive"),
     ([{"input_ids": [1, 2, 3], "position_ids": [0, 1, 0], "seq_lengths": [1, 2]}], "disagree with the documents"),
     ([{"input_ids": [[1, 2], [3]]}], "example 0: input_ids is ragged"),

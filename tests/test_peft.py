@@ -87,7 +87,8 @@ def test_peft_model_without_task_type_and_merged_model(packed):
     assert (after - before).abs().max().item() < 1e-5  # the adapters really are in the merged weights
     frozen = check_packing(merged, packed, NO_CACHE)  # PEFT froze the base, and the merged weights stay frozen
     assert frozen.clean and frozen["wrappers"].detail == "no wrapper: Qwen3ForCausalLM", frozen
-    assert frozen["trainable parameters"].status == "warn" and "requires_grad_(True)" in frozen["trainable parameters"].fix
+    assert (frozen["trainable parameters"].status == "warn"
+            and "requires_grad_(True)" in frozen["trainable parameters"].fix)
     assert not any(f.check == "packed == padded: gradients" for f in frozen.findings)  # not measured, and it says so
     merged.requires_grad_(True)
     thawed = check_packing(merged, packed, NO_CACHE)
@@ -162,7 +163,8 @@ def test_lora_under_sp2_equals_one_process():
                                           f"{r['loss']:.2e}, grads {r['grads']:.2e}")
 
 
-# ---------------------------------------------------------------- workbench.train --lora-r: adapters only, saved as PEFT
+# ---------------------------------------------------------------- workbench.train --lora-r: adapters only, saved as
+# PEFT
 
 def test_train_lora_sp2_sharded_equals_one_process_and_saves_a_peft_adapter(tmp_path):
     from transformers import AutoModelForCausalLM

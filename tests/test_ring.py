@@ -2,9 +2,9 @@
 gloo compute what one process computes, on packed rows of several documents.
 
 Two launches (2 and 4 processes) check many cases each: fp64 logits, loss and every parameter gradient within 1e-10
-relative error of one plain-sdpa process; fp32 per-step AdamW losses within 1e-6 relative; the point-to-point elements counted at
-the dispatcher (ring sends and Ulysses all-to-alls) equal `comm_elements`; the block pairs skipped equal `skipped_blocks`'
-count from the row's positions (token by token, not the ring's own rule).
+relative error of one plain-sdpa process; fp32 per-step AdamW losses within 1e-6 relative; the point-to-point elements
+counted at the dispatcher (ring sends and Ulysses all-to-alls) equal `comm_elements`; the block pairs skipped equal
+`skipped_blocks`' count from the row's positions (token by token, not the ring's own rule).
 `workbench.train --ring` from the notebook launcher and from two torchrun "nodes" of 2 processes each (Ulysses inside
 each node, the ring across them) gives one process's losses. The rest needs no process.
 """
@@ -116,7 +116,8 @@ def test_layouts_listed_and_bad_pairs_refused():
         check_layout(qwen, 3, 2)
     with pytest.raises(ValueError, match="world_size=6 is not a multiple of sp_size=4"):
         check_layout(qwen, 2, 2, world_size=6)
-    assert choose_layout(qwen, 8) == (4, 2) and choose_layout(qwen, 8, per_node=1) == (1, 8) and choose_layout(cfg, 6) == (2, 3)
+    assert (choose_layout(qwen, 8) == (4, 2) and choose_layout(qwen, 8, per_node=1) == (1, 8)
+            and choose_layout(cfg, 6) == (2, 3))
     with pytest.raises(ValueError, match="positive integer"): choose_layout(qwen, 0)
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="positive integer"): check_layout(qwen, 1, bad)
@@ -330,12 +331,14 @@ def test_train_ring_from_the_notebook_launcher_torchrun_nodes_and_accelerate_equ
     assert _config(p, p.parse_args(["--sp", "2", "--ring", "2", "--nproc", "8"]), 1).dp == 2
     with pytest.raises(SystemExit): _config(p, p.parse_args(["--sp", "2", "--ring", "2", "--nproc", "6"]), 1)
     assert "not a multiple of --sp x --ring = 2 x 2 = 4" in capsys.readouterr().err
-    with pytest.raises(ValueError, match=r"ulysses=8 does not suit.*layouts of SP=16 that work: \[\(1, 16\), \(2, 8\), \(4, 4\)\]"):
+    with pytest.raises(ValueError, match=r"ulysses=8 does not suit.*layouts of SP=16 "
+                                         r"that work: \[\(1, 16\), \(2, 8\), \(4, 4\)\]"):
         run(TrainConfig(model="qwen2", sp=8, ring=2, steps=1, out=str(tmp_path / "bad")))  # refused before any fork
     assert not (tmp_path / "bad").exists()
     # fused in fp32: its calls predicted, its peak not planned (bf16 only)
     nodes_config = json.loads((tmp_path / "nodes" / "config.json").read_text())
-    assert nodes_config["ring_kernel"] == "fused" and nodes_config["expected_peak_bytes"] is None and nodes_config["predicted"]["step_s"] > 0
+    assert (nodes_config["ring_kernel"] == "fused" and nodes_config["expected_peak_bytes"] is None
+            and nodes_config["predicted"]["step_s"] > 0)
 
 
 def test_training_runs_the_configured_ring_kernel_and_refuses_fused_in_fp32_on_a_gpu(tmp_path, monkeypatch):
@@ -353,10 +356,12 @@ def test_training_runs_the_configured_ring_kernel_and_refuses_fused_in_fp32_on_a
     # CUDA's flash kernel computes in bf16: an fp32 run is refused before any process starts
     with monkeypatch.context() as m:
         m.setattr("workbench.train.rank_device", lambda: torch.device("cuda", 0))
-        with pytest.raises(ValueError, match=r"'fused' runs CUDA's flash attention, which computes in bfloat16, and this run trains in float32"):
+        with pytest.raises(ValueError, match=r"'fused' runs CUDA's flash attention, which computes "
+                                             r"in bfloat16, and this run trains in float32"):
             run(TrainConfig(model="qwen2", ring=2, ring_kernel="fused", dtype="float32", steps=1,
                             out=str(tmp_path / "gpu")))
-        with pytest.raises(ValueError, match=r"'fused' has no sliding window on CUDA yet and this model's layers use one"):
+        with pytest.raises(ValueError, match=r"'fused' has no sliding window on CUDA "
+                                             r"yet and this model's layers use one"):
             run(TrainConfig(model="mistral", ring=2, ring_kernel="fused", dtype="bfloat16", steps=1,
                             out=str(tmp_path / "gpu")))
     assert not (tmp_path / "gpu").exists()
@@ -425,9 +430,9 @@ def _flash_varlen_backward_emulated(dout, q, k, v, out, lse, cu_q, cu_k, max_q, 
 
 
 def test_the_cuda_varlen_path_gathers_offsets_and_merges_as_the_cpu_path(monkeypatch):
-    """The fused kernel's CUDA path (two varlen calls per block pair: gathered rows, per-sequence offsets, the merge and the
-    gradients' scatter, duplicated key rows included) equals its CPU path on every pair of a zigzag ring of 4, in fp64,
-    with CUDA's varlen flash kernel emulated in plain products (the GPU suite's part 3 runs the real one)."""
+    """The fused kernel's CUDA path (two varlen calls per block pair: gathered rows, per-sequence offsets, the merge and
+    the gradients' scatter, duplicated key rows included) equals its CPU path on every pair of a zigzag ring of 4, in
+    fp64, with CUDA's varlen flash kernel emulated in plain products (the GPU suite's part 3 runs the real one)."""
     import workbench.sp.ring as ring_module
     monkeypatch.setattr(ring_module, "_flash_cuda", _flash_varlen_emulated)
     monkeypatch.setattr(ring_module, "_flash_cuda_backward", _flash_varlen_backward_emulated)

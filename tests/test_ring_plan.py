@@ -1,4 +1,5 @@
-"""The memory planner and the cost model on ring attention and the hybrid Ulysses x ring layout, against real ring ranks.
+"""The memory planner and the cost model on ring attention and the hybrid Ulysses x ring layout, against real ring
+ranks.
 
 Two launches (2 and 4 gloo processes on CPU) measure, on every rank:
 - the live bytes of one `ring_attend` call (bf16, forward + backward), counted by `workbench.memory.LiveBytes` as the
@@ -7,8 +8,8 @@ Two launches (2 and 4 gloo processes on CPU) measure, on every rank:
   holds more; on the fused kernel they equal `ring_attention_bytes(..., kernel="fused", plans=ring_plans(...))` on every
   rank (one document under two plans, packed rows of many short documents, sliding windows), and never exceed the
   bound it gives without the row;
-- the bytes sent at the dispatcher (`workbench.sp_proofs.CountComm`: Ulysses all-to-alls, ring sends) during one training
-  step of a tiny model: equal to `step_cost`'s "all-to-all" and "ring" bytes;
+- the bytes sent at the dispatcher (`workbench.sp_proofs.CountComm`: Ulysses all-to-alls, ring sends) during one
+  training step of a tiny model: equal to `step_cost`'s "all-to-all" and "ring" bytes;
 - the FLOPs that ran (torch's `FlopCounterMode`): the busiest ring rank's equal `step_cost`'s total.
 Then `workbench.train.run` with --ring prints a memory readout and a step prediction and records "predicted".
 """
@@ -140,10 +141,10 @@ def test_ring_attention_bytes_equal_live_bytes(measured):
 
 
 def test_fused_ring_bytes_equal_live_bytes(measured):
-    """The fused kernel on every rank: its live bytes equal the planner's from the rank's own calls (`ring_plans`), on one
-    document (zigzag, contiguous), on packed rows of many short documents and under sliding windows; none exceeds the
-    bound the planner gives without the row, which a contiguous plan's later ranks reach. Binding steps differ: a call's
-    gradients, a band's mask, a GQA group's sum, or the hand-off."""
+    """The fused kernel on every rank: its live bytes equal the planner's from the rank's own calls (`ring_plans`), on
+    one document (zigzag, contiguous), on packed rows of many short documents and under sliding windows; none exceeds
+    the bound the planner gives without the row, which a contiguous plan's later ranks reach. Binding steps differ: a
+    call's gradients, a band's mask, a GQA group's sum, or the hand-off."""
     for world, ranks in measured.items():
         for u, r, heads, kv in MEMORY_CASES[world]:
             for name, (plan, lengths, window, n_tokens) in FUSED_ROWS.items():
@@ -257,8 +258,8 @@ def test_plan_layout_ring_never_refused(split, gpus, memory):
 
 
 def test_ring_run_has_readout_and_prediction(tmp_path, capfd):
-    """Ulysses 2 x ring 2 on 4 processes, the default kernel (fused on CPU): the planner's readout line for its CPU path,
-    a step prediction, config.json's kernel, planned peak and 'predicted', MFU rows."""
+    """Ulysses 2 x ring 2 on 4 processes, the default kernel (fused on CPU): the planner's readout line for its CPU
+    path, a step prediction, config.json's kernel, planned peak and 'predicted', MFU rows."""
     sp, ring = 2, 2
     from workbench.config import TrainConfig
     from workbench.readouts import memory_readout
@@ -276,7 +277,8 @@ def test_ring_run_has_readout_and_prediction(tmp_path, capfd):
     # the planner's activation terms are bf16/fp16 only: no fp32 figure
     unplanned, why = memory_readout(cfg, torch.float32)
     assert unplanned is None and "not planned for fp32" in why and f"{planned / 2**30:.3f} GiB" in why
-    assert record["expected_peak_bytes"] == planned > 0 and f"{planned / 2**30:.3f} GiB" in line and record["ring_kernel"] == "fused"
+    assert (record["expected_peak_bytes"] == planned > 0 and f"{planned / 2**30:.3f} GiB" in line
+            and record["ring_kernel"] == "fused")
     assert set(record["predicted"]) == {"step_s", "mfu", "flops_per_step", "peak_flops", "device"}
     assert record["predicted"]["step_s"] > 0 and 0 < record["predicted"]["mfu"] < 1
     rows = read_metrics(tmp_path / "run")

@@ -1,6 +1,6 @@
 """The shape of `workbench.sp`: the mechanism never imports the harness or the launcher, and every module imports alone
-(no import circle: `workbench.launch` loads no part of `workbench.sp` when imported; it asks `sp.layout` for a run's checks
-on demand)."""
+(no import circle: `workbench.launch` loads no part of `workbench.sp` when imported; it asks `sp.layout` for a run's
+checks on demand)."""
 import subprocess
 import sys
 

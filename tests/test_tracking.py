@@ -44,7 +44,8 @@ class Probe(GeneralTracker):
     def finish(self): self._say("finish")
 
 
-# the table accelerate looks trackers up in (what its register_tracker_class fills, new in accelerate 1.15; the floor is 1.10.1)
+# the table accelerate looks trackers up in (what its register_tracker_class fills, new in accelerate 1.15; the floor is
+# 1.10.1)
 LOGGER_TYPE_TO_CLASS.setdefault("probe", Probe)
 
 
@@ -113,7 +114,8 @@ def test_cli_flag_help_and_usage_errors(tmp_path, capsys):
     assert "--lr LR AdamW learning rate (default: 0.001)" in help_text  # every flag has its field's comment as help
     p = _parser()
     given = lambda *flags: _config(p, p.parse_args(list(flags)), 1).report_to
-    assert given() == given("--report-to", "none") == () and given("--report-to", "probe,tensorboard") == ("probe", "tensorboard")
+    assert (given() == given("--report-to", "none") == ()
+            and given("--report-to", "probe,tensorboard") == ("probe", "tensorboard"))
     assert given("--report-to", "all") == tuple(str(t) for t in get_available_trackers())
     for flags, words in ((["--report-to", "tensorbord"], "'tensorbord' is not a tracker"),
                          (["--report-to", "none,probe"], "'none' means no tracker")):

@@ -159,7 +159,8 @@ def test_a_step_that_trains_nothing_is_refused(tmp_path, monkeypatch):
         plan = plan_bins(data, cfg.max_tokens, overlong="split", untrained="keep")
         return plan, TokenBudgetSampler(plan), None, None, None
     monkeypatch.setattr(T, "plan_run", keep)
-    with pytest.raises(ValueError, match=r"step 0: its bins \(this rank's: \[\[0\]\]\) train no token on any rank.*untrained='drop'"):
+    with pytest.raises(ValueError, match=r"step 0: its bins \(this rank's: \[\[0\]\]\) "
+                                         r"train no token on any rank.*untrained='drop'"):
         T.train_rank(T.TrainConfig(steps=2, max_tokens=64, out=str(tmp_path)))
     assert not (tmp_path / "metrics.jsonl").exists() or not (tmp_path / "metrics.jsonl").read_text().strip()
     assert seen == [feats]  # train_rank plans the features (their masks), not bare lengths

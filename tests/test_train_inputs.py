@@ -10,7 +10,8 @@ from workbench.tiny_models import model_families
 from workbench.doctor import KNOWN_LIMITS
 from workbench.train import main
 
-# the (family, attention) pairs the model itself cannot run, and the words of the refusal each gets (the family matrix's)
+# the (family, attention) pairs the model itself cannot run, and the words of the refusal each gets (the family
+# matrix's)
 REFUSED = {cell: words for cell, words in KNOWN_LIMITS.items() if cell[1] in ("sdpa", "workbench_varlen")}
 
 
@@ -181,10 +182,12 @@ def test_a_model_directory_trains_with_its_own_tokenizer_and_saves_it(tmp_path):
     # the 4 rows fit one step
     assert [(r["tokens"], r["trained"]) for r in read_metrics(tmp_path / "run")] == [(tokens, trained)]
     saved = AutoTokenizer.from_pretrained(latest_checkpoint(tmp_path / "run")[0] / MODEL_DIR)
-    assert saved.get_vocab() == tok.get_vocab() and saved(rows[0]["prompt"])["input_ids"] == tok(rows[0]["prompt"])["input_ids"]
+    assert (saved.get_vocab() == tok.get_vocab()
+            and saved(rows[0]["prompt"])["input_ids"] == tok(rows[0]["prompt"])["input_ids"])
     losses, _, error = _main("--model", str(bare), "--data", str(data), "--steps", "1", "--out",
                              str(tmp_path / "refused"))
-    assert losses is None and "has no tokenizer" in error and "--tokenizer PATH" in error and "tokenizer.save_pretrained(" in error
+    assert (losses is None and "has no tokenizer" in error and "--tokenizer PATH" in error
+            and "tokenizer.save_pretrained(" in error)
     p = _parser()
     given = _config(p, p.parse_args(["--model", str(bare), "--tokenizer", str(own), "--data", str(data)]), 1)
     assert run_features(given)[0] == ours  # --tokenizer PATH: the fix the refusal names

@@ -51,7 +51,8 @@ def test_preflight_refuses_before_any_work():
     assert check_sp(qwen, 4).kv_repeat == 2 and check_sp(qwen, 2).kv_repeat == 1
     assert check_sp(qwen, 2, world_size=8).dp_size == 4
     assert sp_sizes(qwen) == [1, 2, 4] and sp_sizes(qwen, world_size=6) == [1, 2]
-    with pytest.raises(ValueError, match=r"sp_size=3 does not divide the 4 attention heads.*work for this qwen2 model: \[1, 2, 4\]"):
+    with pytest.raises(ValueError, match=r"sp_size=3 does not divide the 4 attention "
+                                         r"heads.*work for this qwen2 model: \[1, 2, 4\]"):
         check_sp(qwen, 3)
     with pytest.raises(ValueError, match=r"more than the 4 attention heads.*heads >= sp_size"):
         check_sp(qwen, 8)
