@@ -25,7 +25,8 @@ case "${1:-}" in
     export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD" TOKENIZERS_PARALLELISM=false
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     python3 -m pip install -q --no-index --no-deps "$WHEELS"/*.whl 2>&1 | grep -v "Running pip as" || true
-    python3 -c "import torch, transformers, trl, datasets, workbench.train, workbench.sp.ring; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+    python3 -c "import torch, transformers, trl, datasets, workbench.train, workbench.sp.ring; "\
+"print('torch', torch.__version__, 'transformers', transformers.__version__)"
     timeout -k 5 450 python3 bench/gpu_suite.py --out "$out" "${@:3}" ;;
   *) echo "usage: bash bench/gpu_offline.sh fetch | run OUT [gpu_suite.py arguments]" >&2; exit 2 ;;
 esac

@@ -43,7 +43,8 @@ from workbench.packing import FlatteningCollator, PaddingCollator, packing_repor
 class Mode:
     name: str
     attn: str
-    layout: str                      # "padded", "flat", "hf_flat" (transformers' collator) or "budget" (plan_bins steps)
+    # "padded", "flat", "hf_flat" (transformers' collator) or "budget" (plan_bins steps)
+    layout: str
     forward_kwargs: dict = field(default_factory=lambda: {"use_cache": False})
     pad_to: int | None = None        # flattened rows padded (one dummy example) to a multiple of this
 
@@ -162,7 +163,8 @@ def run(args) -> list[dict]:
         steps = make_steps(kind, args.warmup + args.steps, args.batch_size, vocab, args.seed, max_len)
         check = make_steps(kind, 1, args.check_examples, vocab, args.seed + 1,
                            max_len=512 if not args.dry_run else max_len)[0]
-        bound = packing_report(synthetic_lengths(kind, 20_000, seed=args.seed), batch_size=args.batch_size).speedup_bound
+        bound = packing_report(synthetic_lengths(kind, 20_000, seed=args.seed),
+                               batch_size=args.batch_size).speedup_bound
         ref_loss = check_loss(args, MODES[REFERENCE], check, device)
         for name in args.modes:
             mode = MODES[name]

@@ -307,7 +307,8 @@ def part_sp_kernels(dry: bool, repeats: int = 10, warmup: int = 3) -> dict:
     impls = {f"ring block pair, plain kernel (tile {QUERY_TILE})":
                  lambda q, k, v: ring_attend(to_bhtd(q), to_bhtd(k), to_bhtd(v), ring_index, doc)[0].transpose(0, 1),
              "ring block pair, fused kernel":
-                 lambda q, k, v: ring_attend(to_bhtd(q), to_bhtd(k), to_bhtd(v), ring_index, doc, kernel="fused")[0].transpose(0, 1),
+                 lambda q, k, v: ring_attend(to_bhtd(q), to_bhtd(k), to_bhtd(v), ring_index, doc,
+                                             kernel="fused")[0].transpose(0, 1),
              f"workbench_varlen ({pick_kernel(tensors[0].to(dtype))})": varlen}
     rows = compare(impls, lambda q, k, v: reference_varlen(q, k, v, cu), tensors, dtype, device, repeats, warmup)
     rows.append(ring_check(tensors, cu, doc, dtype, repeats))
@@ -504,7 +505,8 @@ def part_step_time(dry: bool, out: Path) -> dict:
               f"{r.get('refit_predicted_s', float('nan')):.4g} | {r.get('refit_error', float('nan')):+.0%} |"
               for r in rows]
     table.append(f"error = measured / predicted - 1 (+: predicted too fast). Refitted: compute efficiency fitted by "
-                 f"calibrate on the part 1 and 4 rows ({refit.matmul:.3g} of peak)" if refit else "no part 1 or 4 rows to refit on")
+                 f"calibrate on the part 1 and 4 rows ({refit.matmul:.3g} of peak)" if refit
+                 else "no part 1 or 4 rows to refit on")
     if run_refit: table.append(f"and by calibrate_run on the train run ({run_refit.matmul:.3g} of peak, "
                                f"overhead {run_refit.overhead_s:.3g} s) on {dev.name}.")
     return dict(device=dev.name, rows=rows, refit=None if refit is None else refit.matmul,
@@ -669,7 +671,8 @@ def parse_args(argv=None):
                    + "; ".join(f"{k}: {' '.join(map(str, v))}" for k, v in SUITES.items()))
     p.add_argument("--parts", type=int, nargs="+", help="run only these parts")
     p.add_argument("--cap-s", type=float, help="one wall-clock cap, seconds, for every part (testing)")
-    p.add_argument("--fail-part", type=int, nargs="*", default=[], help="make these parts raise (testing the isolation)")
+    p.add_argument("--fail-part", type=int, nargs="*", default=[],
+                   help="make these parts raise (testing the isolation)")
     p.add_argument("--child", type=int, help=argparse.SUPPRESS)  # internal: run one part in this process
     p.add_argument("--fail", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

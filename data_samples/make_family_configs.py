@@ -28,7 +28,7 @@ FAMILIES = {
     "dbrx": ("dbrx", "DbrxForCausalLM", dict(d_model=64, n_heads=4, n_layers=2, max_seq_len=4096, vocab_size=8192,
               attn_config=dict(kv_n_heads=2, clip_qkv=8.0, rope_theta=500000.0),
               ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2), tie_word_embeddings=False,
-                                             **SPECIAL)),
+              **SPECIAL)),
     "falcon": ("falcon", "FalconForCausalLM", dict(vocab_size=8192, hidden_size=64, num_hidden_layers=2,
                num_attention_heads=4, multi_query=True, parallel_attn=True, new_decoder_architecture=False,
                alibi=False, bias=False, ffn_hidden_size=128, max_position_embeddings=4096, **SPECIAL)),

@@ -7,7 +7,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # box (on 2 cores, one probe took 4.7 s with 2 threads per worker and 0.2 s with 1). Set before torch starts its pool,
 # so the processes and notebook kernels a test launches inherit it too; an explicit OMP_NUM_THREADS is kept.
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+    os.environ.setdefault("OMP_NUM_THREADS",
+                          str(max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
 
 import json

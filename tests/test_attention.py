@@ -43,7 +43,8 @@ def _padded_sdpa(q, k, v, lengths, causal=True, window=None):
 def _per_example_einsum(q, k, v, lengths, causal=True, window=None):
     outs = []
     for s, e in pairwise(_cu(lengths).tolist()):
-        qi, ki, vi = q[s:e], k[s:e].repeat_interleave(q.shape[1] // k.shape[1], 1), v[s:e].repeat_interleave(q.shape[1] // k.shape[1], 1)
+        qi, ki, vi = (q[s:e], k[s:e].repeat_interleave(q.shape[1] // k.shape[1], 1),
+                      v[s:e].repeat_interleave(q.shape[1] // k.shape[1], 1))
         sc = torch.einsum("qhd,khd->hqk", qi, ki) / q.shape[-1] ** 0.5
         i = torch.arange(e - s)
         allowed = (i[:, None] >= i[None]) if causal else torch.ones(e - s, e - s, dtype=torch.bool)

@@ -43,7 +43,8 @@ FIGURE = """() => {
 }"""
 
 
-EXPLORER_TABLE = """([box, key]) => {  // an explorer table (`workbench.explorer.html_table`): column -> values by rank or replica
+EXPLORER_TABLE = """([box, key]) => {  // an explorer table (`workbench.explorer.html_table`): \
+column -> values by rank or replica
     const out = {};
     for (const td of document.querySelectorAll(`.${box} td[data-col]`)) {
         (out[td.dataset.col] ??= [])[Number(td.dataset[key])] = Number(td.textContent);
@@ -118,7 +119,8 @@ def check_redraw(page, name: str, log: list[str]):
         page.wait_for_function("""(old) => {
             const img = document.querySelector('.wb-mask .hm image');
             const cell = document.querySelector('.wb-stats [data-stat="cross-example pairs"]');
-            return img && cell && cell.textContent !== '0' && (img.getAttribute('href') || img.getAttribute('xlink:href')) !== old;
+            return img && cell && cell.textContent !== '0' && \
+(img.getAttribute('href') || img.getAttribute('xlink:href')) !== old;
         }""", arg=before["image"], timeout=90000)
     except PlaywrightTimeout:
         raise AssertionError(f"{name}: no redraw {time.perf_counter() - t0:.0f} s after ticking use_cache; "
@@ -133,7 +135,8 @@ def check_redraw(page, name: str, log: list[str]):
     page.wait_for_function("""(old) => {
         const img = document.querySelector('.wb-mask .hm image');
         const cell = document.querySelector('.wb-stats [data-stat="cross-example pairs"]');
-        return img && cell && cell.textContent === '0' && (img.getAttribute('href') || img.getAttribute('xlink:href')) === old;
+        return img && cell && cell.textContent === '0' && \
+(img.getAttribute('href') || img.getAttribute('xlink:href')) === old;
     }""", arg=before["image"], timeout=90000)
 
 

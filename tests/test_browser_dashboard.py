@@ -25,10 +25,12 @@ DASHBOARD_STATE = """(k) => {  // the k-th dashboard on the page
         ticks[title] = gd._fullLayout && gd._fullLayout.xaxis ? (gd._fullLayout.xaxis._vals || []).map(v => v.x) : [];
     }
     const bars = Array.from(root.querySelectorAll('.widget-hprogress'), w => ({
-        name: (w.querySelector('.widget-label') || {}).textContent, width: w.querySelector('.progress-bar').style.width}));
+        name: (w.querySelector('.widget-label') || {}).textContent, \
+width: w.querySelector('.progress-bar').style.width}));
     // each figure as the page holds it, untitled ones too (a figure whose title went missing overwrites another's key)
     const figures = Array.from(root.querySelectorAll('.js-plotly-plot'), gd => ({
-        title: gd.layout && gd.layout.title, layout_keys: Object.keys(gd.layout || {}), traces: (gd.data || []).length}));
+        title: gd.layout && gd.layout.title, layout_keys: Object.keys(gd.layout || {}), \
+traces: (gd.data || []).length}));
     return {plots, notes, ticks, bars, figures, done: window.__runAll};
 }"""
 
@@ -89,7 +91,8 @@ def test_dashboard_in_jupyterlab(tmp_path):
         drawn = {tuple(json.loads(k)): ms / 1000 for k, ms in page.evaluate("() => window.__lossCurves").items()}
 
         plots = state["plots"]
-        assert set(plots) >= {"loss", "throughput", "peak memory per rank", COMM_TITLE}, (plots.keys(), state["figures"])
+        assert set(plots) >= {"loss", "throughput", "peak memory per rank", COMM_TITLE}, (plots.keys(),
+                                                                                          state["figures"])
         runs = [t["name"] for t in plots["loss"]]
         assert runs == ["SP=1", "SP=2", "DP=2"], runs
         assert [t["name"] for t in plots[COMM_TITLE]] == [f"{r} {kind}"

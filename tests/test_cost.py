@@ -322,7 +322,8 @@ def test_unmodelled_runs_get_no_prediction():
     assert (run_prediction(TrainConfig(ring=2, ring_kernel="plain"), tiny_config("llama"), plan) is not None
             and unmodelled(TrainConfig(), tiny_config("llama")) is None)
     fused = run_prediction(TrainConfig(ring=2, ring_kernel="fused"), tiny_config("llama"), plan)
-    assert fused is not None and fused.flops_per_step < run_prediction(TrainConfig(ring=2, ring_kernel="plain"), tiny_config("llama"), plan).flops_per_step
+    assert fused is not None and fused.flops_per_step < run_prediction(TrainConfig(ring=2, ring_kernel="plain"),
+                                                                       tiny_config("llama"), plan).flops_per_step
     lora = TrainConfig(); lora.lora_r = 4  # set after construction: TrainConfig checks that peft is installed
     for cfg, model, why in ((TrainConfig(model="mixtral"), "mixtral", "does not model this architecture"),
                             (lora, "llama", "does not model LoRA")):

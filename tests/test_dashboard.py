@@ -200,7 +200,8 @@ def test_the_slowest_rank_is_named_beside_its_figure_and_old_runs_show_none(tmp_
                       # equal tokens, unequal time
                       "uneven rank 0 tokens": [1.0] * 3, "uneven rank 1 tokens": [1.0] * 3}
     assert dash._ranks.layout.display is None
-    assert "uneven</b>: slowest rank 1 at step 1: its forward + backward took 1.50x the ranks' mean" in dash.ranks_text.value
+    assert ("uneven</b>: slowest rank 1 at step 1: its forward + backward took 1.50x the ranks' mean"
+            in dash.ranks_text.value)
     assert "predicted from the bins' FLOPs: rank 1, 1.33x" in dash.ranks_text.value
     assert "their attention: rank 1, 1.50x" in dash.ranks_text.value
     assert "old" not in dash.ranks_text.value

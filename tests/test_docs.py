@@ -75,7 +75,8 @@ DRAWN = """() => (!document.querySelector('script[src*="MathJax.js"]') || window
     && !MathJax.Hub.queue.running && MathJax.Hub.queue.pending === 0)
     && [...document.querySelectorAll('.plotly-graph-div')].every(d => d.querySelector('.main-svg'))"""
 PROSE = """() => { const prose = document.querySelector('article').cloneNode(true);
-    prose.querySelectorAll('pre, code, script, style, .MathJax, .MathJax_Preview, .MathJax_Display').forEach(e => e.remove());
+    prose.querySelectorAll('pre, code, script, style, .MathJax, .MathJax_Preview, .MathJax_Display')\
+.forEach(e => e.remove());
     return prose.textContent; }"""  # the text a reader sees, less code and the math MathJax typeset
 
 
@@ -157,7 +158,8 @@ def test_site_reads_offline_in_chromium(site):
         # the search worker indexes the 0.8 MB index before it answers; 15 s was exceeded once with both cores busy
         try:
             page.wait_for_function("""() => [...document.querySelectorAll('.md-search-result__item a')].some(
-                a => a.href.includes('api/workbench.packing.html') && a.href.endsWith('#flatteningcollator'))""", timeout=60000)
+                a => a.href.includes('api/workbench.packing.html') && a.href.endsWith('#flatteningcollator'))""",
+                                   timeout=60000)
         except PlaywrightTimeout:
             shown = page.evaluate("() => [...document.querySelectorAll('.md-search-result__item a')].map(a => a.href)")
             meta = page.evaluate("() => document.querySelector('.md-search-result__meta')?.textContent")

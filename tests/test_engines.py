@@ -147,7 +147,8 @@ def test_accelerate_trainer_same_verdicts():
     fixed = report.find(packed=True, attention="workbench_varlen")
     assert unpacked.status == HF_VERDICT and abs(unpacked.diff["grad_scale"] - HF_SCALE) < 1e-5, unpacked
     assert leak.status == "leaks" and leak.leak_diff <= LOSS_TOL < leak.diff["loss"], leak
-    assert fixed.status == HF_VERDICT and fixed.diff["loss"] <= LOSS_TOL and fixed.diff["grads_rescaled"] <= GRAD_TOL, fixed
+    assert (fixed.status == HF_VERDICT and fixed.diff["loss"] <= LOSS_TOL
+            and fixed.diff["grads_rescaled"] <= GRAD_TOL), fixed
     assert all(v.diff["same_rows"] and v.diff["ranks_agree"] for v in report.verdicts)
     assert "alst_parallelism_config" in leak.fix
     assert HF_VERDICT.upper() in str(report) and "| LEAKS |" in report._repr_markdown_()
@@ -166,7 +167,8 @@ def test_trl_sft_trainer_through_alst():
     assert {v.run.engine for v in report.verdicts} == {"trl_alst"}
     assert unpacked.status == HF_VERDICT and abs(unpacked.diff["grad_scale"] - HF_SCALE) < 1e-5, unpacked
     assert leak.status == "leaks" and leak.leak_diff <= LOSS_TOL < leak.diff["loss"], leak
-    assert fixed.status == HF_VERDICT and fixed.diff["loss"] <= LOSS_TOL and fixed.diff["grads_rescaled"] <= GRAD_TOL, fixed
+    assert (fixed.status == HF_VERDICT and fixed.diff["loss"] <= LOSS_TOL
+            and fixed.diff["grads_rescaled"] <= GRAD_TOL), fixed
     assert all(v.diff["same_rows"] and v.diff["ranks_agree"] for v in report.verdicts)
     assert "SFTConfig" in leak.fix and "workbench_varlen" in leak.fix
     with pytest.raises(ValueError, match="trainer must be one of"):
@@ -198,7 +200,8 @@ def test_alst_refuses_eager_with_its_own_error_named_by_rank():
 
 BLOCK = """
 import sys
-sys.modules["deepspeed"] = None  # as if not installed: find_spec("deepspeed") is None and importing it raises ImportError
+sys.modules["deepspeed"] = None  # as if not installed: find_spec("deepspeed") is None and importing it \
+raises ImportError
 import workbench.engines as e
 res = e.train_runs([e.Run(steps=2), e.Run(engine="workbench", sp=2, steps=2)], deadline_s=120)
 one, sp2 = res[0]["steps"][-1]["loss"], res[1]["steps"][-1]["loss"]
@@ -313,6 +316,7 @@ def test_prove_engine_on_a_users_model_directory(tmp_path):
     assert fixed.status == "exact" and fixed.diff["loss"] <= LOSS_TOL and fixed.diff["grads"] <= GRAD_TOL, fixed
     assert all(v.diff["same_rows"] and v.diff["ranks_agree"] for v in report.verdicts)
     assert report.shrunk["layers"] == (8, 4) and report.shrunk["hidden"] == (256, 128)
-    assert (report.shrunk["heads"], report.shrunk["kv heads"], report.shrunk["sliding window"]) == ((8, 8), (2, 2), (4096, 16))
+    assert ((report.shrunk["heads"], report.shrunk["kv heads"], report.shrunk["sliding window"])
+            == ((8, 8), (2, 2), (4096, 16)))
     assert ("cohere2-tiny" in ours.run.name and "layers 8 → 4" in str(report)
             and "layers 8 → 4" in report._repr_markdown_())

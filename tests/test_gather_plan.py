@@ -131,7 +131,8 @@ def test_comm_bytes_and_flops_equal_the_dispatcher(measured):
             cost = step_cost(tiny_config(family), [list(lengths)], context="gather", **options)
             steps = [s[u, g, family, ck, kernel, lengths] for _, s in ranks]
             for s in steps:
-                assert s["gather_bytes"] == cost.bytes["ring"] and s["a2a"] * 4 == cost.bytes["all-to-all"], (u, g, family, s, cost.bytes)
+                assert s["gather_bytes"] == cost.bytes["ring"] and s["a2a"] * 4 == cost.bytes["all-to-all"], (
+                    u, g, family, s, cost.bytes)
             assert max(s["flops"] for s in steps) == cost.total, (u, g, family, kernel, [s["flops"] for s in steps],
                                                                   cost.total)
             # the ring's met block pairs; fused: the same calls
@@ -150,7 +151,8 @@ def test_the_layout_plans_a_gather_run():
     gather = estimate("qwen3-4b", 131072, 2, ring=2, context="gather", levers=tiled, optimizer_offload=True)
     ring = estimate("qwen3-4b", 131072, 2, ring=2, levers=tiled, optimizer_offload=True)
     part = gather_attention_bytes(preset_config("qwen3-4b"), 32768, 2, 2)
-    assert gather.parts["gather attention"] == sum(part.values()) - part["saved for backward"] - part["gathered keys and values"]
+    assert gather.parts["gather attention"] == (sum(part.values()) - part["saved for backward"]
+                                                - part["gathered keys and values"])
     assert gather.parts["gather attention"] > ring.parts["ring attention"] > 0 and "gather=2" in str(gather)
     with pytest.raises(ValueError, match="the planner models"): estimate("qwen3-4b", 8192, ring=2, context="stripes")
     cfg = TrainConfig(model="qwen2", gather=2, max_tokens=256, dtype="bfloat16")

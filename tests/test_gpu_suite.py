@@ -117,7 +117,8 @@ def test_a_train_run_the_refit_cannot_explain_keeps_its_row(full, tmp_path, monk
     result = gpu_suite.part_step_time(True, tmp_path / "out")
     last = result["rows"][-1]
     assert last["source"].startswith("part 5 train run") and last["predicted_s"] > 0 and "refit_error" not in last
-    assert "calibrate_run on part 5's train run: the measured steps leave no time for compute" in " ".join(result["not_run"])
+    assert ("calibrate_run on part 5's train run: the measured steps leave no time for compute"
+            in " ".join(result["not_run"]))
     assert result["run_refit"] is None and result["refit"] > 0  # the part 1 and 4 refit is untouched
 
 
@@ -219,7 +220,8 @@ def test_the_long_context_suite_is_issue_48s_parts(tmp_path):
     sys.path.insert(0, str(SUITE.parent))
     import gpu_suite
     parse = lambda *flags: gpu_suite.parse_args(["--dry-run", "--out", str(tmp_path), *flags]).parts
-    assert (parse("--suite", "long-context"), parse(), parse("--parts", "8")) == ([3, 7, 8, 9, 10], [1, 2, 3, 4, 5, 6], [8])
+    assert ((parse("--suite", "long-context"), parse(), parse("--parts", "8"))
+            == ([3, 7, 8, 9, 10], [1, 2, 3, 4, 5, 6], [8]))
 
 
 @pytest.fixture(scope="module")

@@ -177,8 +177,7 @@ def _ddp_rank(raw, out_dir, kind, max_tokens, ga):
 
 @pytest.mark.parametrize("data,kind,max_tokens,ga",
                          [("completion", "PackedTrainer", 1024, 1), ("completion", "PackedSFTTrainer", None, 1),
-                                                     ("completion", "PackedTrainer+stream", 1024, 1),
-                          ("chat_like", "PackedTrainer", 1024, 2)])
+                          ("completion", "PackedTrainer+stream", 1024, 1), ("chat_like", "PackedTrainer", 1024, 2)])
 def test_ddp_two_ranks_equal_reference(flan, tmp_path, data, kind, max_tokens, ga):
     "chat_like: the shipped chat sample (its template's assistant_masks), with 2 micro-batches per step on each rank."
     raw = (flan[:N] if data == "completion"
@@ -203,9 +202,8 @@ def test_token_budget_resume_is_exact(flan, tmp_path, n, bins, stream, workers):
     ds = Dataset.from_list(flan[:n])
     if stream: ds = ds.to_iterable_dataset()  # resumed by re-packing the stream up to the checkpoint's step
     mk = lambda d, **kw: PackedTrainer(model=tiny_model("llama").train(),
-                                       args=args(d, max_steps=4, dataloader_num_workers=workers,
-                                                                                  **kw), train_dataset=ds,
-                                       max_tokens=1024)
+                                       args=args(d, max_steps=4, dataloader_num_workers=workers, **kw),
+                                       train_dataset=ds, max_tokens=1024)
     full = mk(tmp_path / "full"); full.train()
     if bins: assert len(full.plan.bins) == bins  # the checkpoint after step 2 ends epoch 0: the resume starts epoch 1
     half = mk(tmp_path / "half", save_strategy="steps", save_steps=2)
@@ -369,7 +367,8 @@ def test_packed_eval_under_alst_equals_one_process_unpacked(flan, tmp_path):
                         and r["metrics"]["test_n"] == q.metrics["test_n"])
                 assert abs(r["metrics"]["test_target_logit"] - q.metrics["test_target_logit"]) < 1e-6
     # measured about 3e-7 and 0.7
-    assert max(worst[("workbench_varlen", False)], worst[("workbench_varlen", True)]) < 1e-5 < 0.1 < worst[("sdpa", False)], worst
+    assert (max(worst[("workbench_varlen", False)], worst[("workbench_varlen", True)])
+            < 1e-5 < 0.1 < worst[("sdpa", False)]), worst
 
 
 def test_split_packed_by_cu_or_positions():
@@ -404,7 +403,8 @@ def test_check_trainer_flags_the_faults_and_passes_a_correct_setup(flan, tmp_pat
         dropped = check_trainer(plain(train_dataset=ds, data_collator=FlatteningCollator()), grads=False)
     assert not dropped.clean and "loss masks reach the collator" in dropped.failed()
     assert "prepare_dataset" in dropped["loss masks reach the collator"].fix
-    cache = check_trainer(plain(train_dataset=prepare_dataset(ds), data_collator=FlatteningCollator(), a=dict(use_cache=True)), grads=False)
+    cache = check_trainer(plain(train_dataset=prepare_dataset(ds), data_collator=FlatteningCollator(),
+                                a=dict(use_cache=True)), grads=False)
     assert {"use_cache", "contamination probe"} <= set(cache.failed()), cache
     ones = check_trainer(plain(train_dataset=prepare_dataset(ds), data_collator=OnesMask()), grads=False)
     assert {"collator", "contamination probe"} <= set(ones.failed()), ones
@@ -485,7 +485,8 @@ def test_prepare_dataset_inputs(flan):
     idd = prepare_dataset(IterableDatasetDict(train=Dataset.from_list(raw).to_iterable_dataset()))
     assert isinstance(idd, IterableDatasetDict) and [r["labels"] for r in idd["train"]] == want
     with pytest.raises(TypeError, match="cannot prepare"): prepare_dataset(42)
-    assert prepare_dataset(Dataset.from_list([{"prompt": "a", "completion": "b"}]))[0] == {"prompt": "a", "completion": "b"}
+    assert (prepare_dataset(Dataset.from_list([{"prompt": "a", "completion": "b"}]))[0]
+            == {"prompt": "a", "completion": "b"})
 
 
 class TorchFeatures(torch.utils.data.Dataset):

@@ -216,5 +216,6 @@ def test_prompt_learning_adapters_are_refused_with_the_reason(packed, method):
     finding = report["PEFT adapter packs"]
     assert not report.clean and finding.status == "fail" and "PaddingCollator" in finding.fix, report
     assert method.upper() in finding.detail
-    assert prompt_learning(report_model := peft.get_peft_model(tiny_model("llama"), config)) == method.upper() + "_TUNING"
+    assert (prompt_learning(report_model := peft.get_peft_model(tiny_model("llama"), config))
+            == method.upper() + "_TUNING")
     assert prompt_learning(lora(tiny_model("llama"))) is None and prompt_learning(report_model.get_base_model()) is None

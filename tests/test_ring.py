@@ -1,5 +1,5 @@
-"""Distributed proofs of `workbench.sp` (ring attention and the hybrid Ulysses × ring layout): P CPU processes joined by
-gloo compute what one process computes, on packed rows of several documents.
+"""Distributed proofs of `workbench.sp` (ring attention and the hybrid Ulysses × ring layout): P CPU processes joined
+by gloo compute what one process computes, on packed rows of several documents.
 
 Two launches (2 and 4 processes) check many cases each: fp64 logits, loss and every parameter gradient within 1e-10
 relative error of one plain-sdpa process; fp32 per-step AdamW losses within 1e-6 relative; the point-to-point elements
@@ -138,7 +138,8 @@ def test_one_block_equals_sdpa_across_families_or_refuses_by_name():
     row = rows(1)[0]
     keys = ("input_ids", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
     for family in ("gemma3", "phi3", "olmo2", "qwen3", "starcoder2"):
-        ref = tiny_model(family, attn_implementation="sdpa", dtype=torch.float64)(**{k: row[k] for k in keys}, use_cache=False).logits
+        ref = tiny_model(family, attn_implementation="sdpa", dtype=torch.float64)(**{k: row[k] for k in keys},
+                                                                                  use_cache=False).logits
         model = tiny_model(family, attn_implementation=register_ring(), dtype=torch.float64)
         logits, _ = ring_forward(model, ring_shard(row, contiguous_plan(203, 1), 0), ParallelGrid())
         assert ((logits - ref).abs().max() / ref.abs().max()).item() <= 1e-10, family

@@ -87,7 +87,8 @@ def _attention_bytes(u, r, heads, kv_heads, plan, tile=QUERY_TILE, n_tokens=N_TO
     # made outside: (out * w).sum() hands the ring a fresh bf16 gradient
     w = torch.randn(q.shape, generator=g).bfloat16()
     with LiveBytes() as lb:
-        (ring_attend(q, k, v, index, doc, grid.group("ring"), tile=tile, window=window, kernel=kernel) * w).sum().backward()
+        (ring_attend(q, k, v, index, doc, grid.group("ring"), tile=tile, window=window, kernel=kernel)
+         * w).sum().backward()
     return lb.peak - 4  # less the test's own bf16 scalar loss and its seed gradient (2 bytes each)
 
 
@@ -170,7 +171,8 @@ def test_comm_bytes_and_flops_equal_the_dispatcher(measured):
                              dtype_bytes=4, ring_kernel=kernel)
             steps = [s[u, r, family, ck, kernel] for _, s in ranks]
             for s in steps:  # every rank sends the same: its blocks, its gradients, its all-to-alls
-                assert s["p2p_bytes"] == cost.bytes["ring"] and s["a2a"] * 4 == cost.bytes["all-to-all"], (u, r, family, s, cost.bytes)
+                assert s["p2p_bytes"] == cost.bytes["ring"] and s["a2a"] * 4 == cost.bytes["all-to-all"], (
+                    u, r, family, s, cost.bytes)
             assert max(s["flops"] for s in steps) == cost.total, (u, r, family, kernel, [s["flops"] for s in steps],
                                                                   cost.total)
             assert cost.bytes["all-to-all"] > 0 if u > 1 else cost.bytes["all-to-all"] == 0
@@ -201,7 +203,8 @@ def test_planner_past_the_head_limit():
         assert e.parts["ring attention"] == sum(ring.values()) - ring["saved for backward"] > 0
         assert e.total == sum(e.parts.values()) and e.ring == r and e.local_tokens == 32768 and "ring=" in str(e)
         # the MLP binds
-        assert estimate(odd, 131072, u, ring=r, levers=Levers(tiled_loss=True), optimizer_offload=True).parts["ring attention"] == 0
+        assert estimate(odd, 131072, u, ring=r, levers=Levers(tiled_loss=True),
+                        optimizer_offload=True).parts["ring attention"] == 0
     # the loss binds a short row
     assert estimate(odd, 8192, 2, ring=2, optimizer_offload=True).parts["ring attention"] == 0
     assert "ring attention" not in estimate(odd, 8192, 2).parts  # Ulysses alone: unchanged

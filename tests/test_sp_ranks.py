@@ -24,7 +24,8 @@ def test_the_view_equals_a_real_run_process_by_process():
         view = rank_view(row, r["ulysses"], r["ring"], r["strategy"], config, dtype_bytes=4)
         mine = view.table.loc[r["rank"]]
         where = (case.family, r["ulysses"], r["ring"], r["strategy"], r["rank"])
-        assert r["skipped"] == config.num_hidden_layers * mine["pairs skipped"], (where, r["skipped"], mine["pairs skipped"])
+        assert r["skipped"] == config.num_hidden_layers * mine["pairs skipped"], (
+            where, r["skipped"], mine["pairs skipped"])
         assert r["trained"] == mine["trained"], where
         assert sum(r["p2p_bytes"]) == mine["ring bytes"], (where, r["p2p_bytes"], mine["ring bytes"])
         assert sum(r["a2a"]) * 4 == mine["all-to-all bytes"], (where, r["a2a"], mine["all-to-all bytes"])

@@ -180,7 +180,8 @@ def test_ctrl_c_on_the_cli_finishes_the_trackers(tmp_path):
 import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})
 import test_tracking  # registers the probe tracker, which the forked ranks inherit
 from workbench.train import main
-main(["--nproc", "2", "--sp", "2", "--steps", "500", "--max-tokens", "256", "--report-to", "tensorboard,probe", "--out", {str(out)!r}])
+main(["--nproc", "2", "--sp", "2", "--steps", "500", "--max-tokens", "256", "--report-to", "tensorboard,probe", \
+"--out", {str(out)!r}])
 """
     p = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stderr=subprocess.PIPE, text=True)
     try:

@@ -75,7 +75,8 @@ def assert_loads_as_trained(out: Path, config, fresh: Path | None = None) -> dic
     from workbench.checkpoint import latest_checkpoint, MODEL_DIR
     where, manifest = latest_checkpoint(out)
     model_dir = where / MODEL_DIR
-    assert {f"{MODEL_DIR}/{n}" for n in ("config.json", "model.safetensors", "tokenizer.json")} <= set(manifest["files"])
+    assert ({f"{MODEL_DIR}/{n}" for n in ("config.json", "model.safetensors", "tokenizer.json")}
+            <= set(manifest["files"]))
     assert not [k for k in json.loads((model_dir / "config.json").read_text()) if "attn" in k]  # the loader's default
     trained = torch.load(where / "state.pt", weights_only=True)["model"]  # the trained model, as resume restores it
     loaded = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
