@@ -2,8 +2,8 @@
 
 `python .ci/durations.py N FILE...` prints the N slowest items over every file and the totals, so a change that breaks
 the budget (tests/README.md) is seen when it lands; `--markdown` prints the same as a table with what each item proves
-(the first line of its test's docstring, or of its module's for a notebook item); `--save` also writes the seconds of
-each group (`group`: a test module, or one notebook) to tests/durations.json, from which tests/conftest.py starts the
+(the first paragraph of its test's docstring, or of its module's for a notebook item); `--save` also writes the seconds
+of each group (`group`: a test module, or one notebook) to tests/durations.json, from which tests/conftest.py starts the
 heaviest groups first."""
 import ast
 import json
@@ -25,7 +25,8 @@ def items(path: Path) -> list[tuple[float, str, str]]:
 
 
 def proves(module: str, name: str) -> str:
-    "The first docstring line of the test function `name` in tests/`module`.py (its module's where it has none)."
+    """The first paragraph of the docstring of the test function `name` in tests/`module`.py (its module's where it has
+    none), joined into one line: a docstring wrapped at 120 characters is shown whole."""
     if name.startswith("test_notebook["): return notebook_summary(ROOT / "nbs" / name[len("test_notebook["):-1])
     path = ROOT / "tests" / f"{module}.py"
     if not path.exists(): return ""
@@ -33,8 +34,13 @@ def proves(module: str, name: str) -> str:
     function = name.split("[")[0]
     for node in ast.walk(tree):
         if isinstance(node, ast.FunctionDef) and node.name == function and ast.get_docstring(node):
-            return ast.get_docstring(node).splitlines()[0]
-    return (ast.get_docstring(tree) or "").splitlines()[0] if ast.get_docstring(tree) else ""
+            return first_paragraph(ast.get_docstring(node))
+    return first_paragraph(ast.get_docstring(tree) or "")
+
+
+def first_paragraph(doc: str) -> str:
+    "A docstring's text up to its first blank line, on one line."
+    return " ".join(doc.split("\n\n")[0].split())
 
 
 def notebook_summary(path: Path) -> str:
