@@ -156,8 +156,8 @@ def varlen_attention_forward(module: torch.nn.Module,  # the attention module ca
                              query: torch.Tensor,       # [B, heads, T, head_dim]
                              key: torch.Tensor,         # [B, kv_heads, T, head_dim]
                              value: torch.Tensor,       # [B, kv_heads, T, v_head_dim]
-                             attention_mask: torch.Tensor | None,  # None, or a 2-D [B, T] padding
-                                                                   # mask from `varlen_mask`
+                             # None, or a 2-D [B, T] padding mask from `varlen_mask`
+                             attention_mask: torch.Tensor | None,
                              dropout: float = 0.0,      # the module's attention dropout (0 in eval mode)
                              scaling: float | None = None,  # softmax scale
                              sliding_window: int | None = None,  # this layer's sliding window, if any

@@ -172,8 +172,8 @@ def commit_checkpoint(out: Path, step: int, state: dict, manifest: dict, keep: i
     return final
 
 def check_resume(cfg: TrainConfig, manifest: dict, where: Path, plan: str | None = None,
-                 config=None):  # the model's config: a layout change is refused
-                                # for a model with dropout (None: not checked)
+                 # the model's config: a layout change is refused for a model with dropout (None: not checked)
+                 config=None):
     """Refuse to continue from a checkpoint of another run: name every field that differs, another global batch, a
     layout change that cannot be exact, or a step count below it."""
     diff = [k for k, v in manifest["config"].items() if getattr(cfg, k, None) != v]

@@ -64,24 +64,26 @@ def auto_ring_kernel(ring: int) -> str:
 class TrainConfig:
     "Everything one training run needs."
     model: str = "llama"        # a shipped tiny family (data_samples/configs) or a local checkpoint directory
-    data: str = "flan_like"     # a shipped sample (flan_like, orca_like, long_docs)
-                                # or a local .jsonl/.json/.parquet/.csv file
-    tokenizer: str = ""         # the tokenizer of the data and the checkpoints ('': the model
-                                # directory's own; the shipped one for a shipped family)
+    # a shipped sample (flan_like, orca_like, long_docs) or a local .jsonl/.json/.parquet/.csv file
+    data: str = "flan_like"
+    # the tokenizer of the data and the checkpoints ('': the model directory's own; the shipped one for a shipped
+    # family)
+    tokenizer: str = ""
     sp: int = 1                 # processes sharing one sequence (Ulysses)
-    ring: int = 1               # ring attention degree: a row is split over sp x ring
-                                # processes (Ulysses inside a node, the ring across)
-    gather: int = 1             # all-gather context parallelism degree: a row is split over sp x gather processes
-                                # whose keys and values are gathered every layer (`workbench.sp.gather`)
-    ring_kernel: str = "auto"   # the ring's block-pair kernel: auto (fused on CPU, plain on CUDA:
-                                # `auto_ring_kernel`), plain (masked products, any device) or fused
-                                # (flash attention per document stretch: CPU, or CUDA in bf16)
+    # ring attention degree: a row is split over sp x ring processes (Ulysses inside a node, the ring across)
+    ring: int = 1
+    # all-gather context parallelism degree: a row is split over sp x gather processes whose keys and values are
+    # gathered every layer (`workbench.sp.gather`)
+    gather: int = 1
+    # the ring's block-pair kernel: auto (fused on CPU, plain on CUDA: `auto_ring_kernel`), plain (masked products, any
+    # device) or fused (flash attention per document stretch: CPU, or CUDA in bf16)
+    ring_kernel: str = "auto"
     dp: int = 1                 # data-parallel replicas
     steps: int = 10             # optimizer steps (a resumed run continues up to this step)
     max_tokens: int = 2048      # tokens per packed row (one row per micro-step per DP replica, cut into `sp` shards)
     grad_accum: int = 1         # micro-steps per optimizer step (the loss is token-weighted over all of them)
-    balance: str = "tokens"     # group each step's bins over ranks by tokens, or by
-                                # predicted cost (workbench.step_balance): tokens / cost
+    # group each step's bins over ranks by tokens, or by predicted cost (workbench.step_balance): tokens / cost
+    balance: str = "tokens"
     lr: float = 1e-3            # AdamW learning rate
     seed: int = 0               # model init, data order
     attn: str = "sdpa"          # inner attention: eager, sdpa or workbench_varlen
@@ -90,8 +92,8 @@ class TrainConfig:
     loss_chunk: int = 0         # tiled loss in tiles of this many tokens, never the full logits (0: off)
     mlp_chunk: int = 0          # tiled MLP in tiles of this many tokens (0: off)
     lean_kernels: bool = False  # RMSNorm and SwiGLU that save only their inputs (the memory of fused kernels), exact
-    lora_r: int = 0             # LoRA rank (peft): train only adapters on every
-                                # linear layer but the head (0: every weight)
+    # LoRA rank (peft): train only adapters on every linear layer but the head (0: every weight)
+    lora_r: int = 0
     shard: bool = False         # shard parameters, gradients and optimizer states over all sp*dp processes (FSDP2)
     cpu_offload: bool = False   # with shard: keep the sharded states and the optimizer step in host memory
     dtype: str = "auto"         # auto: bf16 on CUDA, fp32 on CPU; or float32 / bfloat16 / float64
@@ -102,12 +104,12 @@ class TrainConfig:
     resume: bool = False        # continue from the newest complete checkpoint in `out` if there is one
     out: str = "runs/latest"    # run directory: config.json, metrics.jsonl, checkpoints/
     name: str = ""              # label of the run in dashboards
-    report_to: tuple[str, ...] = ()  # trackers also fed every metrics row, on rank
-                                     # 0: tensorboard,wandb,mlflow,... or all / none
-    eval_data: str = ""         # held-out examples evaluated during training, per
-                                # example, under the run's layout (as --data; '': none)
-    eval_every: int = 0         # evaluate --eval-data after every this many steps
-                                # and after the last (0: after the last only)
+    # trackers also fed every metrics row, on rank 0: tensorboard,wandb,mlflow,... or all / none
+    report_to: tuple[str, ...] = ()
+    # held-out examples evaluated during training, per example, under the run's layout (as --data; '': none)
+    eval_data: str = ""
+    # evaluate --eval-data after every this many steps and after the last (0: after the last only)
+    eval_every: int = 0
 
     @property
     def world(self) -> int: return self.layout.sp_size * self.dp

@@ -106,8 +106,8 @@ class Device:
     internode: float     # bytes/s per GPU between nodes
     memory_gib: float    # device memory a process can see, GiB
     per_node: int = 8    # GPUs per node
-    host: float = 2e11   # host memory bandwidth of a node for a CPU optimizer
-                         # step, bytes/s (an estimate: 2-socket server)
+    # host memory bandwidth of a node for a CPU optimizer step, bytes/s (an estimate: 2-socket server)
+    host: float = 2e11
     pcie: float = 5.5e10 # host <-> device bytes/s per GPU
 
 DEVICES = {  # public specifications (SXM parts); memory as the driver reports it
@@ -213,8 +213,8 @@ class Efficiency:
     memory: float = 0.7      # of memory / host / PCIe bandwidth reached by the optimizer step and offloads
     overlap: float = 0.0     # share of communication hidden behind compute
     overhead_s: float = 0.0  # seconds per step nothing above explains (launches, Python, data)
-    fitted_on: tuple = ()    # `HeldOut.source` names of the measured points
-                             # these factors were fitted on: never held out
+    # `HeldOut.source` names of the measured points these factors were fitted on: never held out
+    fitted_on: tuple = ()
     dense_attention: float = 0.5  # of peak FLOP/s reached by dense-mask attention (sdpa / eager: the whole row)
     flex_attention: float = 0.5   # of peak FLOP/s reached by flex_attention
     measured: tuple = field(default=(), repr=False)  # `MeasuredStep`s known: those not in `fitted_on` are held out
@@ -448,8 +448,8 @@ def hf_blog_prediction(sp: int, seq_len: int, efficiency: Efficiency = Efficienc
     return (predict_step if trust else _predict_step)("qwen3-4b", [[seq_len]], "H100 SXM", efficiency, sp=sp, dp=1,
                                                       **HF_BLOG_RUN)
 
-# its `HeldOut.source`
-def blog_source(sp: int, seq_len: int) -> str: return f"HF blog Qwen3-4B SP={sp} {seq_len // 1024}K"
+def blog_source(sp: int, seq_len: int) -> str:  # its `HeldOut.source`
+    return f"HF blog Qwen3-4B SP={sp} {seq_len // 1024}K"
 
 @functools.lru_cache(maxsize=64)
 def _blog_points(efficiency: Efficiency) -> tuple:
@@ -574,8 +574,8 @@ def lockstep_seconds(threads: int, family: str, lengths: tuple,
 @functools.lru_cache(maxsize=None)
 def cpu_efficiency(threads: int = RANK_THREADS,  # threads of the process (a rank's: `RANK_THREADS`)
                    processes: int = 1,           # processes computing at once (a run's ranks), as `cpu_device` reads it
-                   ulysses: int = 1,             # of which share one row by Ulysses (a
-                                                 # ring run: its ring, measured as 1)
+                   # of which share one row by Ulysses (a ring run: its ring, measured as 1)
+                   ulysses: int = 1,
                    family: str = "llama",        # the shipped tiny family of the reference step
                    lengths: tuple = (512, 256, 128, 128),  # its documents, packed in one row as training packs them
                   ) -> Efficiency:

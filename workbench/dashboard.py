@@ -117,8 +117,8 @@ class RankBalance:
     measured: dict               # rank -> per step, its forward + backward time / the ranks' mean that step (1.0: even)
     predicted: dict | None       # rank -> per step, its bins' predicted FLOPs / the ranks' mean (None: no prediction)
     tokens: dict                 # rank -> per step, its tokens / the ranks' mean (what `--balance tokens` evens out)
-    attention: dict | None = None  # rank -> per step, its bins' predicted attention
-                                   # FLOPs / the ranks' mean (None: no prediction)
+    # rank -> per step, its bins' predicted attention FLOPs / the ranks' mean (None: no prediction)
+    attention: dict | None = None
 
     @staticmethod
     def _top(shares: dict, i: int) -> int: return max(shares, key=lambda rank: shares[rank][i])
@@ -236,8 +236,8 @@ class Dashboard:
     """Live or replayed figures of one or more runs: loss, tokens/s, per-rank memory, all-to-all and ring shares, the
     slowest rank, progress per run."""
     def __init__(self, *runs,                       # run directories, or the `TrainConfig`s of the runs
-                 names: list[str] | None = None,    # a label per run (default: the config's
-                                                    # name, else SP/DP, else the folder)
+                 # a label per run (default: the config's name, else SP/DP, else the folder)
+                 names: list[str] | None = None,
                  total_steps: int | None = None):   # steps of every run (default: each run's own `steps`)
         sources = [_source(r) for r in runs]
         if names is not None and len(names) != len(sources):

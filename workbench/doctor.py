@@ -52,10 +52,10 @@ class DoctorReport:
     n_tokens: int              # tokens in the flattened row
     findings: list = field(default_factory=list)  # `Finding`s in the order they were checked
     seconds: float = 0.0       # time the checks took
-    cross_example_effect: float | None = None  # largest change of other examples' logits when one
-                                               # example changes: exactly 0 when clean, in every dtype
-    layout_difference: float | None = None  # max |logit difference| packed vs padded
-                                            # (rounding: compared with `tolerance`)
+    # largest change of other examples' logits when one example changes: exactly 0 when clean, in every dtype
+    cross_example_effect: float | None = None
+    # max |logit difference| packed vs padded (rounding: compared with `tolerance`)
+    layout_difference: float | None = None
     tolerance: float | None = None  # largest packed vs padded difference counted as equal (None: not measured)
     noise: float | None = None  # max |logit difference| between two layouts that cannot leak (None: tolerance given)
     wrappers: tuple = ()       # classes around the transformers model, outermost first (torch.compile, PEFT, DDP...)
@@ -201,8 +201,8 @@ class Equality:
     "Largest differences between the packed and the padded layout of the same examples."
     logits: float           # max |logit difference| over all real tokens
     loss: float             # |loss difference|
-    grads: float | None     # max |gradient difference| over all trainable
-                            # parameters (None: not measured, or none trains)
+    # max |gradient difference| over all trainable parameters (None: not measured, or none trains)
+    grads: float | None
 
 def prompt_learning(model) -> str | None:
     """The PEFT method of `model`'s active adapter if it is prompt learning (prefix or prompt tuning, p-tuning...), else
@@ -496,8 +496,8 @@ class _Trap:
     detail: str           # what is wrong (when present) or what was seen (when not)
     fix: str = ""
     apply: object = None  # _Setup -> _Setup
-    exposed: str = "sdpa, eager and flex read the boundaries from position_ids and would leak"  # why a harmless
-                                                                                                # trap still warns
+    # why a harmless trap still warns
+    exposed: str = "sdpa, eager and flex read the boundaries from position_ids and would leak"
     exact: bool = False   # decided without a measurement: fails whenever present
 
 def _with(s: _Setup, batch=None, kwargs=None, attn=None) -> _Setup:
@@ -585,8 +585,9 @@ def _traps(inner, batch: dict, kwargs: dict, attn: str, lengths: np.ndarray) -> 
                        lambda s: _with(s, {"position_ids": new_pos(pos)}) if pos.ndim == 2 else s))
     return traps
 
-def check_packing(model,                        # a transformers causal LM, or any wrapper
-                                                # around one (torch.compile, PEFT, DDP...)
+def check_packing(
+                  # a transformers causal LM, or any wrapper around one (torch.compile, PEFT, DDP...)
+                  model,
                   batch: dict,                  # a packed batch, exactly as the training loop passes it
                   forward_kwargs: dict | None = None,  # the loop's other forward arguments, e.g. {"use_cache": False}
                   # largest packed vs padded difference counted as equal (default: `rounding_tolerance`)

@@ -242,8 +242,8 @@ def prove_config(parallelism_config,         # the accelerate `ParallelismConfig
                  family: str | None = None,  # the shipped tiny config standing in for the model (default 'llama3')
                  max_grad_norm: float | None = None,  # the run's TrainingArguments.max_grad_norm (None: no clipping)
                  deadline_s: float = 600,
-                 model=None,                 # your model instead of `family`: a model
-                                             # directory, a config or a model instance
+                 # your model instead of `family`: a model directory, a config or a model instance
+                 model=None,
                  trainer: str = "hf",        # "hf": the HF Trainer; "trl": TRL's SFTTrainer
                 ) -> EngineReport:
     """Judge a `ParallelismConfig` on CPU: ALST's SP size and attention through accelerate and the HF Trainer or TRL's

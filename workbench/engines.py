@@ -49,8 +49,9 @@ class Run:
     steps: int = 2               # optimizer steps (plain SGD)
     lr: float = 0.1              # SGD learning rate
     max_grad_norm: float | None = None  # clip the gradient norm to this (None: no clipping)
-    loss: str = "exact"          # "exact": the one-process gradient (ALST: HF's SP loss, / sp up to
-                                 # transformers 5.24); "hf_sp": HF's SP loss as the Trainer computes it
+    # "exact": the one-process gradient (ALST: HF's SP loss, / sp up to transformers 5.24); "hf_sp": HF's SP loss as the
+    # Trainer computes it
+    loss: str = "exact"
 
     @property
     def world(self) -> int: return self.sp * self.context * self.dp

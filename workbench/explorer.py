@@ -33,8 +33,8 @@ __all__ = ['FAMILIES', 'LAYOUTS', 'REPLICAS', 'explorer_data', 'explorer_model',
 
 # %% ../nbs/04_runtime/15_explorer.ipynb #81d769a2
 def explorer_data(data,              # a file (read as --data is), a Dataset, a list of rows or features, or one batch
-                  vocab_size: int | None = None,  # every id must lie below it (the
-                                                  # tokenizer's or the model's), when known
+                  # every id must lie below it (the tokenizer's or the model's), when known
+                  vocab_size: int | None = None,
                   tokenizer=None,    # what tokenizes rows of messages, prompt + completion or text (None: ids only)
                   ) -> list[dict] | dict:
     """The user's data as the explorer takes it, read as training reads it (`workbench.data`): a file by
@@ -182,26 +182,26 @@ class MaskExplorer:
     def __init__(self, sample: str = "flan_like",        # shipped dataset shown first (when `data` is not given)
                  strategy: str = "flattening",           # one of STRATEGIES
                  size: int = 8,                          # examples per batch, or token budget for token-budget packing
-                 attn_implementation: str | None = None, # implementation whose mask is drawn
-                                                         # (None: the model's, else sdpa)
-                 family: str | None = None,              # model shown first: a shipped family or your
-                                                         # model's name (None: yours, else llama)
+                 # implementation whose mask is drawn (None: the model's, else sdpa)
+                 attn_implementation: str | None = None,
+                 # model shown first: a shipped family or your model's name (None: yours, else llama)
+                 family: str | None = None,
                  use_cache: bool = False,                # trap 1: a cache switches packed detection off
                  ones_mask: bool = False,                # trap 2: an all-ones attention_mask
                  max_cells: int = 128,                   # mask cells per side at most, at every zoom
-                 leak_tokens: int = 1024,                # measure leaked attention mass up to
-                                                         # this many tokens (eager is O(T^2))
+                 # measure leaked attention mass up to this many tokens (eager is O(T^2))
+                 leak_tokens: int = 1024,
                  data=None,                              # your data: a file, a Dataset, a list of rows, or one batch
                  tokenizer=None,                         # your tokenizer (object or folder) for your data's token text
                  model=None,                             # your model: a folder with config.json, or a model object
                  data_name: str = "your data",           # how your data is named in the dataset menu
                  processes: str = "one process",         # processes the row is split over: one of LAYOUTS
-                 shards: str = "balanced",               # how the row is cut into shards:
-                                                         # one of workbench.sp.balance.PLANS
-                 replicas: int = 1,                      # data-parallel ranks a token-budget step
-                                                         # is dealt to (`--dp`): one of REPLICAS
-                 balance: str = "tokens",                # how a step's bins are dealt to them
-                                                         # (`--balance`): one of BALANCES
+                 # how the row is cut into shards: one of workbench.sp.balance.PLANS
+                 shards: str = "balanced",
+                 # data-parallel ranks a token-budget step is dealt to (`--dp`): one of REPLICAS
+                 replicas: int = 1,
+                 # how a step's bins are dealt to them (`--balance`): one of BALANCES
+                 balance: str = "tokens",
                  ):
         import ipywidgets as W
         for name, value, choices in (("sample", sample, SAMPLES), ("strategy", strategy, STRATEGIES),

@@ -254,8 +254,8 @@ def _flops(d: Dims, tokens, pairs, lv: Levers, sp: int) -> dict:
 class StepCost:
     "FLOPs and bytes of one training step on one rank, by named part."
     flops: dict          # part -> FLOPs: forward / backward / recompute of layers, attention and head
-    bytes: dict          # part -> bytes moved: all-to-all (Ulysses group), ring
-                         # (ring group), gradient reduction, optimizer, host offload
+    # part -> bytes moved: all-to-all (Ulysses group), ring (ring group), gradient reduction, optimizer, host offload
+    bytes: dict
     tokens: int          # tokens this rank computes (its share of every row, padding included)
     kernel: str = "flash"  # the `ATTENTION_KERNELS` class its attention parts run on (their `Efficiency` factor)
     @property
@@ -277,20 +277,20 @@ def _attended(batch, rows: list) -> list:
     return [np.asarray([n]) for n in np.asarray(batch["attention_mask"]).sum(1)]
 
 def step_cost(config,                    # a transformers config or a preset name (`workbench.memory.PRESETS`)
-              batch,                     # rows of this replica's step: a batch
-                                         # dict, document lengths, or a list of rows
+              # rows of this replica's step: a batch dict, document lengths, or a list of rows
+              batch,
               *,
-              sp: int = 1,               # sequence-parallel (Ulysses) degree: each
-                                         # rank computes 1/(sp * ring) of every row
+              # sequence-parallel (Ulysses) degree: each rank computes 1/(sp * ring) of every row
+              sp: int = 1,
               ring: int = 1,             # ring attention degree (workbench.sp.ring)
               dp: int = 1,               # data-parallel degree (gradient reduction and sharding)
-              attention: str = "causal", # an `ATTENTION_WORK` key: what the attention implementation
-                                         # computes (ring > 1: its block pairs instead)
+              # an `ATTENTION_WORK` key: what the attention implementation computes (ring > 1: its block pairs instead)
+              attention: str = "causal",
               kernel: str | None = None, # an `ATTENTION_KERNELS` class (None: "dense" for 'row' work, else "flash")
               ring_plan: str = "balanced",  # with ring > 1: how a row is sharded (`workbench.sp.balance.PLANS`)
               ring_kernel: str = "plain",   # with ring > 1: the block-pair kernel (`workbench.sp.ring.KERNELS`)
-              context: str = "ring",     # the kind whose degree `ring` is (a
-                                         # `workbench.sp.layout.LAYOUTS` name): its bytes
+              # the kind whose degree `ring` is (a `workbench.sp.layout.LAYOUTS` name): its bytes
+              context: str = "ring",
               levers: Levers = Levers(checkpointing=False),  # checkpointing and the memory levers that change work
               zero_stage: int = 0,       # 0 all-reduce; 1-2 shard states; 3 also gather parameters
               optimizer_offload: bool = False,  # the AdamW step runs in host memory (its traffic is host bytes)

@@ -44,11 +44,11 @@ def shard_mesh(grid: ParallelGrid):
 def shard_model(model,                         # a transformers model, built (and moved to its device) on every process
                 grid: ParallelGrid,            # the DP × SP grid; states are sharded over all of its processes
                 *,
-                cpu_offload: bool = False,     # keep the sharded parameters, gradients
-                                               # and the optimizer step in host memory
-                reshard_after_forward: bool = True,  # free gathered parameters after each unit's
-                                                     # forward (ZeRO-3); False keeps them until
-                                                     # backward (ZeRO-2-like, faster, more memory)
+                # keep the sharded parameters, gradients and the optimizer step in host memory
+                cpu_offload: bool = False,
+                # free gathered parameters after each unit's forward (ZeRO-3); False keeps them until backward
+                # (ZeRO-2-like, faster, more memory)
+                reshard_after_forward: bool = True,
                ):
     """Shard `model`'s parameters, gradients and (through them) optimizer states over every process, like ZeRO-3;
     gradients are summed."""

@@ -22,8 +22,9 @@ __all__ = ['train_steps', 'training_rows', 'reference_run', 'shard_worker', 'com
            'default_mean_ratio', 'memory_rows']
 
 # %% ../nbs/05_ecosystem/01_fsdp_proofs.ipynb #5d9a202b
-def train_steps(model,               # a (sharded or plain) model using a `ulysses_*`
-                                     # attention, or plain attention on one process
+def train_steps(
+                # a (sharded or plain) model using a `ulysses_*` attention, or plain attention on one process
+                model,
                 grid: ParallelGrid,  # the process grid (`ParallelGrid()` for one process)
                 steps: list,         # per optimizer step, the packed rows of the whole step (one per DP replica)
                 lr: float = 1e-2,    # AdamW learning rate (large, so a wrong gradient shows within a few steps)

@@ -87,8 +87,10 @@ class FoldedDataset(torch.utils.data.Dataset):
     # bounded by len (not by an IndexError that may never come)
     def __iter__(self): return (self[i] for i in range(len(self)))
 
-def prepare_dataset(ds,                      # a datasets.Dataset / IterableDataset (or a dict of
-                                             # them), a torch Dataset or a list of feature dicts
+def prepare_dataset(
+                    # a datasets.Dataset / IterableDataset (or a dict of them), a torch Dataset or a list of feature
+                    # dicts
+                    ds,
                     num_proc: int | None = None):  # processes for `datasets.Dataset.map`
     """Fold the loss masks of `ds` into `labels` (-100 where masked) and TRL's `seq_lengths` into `position_ids`.
 
@@ -195,10 +197,11 @@ def _tokenize_batch(batch: dict, indices: list, tokenizer, name: str) -> dict:
     features = tokenize_rows(rows, tokenizer, name, first=indices[0] + 1)
     return {k: [f[k] for f in features] for k in features[0]}
 
-def tokenize_dataset(ds,                        # a datasets.Dataset / IterableDataset,
-                                                # a dict of them, or a list of row dicts
-                     tokenizer,                 # the tokenizer (a processor's `.tokenizer`
-                                                # is used); None refuses raw rows
+def tokenize_dataset(
+                     # a datasets.Dataset / IterableDataset, a dict of them, or a list of row dicts
+                     ds,
+                     # the tokenizer (a processor's `.tokenizer` is used); None refuses raw rows
+                     tokenizer,
                      name: str = "train_dataset",  # what errors call the dataset
                     ):
     """Raw rows (prompt/completion, messages, text) tokenized as `workbench.train.load_features` tokenizes a file;
@@ -281,14 +284,15 @@ class PackedMixin:
     does, masks folded into labels at construction, `FlatteningCollator` by default, `use_cache=False` on every forward,
     optional token-budget steps, eval split per example."""
     def __init__(self, model=None, args=None, data_collator=None, train_dataset=None, eval_dataset=None, *rest,
-                 max_tokens: int | None = None,  # token budget of one training step per rank; set, it
-                                                 # rules and per_device_train_batch_size is unused in
-                                                 # training (None: per_device_train_batch_size examples)
+                 # token budget of one training step per rank; set, it rules and per_device_train_batch_size is unused
+                 # in training (None: per_device_train_batch_size examples)
+                 max_tokens: int | None = None,
                  overlong: str = "error",        # examples over max_tokens: "error", "truncate", "split" or "drop"
-                 buffer_size: int = 2000,        # a streamed train_dataset: examples
-                                                 # held while packing it (`PackedStream`)
-                 balance: str = "tokens",        # with max_tokens: group each optimizer step's bins over ranks by
-                                                 # tokens, or by predicted cost (`workbench.step_balance.plan_balanced`)
+                 # a streamed train_dataset: examples held while packing it (`PackedStream`)
+                 buffer_size: int = 2000,
+                 # with max_tokens: group each optimizer step's bins over ranks by tokens, or by predicted cost
+                 # (`workbench.step_balance.plan_balanced`)
+                 balance: str = "tokens",
                  untrained: str = "drop",        # with max_tokens, pieces training no token: "drop" (counted) or "keep"
                  **kwargs):
         check_parallelism_args(args)
@@ -477,8 +481,9 @@ def _takes_kwargs(model) -> bool:
 
 _PACKED_FORWARD = "the trainer passes use_cache=False on every forward"
 
-def check_trainer(trainer,            # a configured transformers Trainer or TRL
-                                      # SFTTrainer (ours or plain), before train()
+def check_trainer(
+                  # a configured transformers Trainer or TRL SFTTrainer (ours or plain), before train()
+                  trainer,
                   grads: bool = True, # let the doctor compare gradients too
                  ) -> TrainerReport:
     """Check a configured Trainer for every way padding-free training goes wrong in it, on a real batch of its own

@@ -364,10 +364,10 @@ def launch(fn,                                # what every rank runs; a function
            *args,                             # its arguments, the same on every rank
            num_processes: int = 2,            # ranks to fork on this machine
            sp_size: int = 1,                  # sequence-parallel group size; must divide num_processes
-           ring: int = 1,                     # ring attention degree (workbench.sp.ring):
-                                              # sp_size x ring processes share a row
-           sp_layout=None,                    # a `workbench.sp.layout.Layout`: its degrees
-                                              # and checks instead of sp_size, ring
+           # ring attention degree (workbench.sp.ring): sp_size x ring processes share a row
+           ring: int = 1,
+           # a `workbench.sp.layout.Layout`: its degrees and checks instead of sp_size, ring
+           sp_layout=None,
            cpu: bool = False,                 # gloo on CPU processes even where CUDA GPUs are present
            timeout_s: float = 60,             # limit of the rendezvous and each collective; not of Python between them
            port: int | None = None,           # rendezvous port on 127.0.0.1 (None: a free one)

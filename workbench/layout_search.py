@@ -118,8 +118,8 @@ def plan_layout(model,                     # a transformers config or a preset n
                 *,
                 capacity: int | None = None,   # tokens per row (None: the longest document)
                 rows_per_step: int | None = None,  # rows per optimizer step over all replicas (None: `gpus`)
-                split: str = "ulysses",    # how a row is split over its SP group (`SPLITS`:
-                                           # Ulysses, ring, gather, or all of them)
+                # how a row is split over its SP group (`SPLITS`: Ulysses, ring, gather, or all of them)
+                split: str = "ulysses",
                 levers: dict = LAYOUT_LEVERS,  # name -> `Levers`, searched in this order (a ladder: each adds one)
                 offloads=(False, True),    # optimizer offload settings searched
                 zero_stage: int = 3,       # states sharded over all GPUs

@@ -194,8 +194,8 @@ def _cu_segments(batch: dict, B: int, T: int) -> np.ndarray:
 
 def effective_spec(batch: dict,                    # a collated batch: input_ids [B, T] and whatever else it carries
                    attn_implementation: str = "sdpa",  # the model's attention implementation (see IMPLEMENTATIONS)
-                   use_cache: bool | None = False, # whether the forward builds a cache; None: as
-                                                   # transformers, the config's (default True!)
+                   # whether the forward builds a cache; None: as transformers, the config's (default True!)
+                   use_cache: bool | None = False,
                    sliding_window: int | None = None,  # the model's sliding window (config.sliding_window), if any
                    # the model's config, read for use_cache=None (without one: True, transformers' default)
                    config=None,
@@ -331,11 +331,11 @@ class MaskReport:
                 f"{self.effective.path})")
 
 def mask_report(batch: dict,                     # a collated batch
-                lengths: list | np.ndarray | None = None,  # example lengths of one packed row
-                                                           # (needed for naive concatenation)
+                # example lengths of one packed row (needed for naive concatenation)
+                lengths: list | np.ndarray | None = None,
                 attn_implementation: str = "sdpa",  # the model's attention implementation
-                use_cache: bool | None = False,  # whether the forward builds a cache (None:
-                                                 # the config's, see `effective_spec`)
+                # whether the forward builds a cache (None: the config's, see `effective_spec`)
+                use_cache: bool | None = False,
                 sliding_window: int | None = None,  # the model's sliding window, if any
                 config=None,                     # the model's config, read for use_cache=None
                 ) -> MaskReport:
@@ -409,8 +409,8 @@ def eager_attentions(model, batch: dict, use_cache: bool = False) -> tuple[torch
 @torch.no_grad()
 def attention_leakage(model,              # a transformers causal LM
                       batch: dict,        # a collated batch
-                      lengths: list | np.ndarray | None = None,  # example lengths of one packed row
-                                                                 # (needed for naive concatenation)
+                      # example lengths of one packed row (needed for naive concatenation)
+                      lengths: list | np.ndarray | None = None,
                       use_cache: bool = False,  # passed to the forward (True reproduces the cache trap)
                       ) -> np.ndarray:
     "`[layers, heads]`: mean attention probability that real queries put on other examples' tokens (eager attention)."

@@ -292,10 +292,10 @@ def ring_attention_bytes(config,              # a transformers config or a `Shap
                          sp: int = 1,         # Ulysses degree (heads exchanged before the ring)
                          ring: int = 2,       # ring degree (at least 2)
                          dtype_bytes: int = 2,  # activation bytes (bf16)
-                         tile: int = QUERY_TILE,  # query rows computed at once
-                                                  # (`ring_attend`'s tile; the plain kernel's)
-                         kernel: str = "plain",   # the block-pair kernel (`workbench.sp.ring.KERNELS`);
-                                                  # "fused": its CPU path
+                         # query rows computed at once (`ring_attend`'s tile; the plain kernel's)
+                         tile: int = QUERY_TILE,
+                         # the block-pair kernel (`workbench.sp.ring.KERNELS`); "fused": its CPU path
+                         kernel: str = "plain",
                          plans: list | None = None,  # fused: calls per ring step (`ring_plans`); None: `_bound_plans`
                         ) -> dict:
     """Bytes one `ring_attend` call holds on a rank at its peak, by part: the plain kernel's at the backward of its
@@ -390,8 +390,8 @@ def gather_attention_bytes(config,              # a transformers config or a `Sh
                            gather: int = 2,     # context-group degree (at least 2)
                            dtype_bytes: int = 2,  # activation bytes (bf16)
                            tile: int = QUERY_TILE,  # query rows computed at once (the plain kernel's)
-                           kernel: str = "plain",   # the block-pair kernel (`workbench.sp.ring.KERNELS`);
-                                                    # "fused": its CPU path
+                           # the block-pair kernel (`workbench.sp.ring.KERNELS`); "fused": its CPU path
+                           kernel: str = "plain",
                            plans: list | None = None,  # fused: calls per block (`ring_plans`); None: `_bound_plans`
                           ) -> dict:
     "Bytes one `gather_attend` call holds on a rank at its peak (in its backward), by part."
@@ -544,10 +544,10 @@ def estimate(config,                       # a transformers config, a preset nam
              sp: int = 1,                  # sequence-parallel (Ulysses) degree: heads exchanged by all-to-all
              dp: int = 1,                  # data-parallel degree (states are sharded over dp * sp * ring)
              *,
-             ring: int = 1,                # context degree (ring attention's by default):
-                                           # a rank holds seq_len / (sp * ring) tokens
-             ring_kernel: str = "plain",   # the context kernel: "plain", or "fused"
-                                           # (its CPU path: CUDA's is not modelled yet)
+             # context degree (ring attention's by default): a rank holds seq_len / (sp * ring) tokens
+             ring: int = 1,
+             # the context kernel: "plain", or "fused" (its CPU path: CUDA's is not modelled yet)
+             ring_kernel: str = "plain",
              context: str = "ring",        # the context layout of degree `ring` (`CONTEXT_BYTES`: "ring" or "gather")
              levers: Levers = Levers(),    # checkpointing / offload / tiled loss / tiled MLP
              zero_stage: int = 3,          # 0 none, 1 optimizer, 2 + gradients, 3 + parameters sharded

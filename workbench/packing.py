@@ -270,8 +270,8 @@ def _chooses_targets(features: list[dict]) -> bool:
 @dataclass
 class FlatteningCollator:
     "Padding-free collator: one row per batch, position ids restarting per example, never an attention mask."
-    separator_id: int = IGNORE_INDEX   # label at every example's first token (keeps
-                                       # cross-example targets out of the loss)
+    # label at every example's first token (keeps cross-example targets out of the loss)
+    separator_id: int = IGNORE_INDEX
     pad_to_multiple_of: int | None = None  # pad the row to a multiple of this with one dummy example (labels -100)
     pad_token_id: int = 0              # token id of the dummy padding example
     return_flash_attn_kwargs: bool = True  # add `cu_seq_lens_q/k` and `max_length_q/k` for varlen kernels
@@ -530,12 +530,12 @@ class Plan:
     split: int = 0        # examples split into several pieces
     dropped: int = 0      # examples left out
     lost_tokens: int = 0  # tokens removed by truncate or drop
-    untrained: int = 0    # pieces left out because they train no token (untrained='drop'):
-                          # prompt-only pieces of split or truncated examples
-    untrained_tokens: int = 0  # the tokens of those pieces (no trained target
-                               # among them: nothing the loss sees is lost)
-    trained: np.ndarray | None = None  # trained targets of every piece (None: planned
-                                       # from bare lengths, which carry no labels)
+    # pieces left out because they train no token (untrained='drop'): prompt-only pieces of split or truncated examples
+    untrained: int = 0
+    # the tokens of those pieces (no trained target among them: nothing the loss sees is lost)
+    untrained_tokens: int = 0
+    # trained targets of every piece (None: planned from bare lengths, which carry no labels)
+    trained: np.ndarray | None = None
 
     @property
     def bin_tokens(self) -> np.ndarray: return np.array([self.length[b].sum() for b in self.bins], dtype=np.int64)
@@ -677,8 +677,9 @@ class TokenBudgetSampler(torch.utils.data.Sampler):
                  seed: int = 0,         # the seed of that order; the same on every rank
                  num_replicas: int = 1, # data-parallel ranks; each micro-step holds one bin per rank
                  rank: int = 0,         # this process's rank in [0, num_replicas)
-                 steps=None,            # a grouping to serve: [n_steps, grad_accum * num_replicas] bin
-                                        # ids covering every bin (None: bins of similar size side by side)
+                 # a grouping to serve: [n_steps, grad_accum * num_replicas] bin ids covering every bin (None: bins of
+                 # similar size side by side)
+                 steps=None,
                  grad_accum: int = 1):  # micro-steps per optimizer step: each rank takes this many bins of every row
         num_replicas = _positive_int("num_replicas", num_replicas, "the data-parallel ranks")
         grad_accum = _positive_int("grad_accum", grad_accum, "the micro-steps of one optimizer step")
@@ -779,8 +780,7 @@ class TokenBudgetSampler(torch.utils.data.Sampler):
 
 class ResumableLoader(torch.utils.data.DataLoader):
     "A `DataLoader` over a `TokenBudgetSampler` whose state is what its consumer received, whatever `num_workers`."
-    def __init__(self, dataset, sampler: TokenBudgetSampler, **kwargs):  # kwargs: the DataLoader's
-                                                                         # (collate_fn, num_workers...)
+    def __init__(self, dataset, sampler: TokenBudgetSampler, **kwargs):  # kwargs: the DataLoader's own
         if not isinstance(sampler, TokenBudgetSampler):
             raise TypeError(f"sampler must be a TokenBudgetSampler, got {type(sampler).__name__}")
         super().__init__(dataset, batch_sampler=sampler, **kwargs)

@@ -119,8 +119,9 @@ def check_eval_features(features: list[dict],  # the examples to evaluate, token
         raise ValueError(f"{data}: none of the {len(features)} examples has a trained target (every label is -100 or "
                          f"masked out): there is nothing to evaluate")
 
-def evaluate_model(model,                 # this process's model, as training built it
-                                          # (its attention registered for the layout)
+def evaluate_model(
+                   # this process's model, as training built it (its attention registered for the layout)
+                   model,
                    grid: ParallelGrid,    # this process's place in the dp x sp x ring grid
                    cfg: TrainConfig,      # the layout (sp, ring, ring_kernel, dp) and the token budget (max_tokens)
                    features: list[dict],  # the examples to evaluate, tokenized

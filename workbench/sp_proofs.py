@@ -41,8 +41,8 @@ class Case:
     loss_chunk: int | None = None  # tiled loss with tiles of this many tokens (`workbench.tiling`)
     mlp_chunk: int | None = None   # tiled MLP with tiles of this many tokens
     lean: bool = False             # `lean_kernels` (here and in the reference: they change fp64 norms' rounding)
-    reentrant: bool = False        # with checkpointing: the reentrant variant, after
-                                   # `enable_input_require_grads` (PEFT recipes)
+    # with checkpointing: the reentrant variant, after `enable_input_require_grads` (PEFT recipes)
+    reentrant: bool = False
     lora: tuple = ()               # PEFT LoRA adapters (r=4, random init) on these module names: only they train
     lora_save: tuple = ()          # with lora: modules trained whole beside the adapters (PEFT's `modules_to_save`)
 
@@ -183,8 +183,9 @@ class CountComm(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 # %% ../nbs/04_runtime/05_sp_proofs.ipynb #7c2d9e41
-def skipped_blocks(position_ids: torch.Tensor,  # [1, T] positions of the (padded) row:
-                                                # a document starts where they restart
+def skipped_blocks(
+                   # [1, T] positions of the (padded) row: a document starts where they restart
+                   position_ids: torch.Tensor,
                    ring_index: torch.Tensor,    # [ring, m] global token indices of every ring block
                    block: int,                  # the query block (a process's `grid.rank("ring")`)
                    window: int | None = None,   # sliding window
@@ -265,8 +266,8 @@ def prove_ring(cases: list,          # the `Case`s to check
 # %% ../nbs/04_runtime/05_sp_proofs.ipynb #e28b5e2f
 def ring_losses(make_model,          # attn_implementation -> model (the same weights on every call)
                 rows: list,          # packed rows, one per step
-                layout: tuple | None = None,  # (ulysses, ring) over the running
-                                              # processes; None: one process, plain sdpa
+                # (ulysses, ring) over the running processes; None: one process, plain sdpa
+                layout: tuple | None = None,
                 strategy: str = "balanced",   # sharding plan
                 lr: float = 1e-2,    # AdamW learning rate
                 kernel: str = "plain",  # the ring's block-pair kernel (`ring_attend`)

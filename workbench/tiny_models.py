@@ -132,8 +132,8 @@ def _refuse(cfg):
                          f"num_key_value_heads={kv}")
 
 def shrink_config(model,           # a model directory (config.json), a `PretrainedConfig` or a `PreTrainedModel`
-                  sp_size: int = 2, # the SP size the copy must run (several: their lcm):
-                                    # kv heads split or replicate as the original's
+                  # the SP size the copy must run (several: their lcm): kv heads split or replicate as the original's
+                  sp_size: int = 2,
                  ):
     """A tiny config of the same class: fewer layers (every layer kind kept), small widths, the head ratio, window and
     MoE routing kept."""

@@ -122,8 +122,8 @@ class RankRun:
     tokenizer: object            # saved beside the model in every checkpoint (None: token-id data)
     save_group: object           # the gloo group checkpoint saves wait on, outside the collective timeout
     eval_features: list | None   # the held-out examples evaluated during training (`--eval-data`; None: none)
-    bin_flops: dict | None       # predicted FLOPs of every bin and their attention
-                                 # part, by its pieces (`plan_run`; None: not modelled)
+    # predicted FLOPs of every bin and their attention part, by its pieces (`plan_run`; None: not modelled)
+    bin_flops: dict | None
 
 def read_run_data(cfg: TrainConfig, config) -> tuple[list[dict], object, list[dict] | None]:
     """The run's token features, their tokenizer and the held-out features (`--eval-data`; None without), each checked
@@ -255,8 +255,8 @@ def row_tokens(shard: dict, cfg: TrainConfig) -> int:
 def step_metrics(rank_run: RankRun, step: int, loss: float, bins: list, shards: list[dict],
                  totals: torch.Tensor,  # the step's `[real, trained]` over every replica (`step_totals`)
                  seconds: float,        # this step's wall time
-                 compute_s: float,      # of which in this rank's forward and backward
-                                        # (before the gradients wait for the other ranks)
+                 # of which in this rank's forward and backward (before the gradients wait for the other ranks)
+                 compute_s: float,
                  a2a_s: float,          # of which in the all-to-alls
                  ring_s: float,         # of which in the ring's exchanges
                  elapsed: float,        # since the run started

@@ -81,8 +81,9 @@ def plan_row(batch: dict,                 # a packed batch (the contract)
     return batch, balanced_plan(cu_seq_lens(check_packed_batch(batch)), parts, chunks, window)
 
 # %% ../../nbs/02_sequence_parallel/07_sp_balance.ipynb #28732776
-def ring_batch(batch: dict,                 # a packed batch (the contract): the same
-                                            # row on every process of an SP group
+def ring_batch(
+               # a packed batch (the contract): the same row on every process of an SP group
+               batch: dict,
                grid,                        # the `ParallelGrid` of this process
                strategy: str = "balanced",  # one of `PLANS`
                chunks: int = 8,             # with "balanced": chunks per shard

@@ -32,8 +32,9 @@ class RankView:
     doc: torch.Tensor          # [n] document of every position (the padding, if any, is the last document)
     real: int                  # positions of the row before padding
     pairs: torch.Tensor | None # [ring, ring] block pairs that meet (`block_pairs`); None under the gather: no pairs
-    pair_work: torch.Tensor    # query-key pairs per head of each query block against each key block it meets: the
-                               # ring's [ring, ring] (0 where skipped), the gather's [ring, 1] (the whole gathered row)
+    # query-key pairs per head of each query block against each key block it meets: the ring's [ring, ring] (0 where
+    # skipped), the gather's [ring, 1] (the whole gathered row)
+    pair_work: torch.Tensor
     table: pd.DataFrame        # one row per process: its place, tokens, trained targets, pairs, attention work, bytes
 
     def imbalance(self) -> float:
