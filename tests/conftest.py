@@ -11,6 +11,7 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
                           str(max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -28,16 +29,14 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-# seconds per group, from a run (`.ci/durations.py N FILE --save`)
-DURATIONS = Path(__file__).with_name("durations.json")
+_spec = importlib.util.spec_from_file_location("durations", Path(__file__).parents[1] / ".ci" / "durations.py")
+durations = importlib.util.module_from_spec(_spec); _spec.loader.exec_module(durations)
+DURATIONS = Path(__file__).with_name("durations.json")  # seconds per group, from a run (`.ci/durations.py N FILE --save`)
 
 
 def order_group(item) -> str:
-    """The unit the suite is ordered by (`group` in .ci/durations.py): a test module, whose items share its fixtures and
-    so stay together, or one notebook, named without its folder and number."""
-    if item.name.startswith("test_notebook["):
-        return "notebook " + Path(item.name[len("test_notebook["):-1]).stem.lstrip("0123456789_")
-    return item.module.__name__.rsplit(".", 1)[-1]
+    "The unit the suite is ordered by: `group` in .ci/durations.py, which writes tests/durations.json by it."
+    return durations.group(item.module.__name__.rsplit(".", 1)[-1], item.name)
 
 
 def pytest_collection_modifyitems(items):
