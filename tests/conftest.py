@@ -31,7 +31,7 @@ def one_thread():
 
 _spec = importlib.util.spec_from_file_location("durations", Path(__file__).parents[1] / ".ci" / "durations.py")
 durations = importlib.util.module_from_spec(_spec); _spec.loader.exec_module(durations)
-DURATIONS = Path(__file__).with_name("durations.json")  # seconds per group, from a run (`.ci/durations.py N FILE --save`)
+DURATIONS = Path(__file__).with_name("durations.json")  # seconds per group: `.ci/durations.py N FILE --save`
 
 
 def order_group(item) -> str:
