@@ -24,6 +24,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0  # the CPU wheel on disk (pyproject's floor, see there)
 	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) .ci/deepspeed_ops.py  # DeepSpeed's CPU comm op, compiled now rather than by the first test that starts it
 	$(MAKE) --no-print-directory git-filter
 	touch $(STAMP)
 
