@@ -6,6 +6,7 @@
 from __future__ import annotations
 import functools
 import json
+import math
 import os
 import socket
 import subprocess
@@ -31,15 +32,16 @@ from .sp.ulysses import register_ulysses, sp_forward
 # %% auto #0
 __all__ = ['CPU_MAX_AGE_S', 'DEVICES', 'RANK_THREADS', 'FACTORS', 'MEASURED', 'HELD_OUT_SOURCES', 'device_of', 'FIT_GROUPS',
            'KERNEL_FIT', 'HF_BLOG_QWEN3_4B', 'HF_BLOG_FIT', 'HF_BLOG_RUN', 'REFERENCE_STEPS', 'H200_FIT_ON',
-           'cpu_cache', 'shared_measurement', 'Device', 'cpu_device', 'device', 'gpu_name', 'run_device', 'gpu_device',
-           'Efficiency', 'HeldOut', 'MeasuredStep', 'held_out', 'held_out_errors', 'Prediction', 'step_terms',
-           'predict_step', 'calibrate', 'run_source', 'calibrate_run', 'check_run', 'hf_blog_prediction', 'blog_source',
-           'hf_blog_table', 'run_options', 'reference_step_seconds', 'lockstep_seconds', 'cpu_efficiency', 'fresh_cpu',
-           'run_efficiency', 'unmodelled', 'run_prediction', 'measured_mfu', 'HeldOutFit', 'fit_held_out',
-           'ADAMW_BYTES', 'ATTENTION_KERNELS', 'ATTENTION_PARTS', 'ATTENTION_WORK', 'CPU_FLOP_FORMULAS', 'Dims',
-           'FlopCount', 'StepCost', 'attention_flops', 'attention_kernel', 'attention_work', 'bin_costs', 'bin_work',
-           'document_pairs', 'fused_pairs', 'interacting_blocks', 'measured_flops', 'ring_blocks', 'rows_of',
-           'step_cost', 'windowed', 'BALANCES', 'BalancedPlan', 'plan_balanced', 'served_steps']
+           'cpu_max_age_s', 'cpu_cache', 'shared_measurement', 'Device', 'cpu_device', 'device', 'gpu_name',
+           'run_device', 'gpu_device', 'Efficiency', 'HeldOut', 'MeasuredStep', 'held_out', 'held_out_errors',
+           'Prediction', 'step_terms', 'predict_step', 'calibrate', 'run_source', 'calibrate_run', 'check_run',
+           'hf_blog_prediction', 'blog_source', 'hf_blog_table', 'run_options', 'reference_step_seconds',
+           'lockstep_seconds', 'cpu_efficiency', 'fresh_cpu', 'run_efficiency', 'unmodelled', 'run_prediction',
+           'measured_mfu', 'HeldOutFit', 'fit_held_out', 'ADAMW_BYTES', 'ATTENTION_KERNELS', 'ATTENTION_PARTS',
+           'ATTENTION_WORK', 'CPU_FLOP_FORMULAS', 'Dims', 'FlopCount', 'StepCost', 'attention_flops',
+           'attention_kernel', 'attention_work', 'bin_costs', 'bin_work', 'document_pairs', 'fused_pairs',
+           'interacting_blocks', 'measured_flops', 'ring_blocks', 'rows_of', 'step_cost', 'windowed', 'BALANCES',
+           'BalancedPlan', 'plan_balanced', 'served_steps']
 
 # %% ../nbs/03_planning/05_cost.ipynb #18bccb51
 from .flops import (ADAMW_BYTES, ATTENTION_KERNELS, ATTENTION_PARTS, ATTENTION_WORK, CPU_FLOP_FORMULAS,
@@ -54,7 +56,17 @@ _all_ = ["ADAMW_BYTES", "ATTENTION_KERNELS", "ATTENTION_PARTS", "ATTENTION_WORK"
          "BALANCES", "BalancedPlan", "plan_balanced", "served_steps"]
 
 # %% ../nbs/03_planning/05_cost.ipynb #5b6cba73
-CPU_MAX_AGE_S = 60.0  # seconds a CPU measurement stands: in this process (`fresh_cpu`) and for this machine's others
+def cpu_max_age_s() -> float:
+    "`$WORKBENCH_CPU_MAX_AGE_S`, the seconds a CPU measurement stands (unset: a minute)."
+    text = os.environ.get("WORKBENCH_CPU_MAX_AGE_S", "60")
+    try: seconds = float(text)
+    except ValueError: seconds = math.nan
+    if not seconds >= 0:
+        raise ValueError(f"WORKBENCH_CPU_MAX_AGE_S={text!r}: give the seconds a CPU measurement stands, a number >= 0 "
+                         "(unset it for a minute)")
+    return seconds
+
+CPU_MAX_AGE_S = cpu_max_age_s()  # seconds a CPU measurement stands: in this process (`fresh_cpu`) and for the others
 
 def cpu_cache() -> Path:
     "The file this machine's processes share their CPU measurements in: `$WORKBENCH_CPU_CACHE`, else the user's cache."
