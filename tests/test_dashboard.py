@@ -261,19 +261,36 @@ def test_measured_lines_are_solid_beside_a_prediction(tmp_path):
     assert [t.line.dash for t in dash.loss.data] == ["solid", "dash"]  # no prediction: each run keeps its own dash
 
 
-def test_a_resume_on_another_layout_shows_its_own_ranks(tmp_path):
+def test_a_resume_on_another_layout_shows_its_own_ranks(tmp_path, capfd):
     """An SP=2 segment, then a one-process resume into the same --out, watched (issue 47): memory and the ranks show
     the resumed segment's rank 0 from its start step (config.json's start_step), not the rank 1 that no longer exists;
-    the loss keeps the whole run, and the progress line says which curves hold which steps."""
+    the loss keeps the whole run, and the progress line says which curves hold which steps. What the resume prints
+    covers its own steps too: the memory readout names rank 0 alone, every predicted number is set beside the resumed
+    segment's own measured step (its first left out as warm-up), and the progress bar shows the loss."""
     from workbench.config import TrainConfig
+    from workbench.tracking import read_metrics
     from workbench.train import run
     common = dict(data="orca_like", max_tokens=256, out=str(tmp_path / "run"), name="resumed")
     run(TrainConfig(sp=2, steps=2, **common))
     dash = Dashboard(TrainConfig(steps=4, resume=True, **common))
     assert {t.name for t in dash.balance.data} >= {"resumed rank 0", "resumed rank 1"}  # the SP=2 segment's two ranks
     dash.watch(0.02)
-    run(TrainConfig(steps=4, resume=True, **common))
+    capfd.readouterr()
+    losses = run(TrainConfig(steps=4, resume=True, **common))
+    said = capfd.readouterr().out
     dash.stop()
+    rows = read_metrics(tmp_path / "run")
+    assert ({r["rank"] for r in rows if r["step"] < 2} == {0, 1}
+            and [r["step"] for r in rows if r["step"] >= 2] == [2, 3])
+    assert ("measured per-rank peak (peak resident memory of the process): rank 0 " in said
+            and "rank 1" not in said), said
+    (last,) = [r for r in rows if r["step"] == 3]  # the segment's only step past its first
+    assert "predicted against measured, medians over steps 3-3 (this run's steps past its first)" in said, said
+    for name, measured in (("s/step", f"{last['step_s']:.4g}"), ("tokens/s", f"{last['tokens_per_s']:,.0f}"),
+                           ("MFU", f"{last['mfu']:.1%}")):
+        line = next(l for l in said.splitlines() if l.startswith(f"  {name}: predicted "))
+        assert f", measured {measured}, ratio " in line, (line, measured)
+    assert f"loss={losses[-1]:.4f}, tokens/s={last['tokens_per_s']:,.0f}" in said  # the progress bar's last postfix
     shown = lambda fig: {t.name: list(t.x) for t in fig.data if t.showlegend}
     assert shown(dash.memory) == {"resumed rank 0": [2, 3]}
     assert shown(dash.balance) == {} and dash.ranks_text.value == "" and dash._ranks.layout.display == "none"
