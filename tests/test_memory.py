@@ -24,12 +24,13 @@ LEVERS = {
 BASIC = ["transformers loss", "tiled loss", "tiled MLP", "tiled loss + MLP"]
 POINTS = [(8192, 1), (32768, 4), (131072, 8)]  # 8K local tokens with and without the all-to-all; 16K local over SP 8
 GRID = [(m, lv, seq, sp) for m in PRESETS for lv in BASIC for seq, sp in POINTS]
-GRID += [(m, "all + offload", 131072, 4) for m in PRESETS] + [(m, "no checkpointing", 8192, 8) for m in PRESETS]
+# "all + offload" at 128K over SP 4 (both presets, exact to 1e-4): nbs/03_planning/02_memory.ipynb measures it
+GRID += [(m, "no checkpointing", 8192, 8) for m in PRESETS]
 GRID += [(m, lv, seq, sp) for m in PRESETS for lv in ("lean + tiled loss", "lean, all + offload")
          for seq, sp in [(8192, 1), (131072, 8)]] + [(m, "lean + transformers loss", 32768, 4) for m in PRESETS]
 # the lean fit's worst case: the flash backward binds (sp=1, long rows)
 GRID += [("qwen3-4b", "lean, all + offload", 32768, 1)]
-EXACT = 1e-4  # measured: within 2.4e-5 of the real code wherever no tile rounds (36 of 39 points)
+EXACT = 1e-4  # measured: within 2.4e-5 of the real code wherever no tile rounds (34 of 37 points here)
 ROUNDED = {  # the points where the planner is not exact, each with its measured error and a bound just above it
     ("qwen3-4b", "tiled loss + MLP", 131072, 8): 0.02,     # measured -1.37%
     ("qwen3-4b", "lean + tiled loss", 131072, 8): 0.035,   # measured +2.75%
