@@ -37,8 +37,8 @@ def assert_matches(proof: dict):
         assert max(mine) <= full[part] / world * 1.01, (part, mine, full[part])  # ~1/world on every process
 
 
-# DP 2 x SP 2 in float32 without offload is proven once, by nbs/04_runtime/07_fsdp.ipynb (its errors, units and bytes
-# asserted there)
+# SP 2 on 2 processes in float32 and float64 without offload is proven by nbs/05_ecosystem/01_fsdp_proofs.ipynb (its
+# errors, units and bytes asserted there); here: with offload, and DP 2 x SP 2 (float64 plain, float32 offloaded)
 @pytest.mark.parametrize("world,sp,dtype,offload",
                          [(2, 2, "float64", True), (4, 2, "float32", True), (4, 2, "float64", False)])
 def test_sharded_training_equals_one_process(world, sp, dtype, offload):
