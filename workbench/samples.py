@@ -4,6 +4,7 @@
 
 # %% ../nbs/01_packing/02_samples.ipynb #8630d132
 from __future__ import annotations
+import hashlib
 import json
 from pathlib import Path
 
@@ -54,6 +55,25 @@ def tokenize_records(records: list[dict], tokenizer=None) -> list[dict]:
              "completion_mask": [0] * (len(bos) + len(p)) + [1] * (len(a) + len(eos))}
             for p, a in zip(prompts, answers)]
 
-def load_sample(name: str, tokenizer=None, limit: int | None = None) -> list[dict]:
-    "A shipped instruction sample, tokenized: a list of `{input_ids, completion_mask}` features."
-    return tokenize_records(load_records(name)[:limit], tokenizer)
+_TOKENIZED: dict[tuple, list[dict]] = {}  # `_sample_key` -> the tokenized sample, in this process
+
+def _sample_key(name: str, limit: int | None, tokenizer) -> tuple | None:
+    "What a tokenized sample depends on, or None where it cannot be told (a slow tokenizer, a missing file)."
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    path = data_dir() / f"{name}.jsonl"
+    if backend is None or not path.exists(): return None
+    ids = f"{backend.to_str()}|{tokenizer.bos_token_id}|{tokenizer.eos_token_id}|{tokenizer.split_special_tokens}"
+    stat = path.stat()
+    return name, stat.st_size, stat.st_mtime_ns, limit, hashlib.sha256(ids.encode()).hexdigest()
+
+def load_sample(name: str,                # a shipped sample: `flan_like`, `orca_like`
+                tokenizer=None,           # its tokenizer (None: the shipped one)
+                limit: int | None = None, # the first `limit` records only
+               ) -> list[dict]:
+    """A shipped instruction sample, tokenized: a list of `{input_ids, completion_mask}` features, tokenized once per
+    process for each tokenizer (a copy each call)."""
+    tokenizer = tokenizer or load_tokenizer()
+    key = _sample_key(name, limit, tokenizer)
+    if key is None: return tokenize_records(load_records(name)[:limit], tokenizer)
+    if key not in _TOKENIZED: _TOKENIZED[key] = tokenize_records(load_records(name)[:limit], tokenizer)
+    return [{field: list(values) for field, values in feature.items()} for feature in _TOKENIZED[key]]
