@@ -1,6 +1,6 @@
 """What a run says about itself (issue 47, part "run"): a rank stuck in Python ends the CLI with its stack. A resume's
-readouts and progress bar are asserted in tests/test_dashboard.py (the same resumed run, watched); the checkpoint digests
-and the float64 loss in their notebooks (08_checkpoint, 12_train)."""
+readouts and progress bar are asserted in tests/test_dashboard.py (the same resumed run, watched); the checkpoint
+digests and the float64 loss in their notebooks (08_checkpoint, 12_train)."""
 import os
 import subprocess
 import sys

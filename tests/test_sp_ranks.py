@@ -17,7 +17,7 @@ CASES = [Case("qwen2", "sdpa"), Case("mistral", "sdpa"),  # fp32; 203 FLAN-like 
 def test_the_view_equals_a_real_run_process_by_process():
     results = prove_ring(CASES, 2, [(1, 2)], PLANS) + prove_ring(CASES, 4, [(1, 4), (2, 2)], PLANS)
     assert len(results) == len(CASES) * len(PLANS) * (2 + 4 + 4)
-    rows = {case: case_rows(case)[0] for case in CASES}  # the row each case trains on (as `one_process` builds it), once
+    rows = {case: case_rows(case)[0] for case in CASES}  # each case's row (as `one_process` builds it), once
     for r in results:
         case = r["case"]
         config = tiny_config(case.family)
