@@ -58,11 +58,14 @@ def tokenize_records(records: list[dict], tokenizer=None) -> list[dict]:
 _TOKENIZED: dict[tuple, list[dict]] = {}  # `_sample_key` -> the tokenized sample, in this process
 
 def _sample_key(name: str, limit: int | None, tokenizer) -> tuple | None:
-    "What a tokenized sample depends on, or None where it cannot be told (a slow tokenizer, a missing file)."
+    """What a tokenized sample depends on, or None where it cannot be told (a slow tokenizer, a backend that cannot
+    be serialized: a custom Python pre-tokenizer; a missing file)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     path = data_dir() / f"{name}.jsonl"
     if backend is None or not path.exists(): return None
-    ids = f"{backend.to_str()}|{tokenizer.bos_token_id}|{tokenizer.eos_token_id}|{tokenizer.split_special_tokens}"
+    try: whole = backend.to_str()
+    except Exception: return None  # tokenizers raises a plain Exception for a custom component
+    ids = f"{whole}|{tokenizer.bos_token_id}|{tokenizer.eos_token_id}|{tokenizer.split_special_tokens}"
     stat = path.stat()
     return name, stat.st_size, stat.st_mtime_ns, limit, hashlib.sha256(ids.encode()).hexdigest()
 
