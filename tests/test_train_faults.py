@@ -80,9 +80,10 @@ KILLER = "import sys\npoint, k, args = sys.argv[1], int(sys.argv[2]), sys.argv[3
 
 # Every run of this file is `workbench.train.main(args)` (what `python -m workbench.train` runs) in a fresh fork of one
 # interpreter that imported torch and workbench.train once and tokenized the runs' sample: ~8 s of imports and 1.2 s of
-# tokenizing per run saved. It forks nothing else before (no thread, no torch op), as launch forks its ranks. Each job: a JSON line {point, k, args, err} on stdin; the child
-# takes its own session (a terminal's Ctrl-C reaches its group), installs the fault `point` at call `k` (FAULTS), runs
-# main with stderr to `err`; the zygote answers the child's pid, then its exit code as subprocess reports it.
+# tokenizing per run saved. It forks nothing else before (no thread, no torch op), as launch forks its ranks. Each job:
+# a JSON line {point, k, args, err} on stdin; the child takes its own session (a terminal's Ctrl-C reaches its group),
+# installs the fault `point` at call `k` (FAULTS), runs main with stderr to `err`; the zygote answers the child's pid,
+# then its exit code as subprocess reports it.
 ZYGOTE = r'''
 import json, os, signal, sys, traceback
 import torch
