@@ -16,7 +16,7 @@ def test_a_resume_reads_out_its_own_steps_and_the_bar_shows_the_loss(tmp_path, c
     from workbench.tracking import read_metrics
     from workbench.train import run
     common = dict(data="orca_like", max_tokens=256, out=str(tmp_path / "run"))
-    run(TrainConfig(sp=2, steps=2, **common))
+    run(TrainConfig(ulysses=2, steps=2, **common))
     capfd.readouterr()
     losses = run(TrainConfig(steps=4, resume=True, **common))
     said = capfd.readouterr().out
