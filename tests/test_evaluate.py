@@ -194,11 +194,12 @@ def test_flash_attention_without_flash_attn_names_the_fix(held_out, monkeypatch)
 
 def test_help_lists_only_the_flags_evaluation_reads(capsys):
     import re
-    from workbench.config import flag
+    from workbench.config import RENAMED, flag
     from workbench.evaluate import EVAL_FIELDS, main
     with pytest.raises(SystemExit) as e: main(["--help"])
     listed = set(re.findall(r"--[a-z][a-z-]*", capsys.readouterr().out))
-    assert e.value.code == 0 and listed == {"--help", "--nproc", *map(flag, EVAL_FIELDS)}, listed
+    old = {flag(name) for name, field in RENAMED.items() if field in EVAL_FIELDS}  # --sp, the old --ulysses
+    assert e.value.code == 0 and listed == {"--help", "--nproc", *map(flag, EVAL_FIELDS), *old}, listed
 
 
 def test_a_qwen2_checkpoint_tokenizes_as_its_run_did(run_dir, trained, tmp_path):

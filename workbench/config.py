@@ -72,8 +72,7 @@ class TrainConfig:
     # the tokenizer of the data and the checkpoints ('': the model directory's own; the shipped one for a shipped
     # family)
     tokenizer: str = ""
-    # processes sharing one sequence by swapping sequence shards for head shards (Ulysses)
-    ulysses: int = 1
+    ulysses: int = 1            # processes sharing one sequence by swapping sequence shards for head shards (Ulysses)
     # ring attention degree: a row is split over ulysses x ring processes (Ulysses inside a node, the ring across)
     ring: int = 1
     # all-gather context parallelism degree: a row is split over ulysses x gather processes whose keys and values are
@@ -227,8 +226,8 @@ def _parser(names: tuple[str, ...] | None = None,  # the fields that get a flag 
     p = argparse.ArgumentParser(prog="python -m workbench.train",
                                 description="DP x SP training with padding-free packing")
     if names is None: p.add_argument("--preset", choices=sorted(PRESETS), help="start from a named configuration")
-    p.add_argument("--nproc", type=int, help="processes to launch here (dp defaults to nproc / (ulysses x ring)); "
-                                             "omit under torchrun")
+    p.add_argument("--nproc", type=int, help="processes to launch here (dp defaults to nproc / the processes sharing "
+                                             "a row); omit under torchrun")
     # each field's comment is its flag's help (none in __main__)
     docs = {k: v or "" for k, v in docments(TrainConfig).items()}
     for f in fields(TrainConfig):
