@@ -25,12 +25,12 @@ def fingerprint() -> dict:
     resumed = tempfile.mkdtemp()
     first = train_rank(TrainConfig(steps=2, max_tokens=512, save_every=1, out=resumed))
     losses["resume"] = first + train_rank(TrainConfig(steps=4, max_tokens=512, save_every=1, out=resumed, resume=True))
-    losses["sp2"] = run(fresh(sp=2, steps=2, max_tokens=512))
+    losses["sp2"] = run(fresh(ulysses=2, steps=2, max_tokens=512))
     losses["dp2cost"] = run(fresh(dp=2, grad_accum=2, steps=2, max_tokens=1024, balance="cost",
                                   attn="workbench_varlen"))
     # named: the default kernel depends on the device
     losses["ring2"] = run(fresh(ring=2, ring_kernel="plain", steps=2, max_tokens=512))
-    losses["shard"] = run(fresh(sp=2, steps=2, max_tokens=512, shard=True))
+    losses["shard"] = run(fresh(ulysses=2, steps=2, max_tokens=512, shard=True))
     return {name: [float(x).hex() for x in values] for name, values in losses.items()}
 
 

@@ -51,4 +51,4 @@ srun --ntasks-per-node=1 --kill-on-bad-exit=1 \
     --rdzv_backend c10d \
     --rdzv_endpoint "${MASTER_ADDR}:${PORT}" \
     -m workbench.train \
-      --sp "${SP}" --dp "${DP}" --steps "${STEPS}" --max-tokens "${MAX_TOKENS}" --out "${OUT}" "$@"
+      --ulysses "${SP}" --dp "${DP}" --steps "${STEPS}" --max-tokens "${MAX_TOKENS}" --out "${OUT}" "$@"

@@ -198,7 +198,7 @@ def test_a_rank_is_predicted_at_the_threads_it_has():
     if torch.cuda.is_available(): pytest.skip("a CUDA host predicts its runs on the GPU: CPU ranks' sharing untested")
     from types import SimpleNamespace
     from workbench.cost import run_prediction
-    cfg = SimpleNamespace(sp=2, ring=1, dp=1, world=2, attn="sdpa", checkpointing=True, offload_checkpoints=False,
+    cfg = SimpleNamespace(ulysses=2, ring=1, dp=1, world=2, attn="sdpa", checkpointing=True, offload_checkpoints=False,
                           loss_chunk=0,
                           mlp_chunk=0, lean_kernels=False, shard=False, cpu_offload=False, dtype="auto", seed=0,
                           grad_accum=1)

@@ -34,12 +34,12 @@ def wait_for(cond, timeout=10.0):
 
 def test_reused_directory_rewritten_mid_watch(tmp_path):
     run = tmp_path / "latest"; run.mkdir()
-    (run / "config.json").write_text(json.dumps({"sp": 2, "dp": 1, "steps": 5}))
+    (run / "config.json").write_text(json.dumps({"ulysses": 2, "dp": 1, "steps": 5}))
     (run / "metrics.jsonl").write_text("".join(row(s, k) for s in range(5) for k in (0, 1)))  # last week's SP=2 run
     dash = Dashboard(run).watch(0.01)
     try:
         wait_for(lambda: len(dash.readers[0].rows) == 10)
-        replace_file(run / "config.json", json.dumps({"sp": 1, "dp": 1, "steps": 4}))
+        replace_file(run / "config.json", json.dumps({"ulysses": 1, "dp": 1, "steps": 4}))
         replace_file(run / "metrics.jsonl", "")  # the new run starts: train's truncate_metrics(out, 0)
         for s in range(4):  # it appends while the dashboard watches, a line in two writes
             with (run / "metrics.jsonl").open("a") as f:
@@ -156,7 +156,7 @@ def test_watch_thread_whose_reader_raises(tmp_path, caplog):
 
 def test_names_and_labels(tmp_path):
     a, b = tmp_path / "tmpab12", tmp_path / "tmpcd34"
-    for d in (a, b): d.mkdir(); (d / "config.json").write_text(json.dumps({"sp": 2, "dp": 1, "steps": 2}))
+    for d in (a, b): d.mkdir(); (d / "config.json").write_text(json.dumps({"ulysses": 2, "dp": 1, "steps": 2}))
     assert Dashboard(a, b).labels() == ["SP=2 DP=1 #1", "SP=2 DP=1 #2"]  # two runs never share one trace
     assert Dashboard(a, b, names=["first", "second"]).labels() == ["first", "second"]
     with pytest.raises(ValueError, match="1 names for 2 runs"): Dashboard(a, b, names=["x"])
@@ -185,7 +185,7 @@ def test_the_slowest_rank_is_named_beside_its_figure_and_old_runs_show_none(tmp_
     """Two DP ranks with unequal forward + backward times: the
     dashboard draws the ratio per step and names the slow rank."""
     uneven, old = tmp_path / "uneven", tmp_path / "old"
-    for d in (uneven, old): d.mkdir(); (d / "config.json").write_text(json.dumps({"sp": 1, "dp": 2, "steps": 3}))
+    for d in (uneven, old): d.mkdir(); (d / "config.json").write_text(json.dumps({"ulysses": 1, "dp": 2, "steps": 3}))
     times = {0: (1.0, 2.0), 1: (1.0, 3.0), 2: (2.0, 2.0)}  # step -> (rank 0, rank 1) seconds
     (uneven / "metrics.jsonl").write_text("".join(row(s, k, compute_s=times[s][k], predicted_flops=1e9 * (1 + k),
                                                                  predicted_attention_flops=1e8 * (1 + 2 * k))
@@ -249,7 +249,7 @@ def test_measured_lines_are_solid_beside_a_prediction(tmp_path):
     for sp in (1, 2):
         d = tmp_path / f"sp{sp}"; d.mkdir()
         predicted = {"step_s": 0.5, "mfu": 0.3}
-        (d / "config.json").write_text(json.dumps({"sp": sp, "dp": 1, "steps": 2, "predicted": predicted}))
+        (d / "config.json").write_text(json.dumps({"ulysses": sp, "dp": 1, "steps": 2, "predicted": predicted}))
         work = dict(step_s=0.6, mfu=0.25, predicted_flops=1e9, predicted_attention_flops=1e8)
         rows = [row(s, k, compute_s=0.4 + k, **work) for s in (0, 1) for k in range(sp)]
         (d / "metrics.jsonl").write_text("".join(rows))
@@ -271,7 +271,7 @@ def test_a_resume_on_another_layout_shows_its_own_ranks(tmp_path, capfd):
     from workbench.tracking import read_metrics
     from workbench.train import run
     common = dict(data="orca_like", max_tokens=256, out=str(tmp_path / "run"), name="resumed")
-    run(TrainConfig(sp=2, steps=2, **common))
+    run(TrainConfig(ulysses=2, steps=2, **common))
     dash = Dashboard(TrainConfig(steps=4, resume=True, **common))
     assert {t.name for t in dash.balance.data} >= {"resumed rank 0", "resumed rank 1"}  # the SP=2 segment's two ranks
     dash.watch(0.02)

@@ -41,7 +41,7 @@ def run_dir(tmp_path_factory, held_out) -> Path:
     rows = (ROOT / "data_samples" / "orca_like.jsonl").read_text().splitlines()[-10:]
     (out / "held_out.jsonl").write_text("\n".join(rows) + "\n")
     assert load_features(str(out / "held_out.jsonl"), load_tokenizer()) == held_out
-    run(TrainConfig(model="qwen2", data="orca_like", steps=12, lr=1e-2, max_tokens=512, sp=2, save_every=6,
+    run(TrainConfig(model="qwen2", data="orca_like", steps=12, lr=1e-2, max_tokens=512, ulysses=2, save_every=6,
                     eval_data=str(out / "held_out.jsonl"), eval_every=6, out=str(out / "run")))
     return out / "run"
 
@@ -79,11 +79,11 @@ def test_every_layout_equals_each_example_alone(held_out, trained):
     base = TrainConfig(model=trained, max_tokens=512)
     reference = each_alone(base, held_out)
     assert reference.tokens.min() > 0 and 0 < reference.mean_accuracy() < 1
-    for layout in (dict(sp=2), dict(ring=2), dict(dp=2)):
+    for layout in (dict(ulysses=2), dict(ring=2), dict(dp=2)):
         got = evaluate(replace(base, **layout), held_out)
         assert close(got, reference, 1e-6), (layout, got, reference)
     f64 = replace(base, dtype="float64")
-    assert close(evaluate(replace(f64, sp=2, ring=2), held_out), each_alone(f64, held_out), 1e-12)
+    assert close(evaluate(replace(f64, ulysses=2, ring=2), held_out), each_alone(f64, held_out), 1e-12)
 
 
 def test_bad_input_is_refused_before_any_process_starts(held_out, tmp_path):
@@ -91,7 +91,7 @@ def test_bad_input_is_refused_before_any_process_starts(held_out, tmp_path):
                                          r"keeps every example whole: raise --max-tokens"):
         evaluate(TrainConfig(model="qwen2", max_tokens=64), held_out)
     with pytest.raises(ValueError, match="sp_size=8 is more than the 4 attention heads"):
-        evaluate(TrainConfig(model="qwen2", sp=8), held_out)
+        evaluate(TrainConfig(model="qwen2", ulysses=8), held_out)
     prompts_only = [{"input_ids": f["input_ids"], "labels": [-100] * len(f["input_ids"])} for f in held_out[:2]]
     with pytest.raises(ValueError, match="none of the 2 examples has a trained target"):
         evaluate(TrainConfig(model="qwen2", max_tokens=512), prompts_only)
@@ -116,8 +116,8 @@ def test_bad_input_is_refused_before_any_process_starts(held_out, tmp_path):
 def test_the_command_line_writes_one_row_per_example(held_out, trained, tmp_path):
     data = tmp_path / "held_out.jsonl"
     data.write_text("".join(json.dumps({"input_ids": f["input_ids"]}) + "\n" for f in held_out[:4]))
-    cli = subprocess.run([sys.executable, "-m", "workbench.evaluate", "--model", trained, "--data", str(data), "--sp",
-                          "2", "--nproc", "2", "--max-tokens", "512", "--out", str(tmp_path / "run")],
+    cli = subprocess.run([sys.executable, "-m", "workbench.evaluate", "--model", trained, "--data", str(data),
+                          "--ulysses", "2", "--nproc", "2", "--max-tokens", "512", "--out", str(tmp_path / "run")],
                          capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert cli.returncode == 0, cli.stderr[-3000:]
     rows = [json.loads(l) for l in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
@@ -194,11 +194,12 @@ def test_flash_attention_without_flash_attn_names_the_fix(held_out, monkeypatch)
 
 def test_help_lists_only_the_flags_evaluation_reads(capsys):
     import re
-    from workbench.config import flag
+    from workbench.config import RENAMED, flag
     from workbench.evaluate import EVAL_FIELDS, main
     with pytest.raises(SystemExit) as e: main(["--help"])
     listed = set(re.findall(r"--[a-z][a-z-]*", capsys.readouterr().out))
-    assert e.value.code == 0 and listed == {"--help", "--nproc", *map(flag, EVAL_FIELDS)}, listed
+    old = {flag(name) for name, field in RENAMED.items() if field in EVAL_FIELDS}  # --sp, the old --ulysses
+    assert e.value.code == 0 and listed == {"--help", "--nproc", *map(flag, EVAL_FIELDS), *old}, listed
 
 
 def test_a_qwen2_checkpoint_tokenizes_as_its_run_did(run_dir, trained, tmp_path):

@@ -271,7 +271,7 @@ def test_gather_trains_resumes_and_evaluates_through_the_loop(tmp_path, capsys):
     assert len(one) == len(gathered) == 3 and close_losses(gathered, one), (gathered, one)
     saved = json.loads((tmp_path / "gather" / "config.json").read_text())
     assert saved["gather"] == 2 and saved["ring"] == 1 and saved["predicted"]["step_s"] > 0
-    first = run(TrainConfig(**{**common, "steps": 2}, sp=2, save_every=2, out=str(tmp_path / "switch")))
+    first = run(TrainConfig(**{**common, "steps": 2}, ulysses=2, save_every=2, out=str(tmp_path / "switch")))
     rest = run(TrainConfig(**common, gather=2, resume=True, out=str(tmp_path / "switch")))
     assert len(rest) == 1 and close_losses(first + rest, one), (first, rest, one)
     features = load_features("orca_like", load_tokenizer())[-6:]

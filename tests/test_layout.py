@@ -62,16 +62,16 @@ def test_the_factory_and_the_config_pick_the_kind_from_the_degrees():
     assert type(layout_of()) is UlyssesLayout and type(layout_of(4, ring=1)) is UlyssesLayout
     hybrid = layout_of(2, ring=2, kernel="fused")
     assert (type(hybrid), hybrid.ulysses, hybrid.context, hybrid.kernel) == (RingLayout, 2, 2, "fused")
-    assert (hybrid.sp_size, hybrid.fields, hybrid.degrees) == (4, ("sp", "ring"), (2, 2))
-    assert (str(layout_of(2)), str(hybrid)) == ("sp=2", "sp=2 ring=2")
+    assert (hybrid.sp_size, hybrid.fields, hybrid.degrees) == (4, ("ulysses", "ring"), (2, 2))
+    assert (str(layout_of(2)), str(hybrid)) == ("ulysses=2", "ulysses=2 ring=2")
     assert list(LAYOUTS) == ["ring", "gather"] and LAYOUTS["ring"] is RingLayout  # the kinds registered in sp/layout
     assert "no sequence-parallel layout named ['stripe']" in message(lambda: layout_of(2, stripe=2))
     assert "not a Layout subclass" in message(lambda: register_layout(dict))
     with pytest.raises(TypeError, match="abstract"):  # a kind that leaves a method out cannot be built
         type("Half", (Layout,), {"degree": "half"})(1, 2)
-    cfg = TrainConfig(sp=2, ring=2, dp=2, ring_kernel="plain")
+    cfg = TrainConfig(ulysses=2, ring=2, dp=2, ring_kernel="plain")
     assert (type(cfg.layout), cfg.layout.kernel, cfg.world) == (RingLayout, "plain", 8)
-    assert type(TrainConfig(sp=2).layout) is UlyssesLayout and TrainConfig(sp=2, dp=3).world == 6
+    assert type(TrainConfig(ulysses=2).layout) is UlyssesLayout and TrainConfig(ulysses=2, dp=3).world == 6
 
 
 def test_the_config_and_the_command_line_say_what_they_said():
@@ -84,16 +84,17 @@ def test_the_config_and_the_command_line_say_what_they_said():
     p = _parser()
     said = []
     p.error = lambda text: said.append(text) or (_ for _ in ()).throw(SystemExit(2))
-    for argv in (["--sp", "2", "--nproc", "3"], ["--sp", "2", "--ring", "2", "--nproc", "6"],
-                 ["--sp", "2", "--dp", "2", "--nproc", "2"], ["--sp", "2", "--ring", "2", "--dp", "2", "--nproc", "4"]):
+    for argv in (["--ulysses", "2", "--nproc", "3"], ["--ulysses", "2", "--ring", "2", "--nproc", "6"],
+                 ["--ulysses", "2", "--dp", "2", "--nproc", "2"],
+                 ["--ulysses", "2", "--ring", "2", "--dp", "2", "--nproc", "4"]):
         with pytest.raises(SystemExit): _config(p, p.parse_args(argv), 1)
     assert said == [
-        "--nproc 3 is not a multiple of --sp 2: the processes form a dp x sp grid; use --nproc 2 or an --sp that "
-        "divides 3",
-        "--nproc 6 is not a multiple of --sp x --ring = 2 x 2 = 4: the processes form a dp x sp x ring grid; use "
-        "--nproc 4 or an --sp/--ring that divides 6",
-        "--nproc 2 but --sp x --dp = 2 x 2 = 4",
-        "--nproc 4 but --sp x --ring x --dp = 2 x 2 x 2 = 8"]
+        "--nproc 3 is not a multiple of --ulysses 2: the processes form a dp x ulysses grid; use --nproc 2 or an "
+        "--ulysses that divides 3",
+        "--nproc 6 is not a multiple of --ulysses x --ring = 2 x 2 = 4: the processes form a dp x ulysses x ring grid; "
+        "use --nproc 4 or an --ulysses/--ring that divides 6",
+        "--nproc 2 but --ulysses x --dp = 2 x 2 = 4",
+        "--nproc 4 but --ulysses x --ring x --dp = 2 x 2 x 2 = 8"]
 
 
 @pytest.fixture(scope="module")

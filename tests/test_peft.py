@@ -175,7 +175,7 @@ def test_train_lora_sp2_sharded_equals_one_process_and_saves_a_peft_adapter(tmp_
     cfg = TrainConfig(steps=3, max_tokens=256, lora_r=4, lr=1e-2, save_every=3)
     with pytest.raises(ValueError, match=r"lora_r \(--lora-r\) must be an integer >= 0"): TrainConfig(lora_r=-1)
     one = train_rank(TrainConfig(**{**cfg.__dict__, "out": str(tmp_path / "one")}))
-    two = run(TrainConfig(**{**cfg.__dict__, "sp": 2, "shard": True, "out": str(tmp_path / "two")}))
+    two = run(TrainConfig(**{**cfg.__dict__, "ulysses": 2, "shard": True, "out": str(tmp_path / "two")}))
     assert len(one) == len(two) == 3 and all(abs(a - b) <= 1e-5 * max(abs(b), 1) for a, b in zip(one, two)), (one, two)
     start = build_model(TrainConfig(), "sdpa", torch.device("cpu")).state_dict()  # the seeded model before training
     for out in ("one", "two"):

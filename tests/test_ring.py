@@ -291,14 +291,14 @@ def test_train_ring_from_the_notebook_launcher_torchrun_nodes_and_accelerate_equ
     from workbench.train import run
     common = dict(model="qwen2", data="orca_like", steps=2, max_tokens=512)
     one = run(TrainConfig(**common, out=str(tmp_path / "one")))
-    hybrid = run(TrainConfig(**common, sp=2, ring=2, ring_kernel="plain", out=str(tmp_path / "hybrid")))
-    logs = _torchrun_nodes(free_port(), ["-m", "workbench.train", "--sp", "2", "--ring", "2", "--ring-kernel", "fused",
-                                         "--dp", "1", "--model", "qwen2",
+    hybrid = run(TrainConfig(**common, ulysses=2, ring=2, ring_kernel="plain", out=str(tmp_path / "hybrid")))
+    logs = _torchrun_nodes(free_port(), ["-m", "workbench.train", "--ulysses", "2", "--ring", "2", "--ring-kernel",
+                                         "fused", "--dp", "1", "--model", "qwen2",
                                          "--data", "orca_like", "--steps", "2", "--max-tokens", "512", "--out",
                                          str(tmp_path / "nodes")])
     nodes = json.loads(logs[0].strip().splitlines()[-1])["losses"]  # global rank 0 (node 0) prints the losses
     accel = run_tree([sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "4", "-m",
-                      "workbench.train", "--sp", "2", "--ring", "2", "--nproc", "4", "--model", "qwen2", "--data",
+                      "workbench.train", "--ulysses", "2", "--ring", "2", "--nproc", "4", "--model", "qwen2", "--data",
                       "orca_like", "--steps", "2", "--max-tokens", "512", "--out", str(tmp_path / "accelerate")],
                      timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})  # accelerate's workers: torchrun's
     assert accel.returncode == 0, accel.stderr[-3000:]
@@ -320,7 +320,7 @@ def test_train_ring_from_the_notebook_launcher_torchrun_nodes_and_accelerate_equ
     assert json.loads((tmp_path / "accelerate" / "config.json").read_text())["ring_kernel"] == "fused"  # auto, on CPU
     # fp32: the planner models bf16/fp16 only
     assert "expected_peak_bytes" in saved and saved["expected_peak_bytes"] is None
-    assert TrainConfig(sp=2, ring=2, dp=2).world == 8
+    assert TrainConfig(ulysses=2, ring=2, dp=2).world == 8
     for bad, words in ((dict(ring=2, loss_chunk=64), "ring (--ring) > 1"),
                        (dict(ring=2, attn="eager"), "ring (--ring) > 1"),
                        (dict(ring=2, shard=True), "ring (--ring) > 1"), (dict(ring=0),
@@ -329,12 +329,13 @@ def test_train_ring_from_the_notebook_launcher_torchrun_nodes_and_accelerate_equ
                        (dict(ring_kernel="fused"), "this run has no ring")):
         with pytest.raises(ValueError, match=re.escape(words)): TrainConfig(**bad)
     p = _parser()
-    assert _config(p, p.parse_args(["--sp", "2", "--ring", "2", "--nproc", "8"]), 1).dp == 2
-    with pytest.raises(SystemExit): _config(p, p.parse_args(["--sp", "2", "--ring", "2", "--nproc", "6"]), 1)
-    assert "not a multiple of --sp x --ring = 2 x 2 = 4" in capsys.readouterr().err
+    assert _config(p, p.parse_args(["--ulysses", "2", "--ring", "2", "--nproc", "8"]), 1).dp == 2
+    with pytest.raises(SystemExit): _config(p, p.parse_args(["--ulysses", "2", "--ring", "2", "--nproc", "6"]), 1)
+    assert "not a multiple of --ulysses x --ring = 2 x 2 = 4" in capsys.readouterr().err
     with pytest.raises(ValueError, match=r"ulysses=8 does not suit.*layouts of SP=16 "
                                          r"that work: \[\(1, 16\), \(2, 8\), \(4, 4\)\]"):
-        run(TrainConfig(model="qwen2", sp=8, ring=2, steps=1, out=str(tmp_path / "bad")))  # refused before any fork
+        # refused before any fork
+        run(TrainConfig(model="qwen2", ulysses=8, ring=2, steps=1, out=str(tmp_path / "bad")))
     assert not (tmp_path / "bad").exists()
     # fused in fp32: its calls predicted, its peak not planned (bf16 only)
     nodes_config = json.loads((tmp_path / "nodes" / "config.json").read_text())

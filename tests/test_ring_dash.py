@@ -26,11 +26,11 @@ from workbench.readouts import balance_readout
 from workbench.train import plan_run, train_rank
 
 COMMON = dict(model="qwen2", data="orca_like", steps=2, max_tokens=256, timeout_s=60)  # qwen2: 4 heads, 2 kv heads
-RUNS = {"hybrid": dict(sp=2, ring=2, grad_accum=2),                            # both groups; two rows per step
-        "ring": dict(sp=1, ring=2, dtype="bfloat16", checkpointing=True),      # bf16 blocks, fp32 gradients, recompute
-        "ulysses": dict(sp=2),                                                # no ring: ring_share 0.0, ring_bytes 0
+RUNS = {"hybrid": dict(ulysses=2, ring=2, grad_accum=2),                       # both groups; two rows per step
+        "ring": dict(ring=2, dtype="bfloat16", checkpointing=True),            # bf16 blocks, fp32 gradients, recompute
+        "ulysses": dict(ulysses=2),                                           # no ring: ring_share 0.0, ring_bytes 0
         # a local model of 2 heads and 1 kv head: Ulysses 2 replicates it, the ring passes both
-        "replicated": dict(sp=2, ring=2)}
+        "replicated": dict(ulysses=2, ring=2)}
 
 
 class CountBytes(CountComm):
@@ -56,7 +56,7 @@ def runs(tmp_path_factory):
     for name, kw in RUNS.items():
         model = str(root / "two_heads") if name == "replicated" else COMMON["model"]
         cfg = TrainConfig(**{**COMMON, "model": model}, **kw, name=name, out=str(root / name))
-        counted = launch(counted_train, cfg, num_processes=cfg.world, sp_size=cfg.sp, ring=cfg.ring, cpu=True,
+        counted = launch(counted_train, cfg, num_processes=cfg.world, sp_size=cfg.ulysses, ring=cfg.ring, cpu=True,
                          quiet=True, timeout_s=60, deadline_s=240)
         rows = [json.loads(l) for l in (Path(cfg.out) / "metrics.jsonl").read_text().splitlines()]
         out[name] = cfg, counted, rows
@@ -75,8 +75,8 @@ def test_every_row_carries_both_shares_and_the_bytes_counted(runs):
             assert sum(r["ring_bytes"] for r in mine) == c["ring_bytes"], (name, c, mine)
         for r in rows:
             assert 0 <= r["a2a_share"] and 0 <= r["ring_share"] and r["a2a_share"] + r["ring_share"] < 1, r
-            assert (r["ring_share"] > 0) == (cfg.ring > 1) and (r["a2a_share"] > 0) == (cfg.sp > 1), (name, r)
-            assert (r["ring_bytes"] > 0) == (cfg.ring > 1) and (r["a2a_bytes"] > 0) == (cfg.sp > 1), (name, r)
+            assert (r["ring_share"] > 0) == (cfg.ring > 1) and (r["a2a_share"] > 0) == (cfg.ulysses > 1), (name, r)
+            assert (r["ring_bytes"] > 0) == (cfg.ring > 1) and (r["a2a_bytes"] > 0) == (cfg.ulysses > 1), (name, r)
     hybrid, ring = runs["hybrid"][2][0], runs["ring"][2][0]
     assert hybrid["ring_bytes"] > 0 and hybrid["a2a_bytes"] > 0 and runs["ulysses"][2][0]["ring_share"] == 0.0
     assert ring["ring_bytes"] % 2 == 0 and ring["a2a_bytes"] == 0
@@ -84,7 +84,7 @@ def test_every_row_carries_both_shares_and_the_bytes_counted(runs):
 
 def test_dashboard_draws_the_all_to_all_and_the_ring_apart_and_old_rows_without_a_ring_trace(runs, tmp_path):
     old = tmp_path / "old"; old.mkdir()  # a run written before ring_share existed
-    (old / "config.json").write_text(json.dumps({"sp": 2, "dp": 1, "steps": 2}))
+    (old / "config.json").write_text(json.dumps({"ulysses": 2, "dp": 1, "steps": 2}))
     (old / "metrics.jsonl").write_text("".join(json.dumps(dict(step=s, rank=k, loss=9.0 - s, tokens=100,
                                                                tokens_per_s=1e3,
                                                                peak_mem_bytes=2**30, a2a_share=(0.2, 0.3)[s],

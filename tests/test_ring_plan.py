@@ -268,7 +268,7 @@ def test_ring_run_has_readout_and_prediction(tmp_path, capfd):
     from workbench.readouts import memory_readout
     from workbench.tracking import read_metrics
     from workbench.train import run
-    cfg = TrainConfig(model="qwen2", sp=sp, ring=ring, steps=2, max_tokens=256, dtype="bfloat16",
+    cfg = TrainConfig(model="qwen2", ulysses=sp, ring=ring, steps=2, max_tokens=256, dtype="bfloat16",
                       out=str(tmp_path / "run"))
     run(cfg)
     out = capfd.readouterr().out

@@ -39,7 +39,7 @@ class Probe(GeneralTracker):
         with self.path.open("a") as f: f.write(what + "\n")
 
     def start(self): self._say("start")
-    def store_init_configuration(self, values): self._say(f"config sp={values['sp']}")
+    def store_init_configuration(self, values): self._say(f"config ulysses={values['ulysses']}")
     def log(self, values, step=None): self._say(f"log {step}"); self.on_log(step)
     def finish(self): self._say("finish")
 
@@ -70,11 +70,12 @@ def assert_tensorboard_equals_metrics(out: Path):
 
 def test_sp2_tensorboard_equals_metrics_and_resume_logs_each_step_once(tmp_path):
     out = tmp_path / "run"
-    cfg = TrainConfig(sp=2, steps=3, save_every=2, report_to=["tensorboard", "probe"], out=str(out), **SMALL)
+    cfg = TrainConfig(ulysses=2, steps=3, save_every=2, report_to=["tensorboard", "probe"], out=str(out), **SMALL)
     run(cfg)
     assert_tensorboard_equals_metrics(out)
     (out / CHECKPOINTS / "step-000003" / "manifest.json").unlink()  # a save torn by a kill: resume goes back to step 2
-    run(TrainConfig(sp=2, steps=4, save_every=2, report_to="tensorboard,probe", out=str(out), resume=True, **SMALL))
+    run(TrainConfig(ulysses=2, steps=4, save_every=2, report_to="tensorboard,probe", out=str(out), resume=True,
+                    **SMALL))
     rows = [r for r in read_metrics(out) if r["rank"] == 0]
     assert [r["step"] for r in rows] == [0, 1, 2, 3]  # truncate_metrics dropped the old step 2
     other = sorted((r for r in read_metrics(out) if r["rank"] == 1), key=lambda r: r["step"])
@@ -82,8 +83,8 @@ def test_sp2_tensorboard_equals_metrics_and_resume_logs_each_step_once(tmp_path)
     assert_tensorboard_equals_metrics(out)  # purge_step hid the first run's step 2: each step once, the new values
     pids = {p.name.split(".")[-2] for p in (out / "tensorboard" / PROJECT).glob("events.out.tfevents.*")}
     assert len(pids) == 2  # one writer process per launch: rank 0 only
-    assert calls(out) == ["start", "config sp=2", "log 0", "log 1", "log 2", "finish",
-                          "start", "config sp=2", "log 2", "log 3", "finish"]
+    assert calls(out) == ["start", "config ulysses=2", "log 0", "log 1", "log 2", "finish",
+                          "start", "config ulysses=2", "log 2", "log 3", "finish"]
 
 
 def test_names_as_report_to_reads_them():
@@ -138,7 +139,7 @@ def test_a_tracker_that_raises_in_log_costs_nothing(tmp_path, monkeypatch, capsy
     assert err.count("warning: tracker tensorboard failed to log step 1 (OSError: disk full)") == 1
     assert "warning: tracker tensorboard missed 2 step(s); metrics.jsonl has them all" in err
     assert "warning: tracker tensorboard failed to finish (ZeroDivisionError: division by zero)" in err
-    assert calls(out) == ["start", "config sp=1", "log 0", "log 1", "log 2", "finish"]  # the other tracker saw all
+    assert calls(out) == ["start", "config ulysses=1", "log 0", "log 1", "log 2", "finish"]  # the other tracker saw all
 
 
 def test_finish_after_an_error_and_a_failed_start(tmp_path, monkeypatch):
@@ -147,14 +148,14 @@ def test_finish_after_an_error_and_a_failed_start(tmp_path, monkeypatch):
     monkeypatch.setattr(Probe, "on_log", staticmethod(interrupt))
     out, before = tmp_path / "run", signal.getsignal(signal.SIGTERM)
     with pytest.raises(KeyboardInterrupt): train_rank(TrainConfig(steps=3, report_to="probe", out=str(out), **SMALL))
-    assert calls(out) == ["start", "config sp=1", "log 0", "log 1", "finish"]
+    assert calls(out) == ["start", "config ulysses=1", "log 0", "log 1", "finish"]
     assert signal.getsignal(signal.SIGTERM) is before  # the handler is gone again
     def no_start(self): raise ConnectionError("no server")
     monkeypatch.setattr(TensorBoardTracker, "start", no_start)
     with pytest.raises(RuntimeError, match="'tensorboard' failed to start .*ConnectionError: "
                                            "no server.*nothing was trained"):
         train_rank(TrainConfig(steps=3, report_to="probe,tensorboard", out=str(tmp_path / "b"), **SMALL))
-    assert calls(tmp_path / "b") == ["start", "config sp=1", "finish"] and read_metrics(tmp_path / "b") == []
+    assert calls(tmp_path / "b") == ["start", "config ulysses=1", "finish"] and read_metrics(tmp_path / "b") == []
 
 
 def test_sigterm_inside_a_tracker_write_ends_the_run_after_the_row(tmp_path, monkeypatch):
@@ -169,7 +170,7 @@ def test_sigterm_inside_a_tracker_write_ends_the_run_after_the_row(tmp_path, mon
     monkeypatch.setattr(Probe, "on_log", staticmethod(terminated_mid_write))
     with pytest.raises(SystemExit) as e: train_rank(TrainConfig(steps=3, report_to="probe", out=str(out), **SMALL))
     assert e.value.code == 128 + signal.SIGTERM
-    assert calls(out) == ["start", "config sp=1", "log 0", "log 1", "log 1 written whole", "finish"]
+    assert calls(out) == ["start", "config ulysses=1", "log 0", "log 1", "log 1 written whole", "finish"]
     # the row in progress was written and logged; no step after it
     assert [r["step"] for r in read_metrics(out)] == [0, 1]
 
@@ -180,7 +181,7 @@ def test_ctrl_c_on_the_cli_finishes_the_trackers(tmp_path):
 import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})
 import test_tracking  # registers the probe tracker, which the forked ranks inherit
 from workbench.train import main
-main(["--nproc", "2", "--sp", "2", "--steps", "500", "--max-tokens", "256", "--report-to", "tensorboard,probe", \
+main(["--nproc", "2", "--ulysses", "2", "--steps", "500", "--max-tokens", "256", "--report-to", "tensorboard,probe", \
 "--out", {str(out)!r}])
 """
     p = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stderr=subprocess.PIPE, text=True)

@@ -24,7 +24,7 @@ def cli_runs(tmp_path_factory):
     """One SP=2 run of the CLI each way: self-launched, under torchrun,
     self-launched FSDP2-sharded (the checkpoint tests load)."""
     tmp_path = tmp_path_factory.mktemp("cli")
-    args = ["--sp", "2", "--steps", "2", "--max-tokens", "256", "--data", "orca_like", "--model", "qwen2"]
+    args = ["--ulysses", "2", "--steps", "2", "--max-tokens", "256", "--data", "orca_like", "--model", "qwen2"]
     subprocess.run([sys.executable, "-m", "workbench.train", "--nproc", "2", "--out", str(tmp_path / "self"), *args],
                    check=True, cwd=ROOT, timeout=240)
     torchrun = run_tree([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
@@ -182,7 +182,7 @@ def test_a_run_reads_its_data_once_for_all_its_ranks(tmp_path, monkeypatch):
         with reads.open("a") as f: f.write(f"{os.getpid()}\n")  # a file: the forked ranks' calls count too
         return real(cfg)
     monkeypatch.setattr(T, "run_features", counted)
-    losses = T.run(T.TrainConfig(sp=2, steps=2, max_tokens=256, data="orca_like", out=str(tmp_path / "run")))
+    losses = T.run(T.TrainConfig(ulysses=2, steps=2, max_tokens=256, data="orca_like", out=str(tmp_path / "run")))
     assert len(losses) == 2 and reads.read_text().split() == [str(os.getpid())]  # the parent's read, none in a rank
 
 
@@ -200,7 +200,7 @@ def test_a_dp2_checkpoint_resumes_on_ulysses_and_on_a_ring_with_two_micro_steps(
     common = dict(model="qwen2", data="orca_like", max_tokens=256)
     straight = run(TrainConfig(**common, dp=2, steps=4, out=str(tmp_path / "straight")))
     run(TrainConfig(**common, dp=2, steps=2, out=str(tmp_path / "saved")))
-    for name, layout in (("ulysses", dict(sp=2)), ("ring", dict(ring=2))):
+    for name, layout in (("ulysses", dict(ulysses=2)), ("ring", dict(ring=2))):
         out = tmp_path / name
         shutil.copytree(tmp_path / "saved", out)
         resumed = run(TrainConfig(**common, dp=1, grad_accum=2, steps=4, resume=True, out=str(out), **layout))
@@ -208,13 +208,34 @@ def test_a_dp2_checkpoint_resumes_on_ulysses_and_on_a_ring_with_two_micro_steps(
                                          for a, b in zip(resumed, straight[2:])) <= 1e-5, (name, resumed, straight)
         manifest = latest_checkpoint(out, say=lambda _: None)[1]
         kernel = "fused" if name == "ring" else "plain"  # the default kernel on CPU: fused where there is a ring
-        assert manifest["step"] == 4 and manifest["layout"] == {"dp": 1, "sp": 1, "ring": 1, "gather": 1,
+        assert manifest["step"] == 4 and manifest["layout"] == {"dp": 1, "ulysses": 1, "ring": 1, "gather": 1,
                                                                 "grad_accum": 2, **layout,
                                                                      "ring_kernel": kernel}
     before = (tmp_path / "saved" / "metrics.jsonl").read_text()
     words = ("it trained 2 bins per optimizer step (dp x grad_accum = "
              "2 x 1) and this run has 1 x 1 = 1 (--dp, --grad-accum)")
     with pytest.raises(ValueError, match=re.escape(words)):
-        run(TrainConfig(**common, sp=2, steps=4, resume=True, out=str(tmp_path / "saved")))
+        run(TrainConfig(**common, ulysses=2, steps=4, resume=True, out=str(tmp_path / "saved")))
     assert (tmp_path / "saved" / "metrics.jsonl").read_text() == before
     assert latest_checkpoint(tmp_path / "saved", say=lambda _: None)[1]["step"] == 2
+
+
+# ---------------------------------------------------------------- `sp` renamed `ulysses` (issue 49)
+
+def test_a_run_written_before_sp_was_renamed_ulysses_resumes_on_its_own_layout(tmp_path, capsys):
+    """A run directory an older workbench wrote names the Ulysses degree "sp" (its config.json and its checkpoints'
+    layouts): the dashboard labels it by that degree, and it resumes on its own layout, not as a layout change, to the
+    uninterrupted run's losses. The old spellings of the field and the flag are `02_config.ipynb`'s example."""
+    from workbench.config import TrainConfig
+    from workbench.dashboard import Dashboard
+    from workbench.train import train_rank
+    small = dict(max_tokens=512, save_every=1)
+    straight = train_rank(TrainConfig(steps=3, out=str(tmp_path / "straight"), **small))
+    out = tmp_path / "old"
+    first = train_rank(TrainConfig(steps=2, out=str(out), **small))
+    for f in [out / "config.json", *out.glob("checkpoints/step-*/manifest.json")]:  # as written before the rename
+        assert '"ulysses"' in f.read_text(); f.write_text(f.read_text().replace('"ulysses"', '"sp"'))
+    assert Dashboard(out).labels() == ["SP=1 DP=1"]
+    capsys.readouterr()
+    resumed = train_rank(TrainConfig(steps=3, out=str(out), resume=True, **small))
+    assert first + resumed == straight and "another layout" not in capsys.readouterr().out

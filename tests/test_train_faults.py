@@ -283,7 +283,7 @@ def _wait_rows(out: Path, n: int, deadline: float):
     raise TimeoutError(f"fewer than {n} metrics rows")
 
 
-ARGS_2 = [*ARGS[2:], "--steps", str(2 * STEPS), "--nproc", "2", "--sp", "2"]  # 12 steps: room to kill mid-run
+ARGS_2 = [*ARGS[2:], "--steps", str(2 * STEPS), "--nproc", "2", "--ulysses", "2"]  # 12 steps: room to kill mid-run
 
 
 @pytest.fixture(scope="module")
@@ -346,7 +346,7 @@ def test_a_save_slower_than_the_collective_timeout_does_not_kill_the_run(tmp_pat
     script, out = tmp_path / "faults.py", tmp_path / "run"
     script.write_text(KILLER)
     r = subprocess.run([sys.executable, str(script), "slow save", "6", "--steps", "2", "--max-tokens", "256", "--data",
-                        "orca_like", "--nproc", "2", "--sp", "2", "--timeout-s", "3", "--out", str(out)],
+                        "orca_like", "--nproc", "2", "--ulysses", "2", "--timeout-s", "3", "--out", str(out)],
                        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
     assert r.returncode == 0, r.stderr[-3000:]
     from workbench.checkpoint import checkpoints

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .config import TrainConfig, flag
+from .config import TrainConfig, current_names, flag
 from .tiny_models import no_hf_bars
 from .fsdp import full_state, is_sharded, load_full_state
 from .sp.layout import LAYOUTS
@@ -38,7 +38,7 @@ ADAPTER_DIR = "adapter"
 _MAY_CHANGE = ("steps", "save_every", "keep", "timeout_s", "stall_s", "resume", "out", "name", "report_to", "eval_data",
                "eval_every")
 # how a step is split (with every registered layout kind's degree): a resumed run may change it, keeping dp x grad_accum
-LAYOUT = ("dp", "sp", *LAYOUTS, "ring_kernel", "grad_accum")
+LAYOUT = ("dp", "ulysses", *LAYOUTS, "ring_kernel", "grad_accum")
 SAVE_WAIT = timedelta(days=365)  # how long the other ranks wait for rank 0's save: outside the collective timeout
 DIGEST_BLOCK = 1 << 20  # bytes read at a time when a file's digest is computed (1 MiB)
 
@@ -123,7 +123,9 @@ def _manifest(d: Path) -> dict | None:
     try: m = json.loads((d / "manifest.json").read_text())
     except (OSError, ValueError): return None
     files_ok = all((d / n).is_file() and (d / n).stat().st_size == size for n, size in m.get("files", {}).items())
-    return m if files_ok and m.get("files") and m.get("step") == int(d.name.split("-")[1]) else None
+    if not (files_ok and m.get("files") and m.get("step") == int(d.name.split("-")[1])): return None
+    # an older workbench's field names read as today's (`current_names`): its layout's "sp" is ulysses
+    return {**m, **{k: current_names(m[k]) for k in ("config", "layout") if isinstance(m.get(k), dict)}}
 
 def checkpoints(out: Path) -> list[tuple[Path, dict | None]]:
     "Every `step-*` directory of `out/checkpoints` with its manifest (None when incomplete), oldest first."
@@ -186,8 +188,8 @@ def check_resume(cfg: TrainConfig, manifest: dict, where: Path, plan: str | None
         was = layout["dp"] * layout["grad_accum"]
         raise ValueError(f"cannot resume from {where}: it trained {was} bins per optimizer step (dp x grad_accum = "
                          f"{layout['dp']} x {layout['grad_accum']}) and this run has {cfg.dp} x {cfg.grad_accum} = "
-                         f"{cfg.global_batch} (--dp, --grad-accum): keep dp x grad_accum = {was} (any --sp, --ring and "
-                         "split of it) to continue that run, or a new --out to start another")
+                         f"{cfg.global_batch} (--dp, --grad-accum): keep dp x grad_accum = {was} (any --ulysses, "
+                         "--ring and split of it) to continue that run, or a new --out to start another")
     dropout = dropout_of(config) if config is not None and layout not in (None, _layout(cfg)) else {}
     if dropout:
         raise ValueError(f"cannot resume from {where} on another layout: the model draws dropout ({dropout}) and each "

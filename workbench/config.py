@@ -5,9 +5,11 @@
 # %% ../nbs/04_runtime/02_config.ipynb #6bd5c8ed
 from __future__ import annotations
 import argparse
+import functools
 import importlib.util
 import math
 from dataclasses import dataclass, fields, replace
+from operator import attrgetter
 from pathlib import Path
 
 import torch
@@ -19,13 +21,14 @@ from .sp.ring import KERNELS
 from .step_balance import BALANCES
 
 # %% auto #0
-__all__ = ['DTYPES', 'PRESETS', 'flag', 'tracker_names', 'auto_ring_kernel', 'TrainConfig', 'model_config']
+__all__ = ['DTYPES', 'PRESETS', 'RENAMED', 'flag', 'tracker_names', 'auto_ring_kernel', 'TrainConfig', 'model_config',
+           'current_names']
 
 # %% ../nbs/04_runtime/02_config.ipynb #61c29e36
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}  # besides "auto"
 
-_AT_LEAST = dict(sp=1, **{kind: 1 for kind in LAYOUTS}, dp=1, steps=1, max_tokens=1, grad_accum=1, seed=0, loss_chunk=0,
-                 mlp_chunk=0, save_every=0, keep=1, lora_r=0, eval_every=0)
+_AT_LEAST = dict(ulysses=1, **{kind: 1 for kind in LAYOUTS}, dp=1, steps=1, max_tokens=1, grad_accum=1, seed=0,
+                 loss_chunk=0, mlp_chunk=0, save_every=0, keep=1, lora_r=0, eval_every=0)
 
 def flag(name: str) -> str:
     "The command-line flag of a `TrainConfig` field."
@@ -69,10 +72,10 @@ class TrainConfig:
     # the tokenizer of the data and the checkpoints ('': the model directory's own; the shipped one for a shipped
     # family)
     tokenizer: str = ""
-    sp: int = 1                 # processes sharing one sequence (Ulysses)
-    # ring attention degree: a row is split over sp x ring processes (Ulysses inside a node, the ring across)
+    ulysses: int = 1            # processes sharing one sequence by swapping sequence shards for head shards (Ulysses)
+    # ring attention degree: a row is split over ulysses x ring processes (Ulysses inside a node, the ring across)
     ring: int = 1
-    # all-gather context parallelism degree: a row is split over sp x gather processes whose keys and values are
+    # all-gather context parallelism degree: a row is split over ulysses x gather processes whose keys and values are
     # gathered every layer (`workbench.sp.gather`)
     gather: int = 1
     # the ring's block-pair kernel: auto (fused on CPU, plain on CUDA: `auto_ring_kernel`), plain (masked products, any
@@ -80,7 +83,8 @@ class TrainConfig:
     ring_kernel: str = "auto"
     dp: int = 1                 # data-parallel replicas
     steps: int = 10             # optimizer steps (a resumed run continues up to this step)
-    max_tokens: int = 2048      # tokens per packed row (one row per micro-step per DP replica, cut into `sp` shards)
+    # tokens per packed row (one row per micro-step per DP replica, cut into a shard per process sharing it)
+    max_tokens: int = 2048
     grad_accum: int = 1         # micro-steps per optimizer step (the loss is token-weighted over all of them)
     # group each step's bins over ranks by tokens, or by predicted cost (workbench.step_balance): tokens / cost
     balance: str = "tokens"
@@ -94,7 +98,7 @@ class TrainConfig:
     lean_kernels: bool = False  # RMSNorm and SwiGLU that save only their inputs (the memory of fused kernels), exact
     # LoRA rank (peft): train only adapters on every linear layer but the head (0: every weight)
     lora_r: int = 0
-    shard: bool = False         # shard parameters, gradients and optimizer states over all sp*dp processes (FSDP2)
+    shard: bool = False         # shard parameters, gradients and optimizer states over all the run's processes (FSDP2)
     cpu_offload: bool = False   # with shard: keep the sharded states and the optimizer step in host memory
     dtype: str = "auto"         # auto: bf16 on CUDA, fp32 on CPU; or float32 / bfloat16 / float64
     save_every: int = 0         # save a checkpoint every this many steps (0: only at the end)
@@ -121,10 +125,10 @@ class TrainConfig:
         return auto_ring_kernel(context) if self.ring_kernel == "auto" else self.ring_kernel
     @property
     def layout(self):
-        """The run's sequence-parallel layout (`workbench.sp.layout.layout_of`): `sp` and every registered kind's degree
-        field."""
+        """The run's sequence-parallel layout (`workbench.sp.layout.layout_of`): `ulysses` and every registered kind's
+        degree field."""
         degrees = {name: getattr(self, name) for name in LAYOUTS}  # ring (--ring), ...
-        return layout_of(self.sp, kernel=self.block_kernel, **degrees)
+        return layout_of(self.ulysses, kernel=self.block_kernel, **degrees)
 
     @property
     # plan bins per optimizer step: one per DP replica per micro-step
@@ -177,8 +181,8 @@ class TrainConfig:
 
 PRESETS = {
     "cpu-tiny": TrainConfig(),                                                          # seconds on a laptop CPU
-    "cpu-sp2": TrainConfig(sp=2, data="long_docs", max_tokens=4096, steps=5),           # Ulysses over 2 CPU processes
-    "gpu-long": TrainConfig(sp=1, data="long_docs", max_tokens=65536, checkpointing=True, attn="workbench_varlen",
+    "cpu-sp2": TrainConfig(ulysses=2, data="long_docs", max_tokens=4096, steps=5),      # Ulysses over 2 CPU processes
+    "gpu-long": TrainConfig(data="long_docs", max_tokens=65536, checkpointing=True, attn="workbench_varlen",
                             loss_chunk=4096),                                       # one GPU, long rows, tiled loss
 }
 
@@ -190,23 +194,51 @@ def model_config(cfg: TrainConfig):
     raise ValueError(f"model (--model) {cfg.model!r} is neither a shipped family {model_families()} nor a directory "
                      f"with config.json")
 
+# %% ../nbs/04_runtime/02_config.ipynb #f3702c28
+RENAMED = {"sp": "ulysses"}  # an old name -> its field: `TrainConfig(sp=2)`, `--sp 2`, a saved `"sp": 2` still mean it
+
+def current_names(record: dict,  # a saved config or layout: a run's `config.json`, a checkpoint manifest's
+                 ) -> dict:
+    "`record` with each old name (`RENAMED`) read as its field's: an older run's `\"sp\": 2` is `\"ulysses\": 2`."
+    return {RENAMED.get(k, k): v for k, v in record.items()}
+
+def _taking_old_names(init):
+    "`TrainConfig.__init__`, also taking each old name: it sets a field left at its default, and must equal any other."
+    defaults = {f.name: f.default for f in fields(TrainConfig)}
+    @functools.wraps(init)
+    def __init__(self, *args, **kw):
+        for old, new in RENAMED.items():
+            if old not in kw: continue
+            value = kw.pop(old)
+            if kw.get(new, defaults[new]) not in (defaults[new], value):
+                raise ValueError(f"{old} ({flag(old)}) is the old name of {new} ({flag(new)}) and they differ: "
+                                 f"{old}={value!r}, {new}={kw[new]!r}; give {new} alone")
+            kw[new] = value
+        init(self, *args, **kw)
+    return __init__
+
+TrainConfig.__init__ = _taking_old_names(TrainConfig.__init__)
+for _old, _new in RENAMED.items(): setattr(TrainConfig, _old, property(attrgetter(_new), doc=f"Old name of {_new}."))
+
 # %% ../nbs/04_runtime/02_config.ipynb #533e86e6
 def _parser(names: tuple[str, ...] | None = None,  # the fields that get a flag (None: every field, and --preset)
            ) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m workbench.train",
                                 description="DP x SP training with padding-free packing")
     if names is None: p.add_argument("--preset", choices=sorted(PRESETS), help="start from a named configuration")
-    p.add_argument("--nproc", type=int, help="processes to launch here (dp defaults to nproc / sp); omit under "
-                                             "torchrun")
+    p.add_argument("--nproc", type=int, help="processes to launch here (dp defaults to nproc / the processes sharing "
+                                             "a row); omit under torchrun")
     # each field's comment is its flag's help (none in __main__)
     docs = {k: v or "" for k, v in docments(TrainConfig).items()}
     for f in fields(TrainConfig):
         if names is not None and f.name not in names: continue
-        if f.type in ("bool", bool): p.add_argument(flag(f.name), action="store_true", default=None, help=docs[f.name])
+        spelled = [flag(f.name), *(flag(old) for old, new in RENAMED.items() if new == f.name)]  # --ulysses, --sp
+        if f.type in ("bool", bool): p.add_argument(*spelled, dest=f.name, action="store_true", default=None,
+                                                  help=docs[f.name])
         else:  # a tuple field takes one comma-separated string, which TrainConfig splits
             shown = ",".join(f.default) if isinstance(f.default, tuple) else str(f.default)
-            p.add_argument(flag(f.name), type=str if isinstance(f.default, tuple) else type(f.default), default=None,
-                           help=docs[f.name] + (f" (default: {shown})" if shown else ""))
+            p.add_argument(*spelled, dest=f.name, type=str if isinstance(f.default, tuple) else type(f.default),
+                           default=None, help=docs[f.name] + (f" (default: {shown})" if shown else ""))
     return p
 
 def _config(p: argparse.ArgumentParser, a: argparse.Namespace, world: int) -> TrainConfig:
@@ -219,9 +251,9 @@ def _config(p: argparse.ArgumentParser, a: argparse.Namespace, world: int) -> Tr
     nproc = a.nproc or (world if world > 1 else None)
     layout = cfg.layout
     seq = layout.sp_size  # processes sharing one row
-    flags = [flag(name) for name in layout.fields]  # --sp, and the context kind's flag
+    flags = [flag(name) for name in layout.fields]  # --ulysses, and the context kind's flag
     degrees = " x ".join(map(str, layout.degrees))
-    what = f"{' x '.join(flags)} = {degrees} = {seq}" if len(flags) > 1 else f"--sp {cfg.sp}"
+    what = f"{' x '.join(flags)} = {degrees} = {seq}" if len(flags) > 1 else f"{flags[0]} {seq}"
     if nproc and nproc % seq:
         p.error(f"--nproc {nproc} is not a multiple of {what}: the processes form a dp x {' x '.join(layout.fields)} "
                 f"grid; use --nproc {seq * max(1, nproc // seq)} or an {'/'.join(flags)} that divides {nproc}")

@@ -494,7 +494,7 @@ def run_options(cfg,
     cuda = torch.cuda.is_available() if device_type is None else device_type == "cuda"
     dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if cuda else "float32")
     # a namespace of fields
-    layout = cfg.layout if hasattr(cfg, "layout") else layout_of(cfg.sp, ring=getattr(cfg, "ring", 1))
+    layout = cfg.layout if hasattr(cfg, "layout") else layout_of(cfg.ulysses, ring=getattr(cfg, "ring", 1))
     return dict(sp=layout.ulysses, ring=layout.context, ring_kernel=layout.kernel, context=layout.degree or "ring",
                 dp=cfg.dp,
                 attention=attention_work(cfg.attn, "cuda" if cuda else "cpu"),  # Ulysses: the inner one's work
@@ -641,8 +641,8 @@ def run_prediction(cfg, config, plan: Plan,
     if unmodelled(cfg, config): return None  # not modelled, so no MFU claimed either
     sampler = sampler or TokenBudgetSampler(plan, seed=cfg.seed, num_replicas=cfg.dp, grad_accum=cfg.grad_accum)
     served = sampler.epoch_steps().reshape(-1, cfg.grad_accum, cfg.dp)
-    world = getattr(cfg, "world", cfg.sp * getattr(cfg, "ring", 1) * cfg.dp)  # its ranks, computing at once
-    opts, dev, efficiency = run_options(cfg), run_device(world), efficiency or run_efficiency(world, cfg.sp)
+    world = getattr(cfg, "world", cfg.ulysses * getattr(cfg, "ring", 1) * cfg.dp)  # its ranks, computing at once
+    opts, dev, efficiency = run_options(cfg), run_device(world), efficiency or run_efficiency(world, cfg.ulysses)
     slowest = [max((_predict_step(config, [plan.length[plan.bins[b]] for b in step[:, r]], dev, efficiency, **opts)
                     for r in range(cfg.dp)), key=lambda p: p.step_s) for step in served[:steps]]
     step_s = float(np.mean([p.step_s for p in slowest]))

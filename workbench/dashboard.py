@@ -18,6 +18,7 @@ from pathlib import Path
 import ipywidgets as widgets
 import plotly.graph_objects as go
 
+from .config import current_names
 from .readouts import START_STEP, rows_from
 
 # %% auto #0
@@ -72,9 +73,11 @@ class MetricsReader:
 
     @property
     def config(self) -> dict:
-        "The run's `config.json` ({} until rank 0 has written it, or while a hand-written one is incomplete)."
-        try: return json.loads((self.run_dir / "config.json").read_text())
+        """The run's `config.json` ({} until rank 0 has written it, or while a hand-written one is incomplete), an older
+        run's field names read as today's (`current_names`: its "sp" is "ulysses")."""
+        try: record = json.loads((self.run_dir / "config.json").read_text())
         except (FileNotFoundError, ValueError): return {}
+        return current_names(record) if isinstance(record, dict) else {}
 
 # %% ../nbs/04_runtime/13_dashboard.ipynb #ee8f76c5
 @dataclass
@@ -285,7 +288,8 @@ class Dashboard:
         out = []
         for given, r in zip(self.names, self.readers):
             c = r.config
-            out.append(given or c.get("name") or (f"SP={c['sp']} DP={c['dp']}" if "sp" in c else r.run_dir.name))
+            layout = f"SP={c['ulysses']} DP={c['dp']}" if "ulysses" in c else None
+            out.append(given or c.get("name") or layout or r.run_dir.name)
         return [f"{l} #{out[:i].count(l) + 1}" if out.count(l) > 1 else l for i, l in enumerate(out)]
 
     def _all_figures(self) -> list[go.Figure]:

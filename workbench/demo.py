@@ -202,7 +202,7 @@ def doctor_section(report: HtmlReport, tokenizer=None):
 def sp_section(report: HtmlReport, out: Path, steps: int = 6):
     "Train the same data on one process and with SP=2 over two processes; add the loss comparison and the run figures."
     for sp in (1, 2): shutil.rmtree(out / f"sp{sp}", ignore_errors=True)  # the demo's own runs start afresh each time
-    cfgs = [TrainConfig(sp=sp, steps=steps, max_tokens=1024, out=str(out / f"sp{sp}"), name=f"SP={sp}")
+    cfgs = [TrainConfig(ulysses=sp, steps=steps, max_tokens=1024, out=str(out / f"sp{sp}"), name=f"SP={sp}")
             for sp in (1, 2)]
     one, two = (run(c) for c in cfgs)
     checks = [check_run(c.out, record=False) for c in cfgs]  # each run's prediction against its own steps, one basis

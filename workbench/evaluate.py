@@ -32,8 +32,8 @@ __all__ = ['EVAL_FIELDS', 'eval_config', 'evaluate_rank', 'is_run_dir', 'run_mod
            'launch_eval', 'each_alone', 'eval_rows', 'main']
 
 # %% ../nbs/04_runtime/14_evaluate.ipynb #864e5bb5
-EVAL_FIELDS = ("model", "data", "tokenizer", "sp", *LAYOUTS, "ring_kernel", "dp", "max_tokens", "attn", "dtype", "seed",
-               "out", "timeout_s", "stall_s")  # what an evaluation reads of a TrainConfig (the rest is training's)
+EVAL_FIELDS = ("model", "data", "tokenizer", "ulysses", *LAYOUTS, "ring_kernel", "dp", "max_tokens", "attn", "dtype",
+               "seed", "out", "timeout_s", "stall_s")  # what an evaluation reads of a TrainConfig (the rest: training)
 
 
 # %% ../nbs/04_runtime/14_evaluate.ipynb #baaf2894
@@ -47,8 +47,8 @@ def eval_config(cfg: TrainConfig) -> TrainConfig:
 def evaluate_rank(cfg: TrainConfig,       # the layout, model and token budget (`eval_config`)
                   features: list[dict],   # the examples to evaluate, tokenized
                  ) -> EvalResult:
-    """Evaluate `features` as one process of the `cfg.dp` x `cfg.sp` x `cfg.ring` grid; every process returns the whole
-    result."""
+    """Evaluate `features` as one process of the `cfg.dp` x `cfg.ulysses` x `cfg.ring` grid; every process returns the
+    whole result."""
     check_world(cfg)
     device = rank_device()
     layout = cfg.layout
@@ -172,7 +172,8 @@ def eval_rows(result: EvalResult,
 
 # %% ../nbs/04_runtime/14_evaluate.ipynb #3abf16e3
 def main(argv=None) -> EvalResult:
-    "Command line: `python -m workbench.evaluate --model runs/x --data held_out.jsonl --sp 2 --nproc 2 --out runs/x`."
+    """Command line: `python -m workbench.evaluate --model runs/x --data held_out.jsonl --ulysses 2 --nproc 2
+    --out runs/x`."""
     p = _parser(EVAL_FIELDS)  # --help lists what an evaluation reads, and nothing else
     p.prog, p.description = "python -m workbench.evaluate", ("per-example loss and token accuracy under any DP x SP "
                                                              "layout")

@@ -84,11 +84,12 @@ def attention_key(cfg: TrainConfig) -> str:
     return cfg.layout.attention_key(cfg.attn)
 
 def check_world(cfg: TrainConfig) -> int:
-    "The number of processes running, or an error when it is not the `sp x ring x dp` the config asks for."
+    "The number of processes running, or an error when it is not the `ulysses x ring x dp` the config asks for."
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world != cfg.world:
-        raise ValueError(f"the config asks for sp x ring x dp = {cfg.sp} x {cfg.ring} x {cfg.dp} = {cfg.world} "
-                         f"processes but {world} are running: launch {cfg.world} processes or change sp/ring/dp")
+        raise ValueError(f"the config asks for ulysses x ring x dp = {cfg.ulysses} x {cfg.ring} x {cfg.dp} = "
+                         f"{cfg.world} processes but {world} are running: launch {cfg.world} processes or change "
+                         "ulysses/ring/dp")
     return world
 
 def rank_model(cfg: TrainConfig, grid, device: torch.device, world: int):

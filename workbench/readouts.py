@@ -56,7 +56,7 @@ def expected_memory(cfg: TrainConfig, dtype: torch.dtype = torch.bfloat16):
     levers = Levers(checkpointing=cfg.checkpointing, offload_checkpoints=cfg.offload_checkpoints,
                     tiled_loss=bool(cfg.loss_chunk), loss_chunk=cfg.loss_chunk or 1024,
                     tiled_mlp=bool(cfg.mlp_chunk), mlp_chunk=cfg.mlp_chunk or None, lean_kernels=cfg.lean_kernels)
-    # the row as the layout pads it: a multiple of sp, or the ring's plan's
+    # the row as the layout pads it: a multiple of ulysses, or the ring's plan's
     seq = cfg.layout.padded_tokens(cfg.max_tokens)
     return estimate(model_config(cfg), seq, dp=cfg.dp, **cfg.layout.memory_options(), levers=levers,
                     zero_stage=3 if cfg.shard else 0,

@@ -123,7 +123,7 @@ def evaluate_model(
                    # this process's model, as training built it (its attention registered for the layout)
                    model,
                    grid: ParallelGrid,    # this process's place in the dp x sp x ring grid
-                   cfg: TrainConfig,      # the layout (sp, ring, ring_kernel, dp) and the token budget (max_tokens)
+                   cfg: TrainConfig,      # the layout (ulysses, ring, ring_kernel, dp), the token budget (max_tokens)
                    features: list[dict],  # the examples to evaluate, tokenized
                   ) -> EvalResult:
     """Evaluate `features` with this process's `model` as one process of the grid; every process returns the whole
@@ -132,7 +132,7 @@ def evaluate_model(
     replica = grid.rank("dp")
     served = TokenBudgetSampler(plan, shuffle=False, num_replicas=cfg.dp, rank=replica).epoch_steps()[:, replica]
     pieces = plan.dataset(features)
-    collate = FlatteningCollator(pad_to_multiple_of=cfg.sp, train_all_tokens=True)
+    collate = FlatteningCollator(pad_to_multiple_of=cfg.ulysses, train_all_tokens=True)
     sums = torch.zeros(3, plan.n_examples, dtype=torch.float64)
     layout = cfg.layout
     was_training = model.training

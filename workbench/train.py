@@ -166,7 +166,8 @@ def setup_rank(cfg: TrainConfig,
     bin_flops = None
     if costs is not None:
         bin_flops = {tuple(b.tolist()): (float(c), float(a)) for b, c, a in zip(plan.bins, costs, attention)}
-    collate = FlatteningCollator(pad_to_multiple_of=cfg.sp, train_all_tokens=True)  # load_features decided the masks
+    # load_features decided the masks
+    collate = FlatteningCollator(pad_to_multiple_of=cfg.ulysses, train_all_tokens=True)
     trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
     opt = torch.optim.AdamW(trainable, lr=cfg.lr)
     return RankRun(cfg, device, grid, model, opt, plan, sampler, imbalance, predicted, pieces, collate, tokenizer,
@@ -333,7 +334,7 @@ def train_rank(cfg: TrainConfig,
                # `(features, tokenizer, eval_features)` as `preflight_run` returned them (None: read the data here)
                prepared: tuple | None = None,
               ) -> list[float]:
-    "Train on this process as one rank of the `cfg.dp` x `cfg.sp` grid; return the loss of every step it trained."
+    "Train on this process as one rank of the `cfg.dp` x `cfg.ulysses` grid; return the loss of every step it trained."
     rank_run = setup_rank(cfg, prepared)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -390,14 +391,14 @@ def preflight_run(cfg: TrainConfig) -> tuple[list[dict], object, list[dict] | No
     return read_run_data(cfg, config)
 
 def run(cfg: TrainConfig) -> list[float]:
-    "Train `cfg` on `cfg.sp * cfg.dp` forked processes (from a notebook or a script); return the per-step losses."
+    "Train `cfg` on `cfg.world` forked processes (from a notebook or a script); return the per-step losses."
     prepared = preflight_run(cfg)
     dtype = run_dtype(cfg, rank_device().type)
     planned, line = memory_readout(cfg, dtype, rank_device().type)
     print(line)
     fresh_cpu()  # a CPU measured more than a minute ago is measured again: the box's load may have changed
     # measured once here (cached; its ranks computing at once), so that every forked rank uses the same peak and factors
-    run_device(cfg.world); run_efficiency(cfg.world, cfg.sp)
+    run_device(cfg.world); run_efficiency(cfg.world, cfg.ulysses)
     results = launch(train_rank, cfg, prepared, num_processes=cfg.world, sp_layout=cfg.layout,
                      model_config=model_config(cfg), timeout_s=cfg.timeout_s, stall_s=cfg.stall_s or None)
     # this run's rows, not a resume's older
@@ -417,7 +418,7 @@ def _interrupted(e: BaseException) -> bool:
     return any(type(x).__name__ in _INTERRUPTS for x in chain) or any(f"{n}:" in text for n in _INTERRUPTS)
 
 def main(argv=None) -> list[float]:
-    """Command line: `python -m workbench.train --sp 2 --nproc 2 --steps 5 --out runs/x` (or under torchrun without
+    """Command line: `python -m workbench.train --ulysses 2 --nproc 2 --steps 5 --out runs/x` (or under torchrun without
     --nproc)."""
     p = _parser()
     world = int(os.environ.get("WORLD_SIZE", 1))  # > 1 when torchrun / accelerate launch started the processes

@@ -42,7 +42,7 @@ class Layout(ABC):
     def sp_size(self) -> int: return self.ulysses * self.context  # processes sharing one row
     @property
     def fields(self) -> tuple[str, ...]:  # its degrees' config fields (and flags)
-        return ("sp", self.degree) if self.degree else ("sp",)
+        return ("ulysses", self.degree) if self.degree else ("ulysses",)
     @property
     def degrees(self) -> tuple[int, ...]: return (self.ulysses, self.context) if self.degree else (self.ulysses,)
     def __str__(self) -> str: return " ".join(f"{name}={d}" for name, d in zip(self.fields, self.degrees))
@@ -160,7 +160,7 @@ def register_layout(kind: type) -> type:
 
 register_layout(RingLayout)
 
-def layout_of(ulysses: int = 1,       # Ulysses degree (`--sp`)
+def layout_of(ulysses: int = 1,       # Ulysses degree (`--ulysses`)
               *,
               kernel: str = "plain",  # a blocked kind's block-pair kernel
               **degrees: int,         # context degrees by kind name (`ring=2`); at most one above 1
