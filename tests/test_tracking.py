@@ -177,7 +177,13 @@ def test_sigterm_inside_a_tracker_write_ends_the_run_after_the_row(tmp_path, mon
 
 def test_ctrl_c_on_the_cli_finishes_the_trackers(tmp_path):
     out = tmp_path / "run"
+    # Ctrl-C as a terminal's Python takes it, whatever this pytest process passes on: an ignored SIGINT is inherited
+    # through exec (Python then installs no handler) and so is a blocked one; either made the run finish its 500 steps
+    # unaware of the signal (exit 0, or a timeout under load: the flake of 2026-12-03 to 12-07, reproduced by ignoring
+    # SIGINT in the pytest process)
     script = f"""
+import signal; signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {{signal.SIGINT}})
 import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})
 import test_tracking  # registers the probe tracker, which the forked ranks inherit
 from workbench.train import main
