@@ -1,6 +1,7 @@
 """Build the documentation site offline: `python docs/build.py` (what `make docs` runs) writes `site/`.
 
-1. Every notebook under nbs/ runs in a real Jupyter kernel (nbclient) with its own folder as cwd, skipping the cells
+1. Every notebook under nbs/ runs in a real Jupyter kernel (nbclient; a fork of a warm process that imported torch and
+   transformers once, docs/warm_kernels.py) with its own folder as cwd, skipping the cells
    nbdev_test skips (`#| eval: false`, the `tst_flags` of settings.ini that this machine cannot run, `nbdev_export()`).
    Two notebooks run at a time; an executed notebook is cached in .docs-cache/ under the hash of its text, the library,
    the data and the installed versions of the packages it imports, so a local rerun only executes what changed (CI is
@@ -25,6 +26,7 @@ import hashlib
 import html
 import importlib
 import importlib.metadata
+import importlib.util
 import inspect
 import os
 import re
@@ -43,6 +45,8 @@ import plotly.io as pio
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("warm_kernels", Path(__file__).with_name("warm_kernels.py"))
+warm_kernels = importlib.util.module_from_spec(_spec); _spec.loader.exec_module(warm_kernels)
 NBS = ROOT / "nbs"
 BUILD = ROOT / ".docs-build"  # generated mkdocs sources and config (ignored)
 CACHE = ROOT / ".docs-cache"  # executed notebooks keyed by content hash (ignored)
@@ -118,9 +122,9 @@ def kernel_config():
 
 
 def execute(nb_path: Path, flags: set[str], timeout: float | None = None) -> tuple[nbformat.NotebookNode, float]:
-    """Run `nb_path` in a fresh python3 kernel from its own folder; cells nbdev_test skips are not run. Raises on an
-    error. `timeout`: seconds a cell may run (None: no limit; the pytest path is bounded by pytest-timeout per
-    notebook)."""
+    """Run `nb_path` in a fresh python3 kernel (a fork of a warm process: docs/warm_kernels.py) from its own folder;
+    cells nbdev_test skips are not run. Raises on an error. `timeout`: seconds a cell may run (None: no limit; the
+    pytest path is bounded by pytest-timeout per notebook)."""
     from nbclient import NotebookClient
     nb = nbformat.read(nb_path, as_version=4)
     for cell in nb.cells:
@@ -135,6 +139,7 @@ def execute(nb_path: Path, flags: set[str], timeout: float | None = None) -> tup
            "TOKENIZERS_PARALLELISM": "false"}
     start = time.monotonic()
     client = NotebookClient(nb, timeout=timeout, kernel_name="python3", store_widget_state=True, config=kernel_config(),
+                            kernel_manager_class=warm_kernels.kernel_manager_class(env),
                             resources={"metadata": {"path": str(nb_path.parent)}})
     client.execute(env=env)  # the kernel's environment (not a NotebookClient option: traitlets warns and prints it all)
     for cell in nb.cells:

@@ -76,8 +76,6 @@ elif point == "mid metrics line":                    # half a JSON line in metri
         die()
     T.write_metrics = metrics
 '''
-KILLER = "import sys\npoint, k, args = sys.argv[1], int(sys.argv[2]), sys.argv[3:]\n" + FAULTS + "T.main(args)\n"
-
 # Every run of this file is `workbench.train.main(args)` (what `python -m workbench.train` runs) in a fresh fork of one
 # interpreter that imported torch and workbench.train once and tokenized the runs' sample: ~8 s of imports and 1.2 s of
 # tokenizing per run saved. It forks nothing else before (no thread, no torch op), as launch forks its ranks. Each job:
@@ -87,6 +85,7 @@ KILLER = "import sys\npoint, k, args = sys.argv[1], int(sys.argv[2]), sys.argv[3
 ZYGOTE = r'''
 import json, os, signal, sys, traceback
 import torch
+import datasets  # what a rank's first model load imports (workbench.tiny_models.no_hf_bars): once, here
 import workbench.train as T
 from workbench.samples import load_sample, load_tokenizer
 load_sample("orca_like", load_tokenizer())  # tokenized once here (load_sample keeps it): every fork reads it
@@ -343,11 +342,9 @@ def test_sharded_run_killed_resumes_to_the_same_losses(tmp_path, reference_2):
 
 def test_a_save_slower_than_the_collective_timeout_does_not_kill_the_run(tmp_path):
     "Each save sleeps 6 s under a 3 s collective timeout: the other rank waits outside the timed collectives."
-    script, out = tmp_path / "faults.py", tmp_path / "run"
-    script.write_text(KILLER)
-    r = subprocess.run([sys.executable, str(script), "slow save", "6", "--steps", "2", "--max-tokens", "256", "--data",
-                        "orca_like", "--nproc", "2", "--ulysses", "2", "--timeout-s", "3", "--out", str(out)],
-                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    out = tmp_path / "run"
+    r = _cli("--steps", "2", "--max-tokens", "256", "--data", "orca_like", "--nproc", "2", "--ulysses", "2",
+             "--timeout-s", "3", "--out", out, point="slow save", k=6)
     assert r.returncode == 0, r.stderr[-3000:]
     from workbench.checkpoint import checkpoints
     # only the last: no --save-every
@@ -356,12 +353,11 @@ def test_a_save_slower_than_the_collective_timeout_does_not_kill_the_run(tmp_pat
 
 def test_a_save_slower_than_the_stall_limit_does_not_end_the_run(tmp_path):
     """The save sleeps 5 s under a 2 s stall limit (--stall-s): a checkpoint being written is progress, however slow
-    the disk."""
-    script, out = tmp_path / "faults.py", tmp_path / "run"
-    script.write_text(KILLER)
-    r = subprocess.run([sys.executable, str(script), "slow save", "5", "--steps", "1", "--max-tokens", "256", "--data",
-                        "orca_like", "--stall-s", "2", "--out", str(out)],
-                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    the disk. A fork of the zygote: its rank builds the model within the limit on a busy box (a fresh interpreter
+    importing datasets on the rank's first load did not, once)."""
+    out = tmp_path / "run"
+    r = _cli("--steps", "1", "--max-tokens", "256", "--data", "orca_like", "--stall-s", "2", "--out", out,
+             point="slow save", k=5)
     assert r.returncode == 0, r.stderr[-3000:]
     from workbench.checkpoint import checkpoints
     assert [(d.name, m is not None) for d, m in checkpoints(out)] == [("step-000001", True)]
