@@ -164,12 +164,16 @@ def stand_in(path: str, argv: list[str]):
 # ---------------------------------------------------------------- the build's side
 
 _WARM: dict[str, tuple[subprocess.Popen, str]] = {}  # environment key -> (warm process, its socket)
+_ASKED: dict[str, int] = {}  # environment key -> kernels asked for
+
+
+def _key(env: dict) -> str: return json.dumps(sorted(env.items()))
 
 
 def warm_socket(env: dict) -> str:
     """The socket of a warm process started with `env` (one per environment, for this process's life; it ends with
     it, as its stdin closes)."""
-    key = json.dumps(sorted(env.items()))
+    key = _key(env)
     if key in _WARM and _WARM[key][0].poll() is None: return _WARM[key][1]
     path = os.path.join(tempfile.mkdtemp(prefix="warm-kernels-"), "socket")
     proc = subprocess.Popen([sys.executable, __file__, "serve", path], env=env, stdin=subprocess.PIPE,
@@ -181,14 +185,19 @@ def warm_socket(env: dict) -> str:
 
 def kernel_manager_class(env: dict):
     """A jupyter_client AsyncKernelManager class (nbclient's default) whose python3 kernels are forks of the warm
-    process for `env`; nbclient owns and shuts down each kernel as it would a plain one."""
+    process for `env`; nbclient owns and shuts down each kernel as it would a plain one. The first kernel a process
+    asks for is plain: a process that runs one notebook (a build's worker with one to run) gains nothing from a warm
+    process, which starts with the second."""
     from jupyter_client import AsyncKernelManager
+    _ASKED[_key(env)] = _ASKED.get(_key(env), 0) + 1
+    if _key(env) not in _WARM and _ASKED[_key(env)] < 2: return AsyncKernelManager
+    path = warm_socket(env)
 
     class WarmKernelManager(AsyncKernelManager):
         def format_kernel_cmd(self, extra_arguments=None):
             cmd = super().format_kernel_cmd(extra_arguments)
             if cmd[1:3] != ["-m", "ipykernel_launcher"]: return cmd  # another kernel: as its spec says
-            return [sys.executable, __file__, "kernel", warm_socket(env), *cmd[3:]]
+            return [sys.executable, __file__, "kernel", path, *cmd[3:]]
     return WarmKernelManager
 
 if __name__ == "__main__":

@@ -64,7 +64,20 @@ def _fails(fn, num_processes=2, **kw) -> tuple[RankError, float]:
     return e.value, time.time() - t
 
 
-def _no_descendants(): assert psutil.Process().children(recursive=True) == []
+_OLDER: set = set()  # (pid, start time) of the processes this worker had before the test (`_older`)
+
+
+@pytest.fixture(autouse=True)
+def _older():
+    "The worker's processes from before the test (a warm process for the notebooks' kernels may be one)."
+    _OLDER.clear()
+    _OLDER.update((c.pid, c.create_time()) for c in psutil.Process().children(recursive=True))
+
+
+def _no_descendants():
+    "No process the test started is left."
+    left = [c for c in psutil.Process().children(recursive=True) if (c.pid, c.create_time()) not in _OLDER]
+    assert left == []
 
 
 @pytest.mark.parametrize("fault", FAULTS, ids=lambda f: f.__name__[1:])

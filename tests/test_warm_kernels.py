@@ -25,6 +25,12 @@ print("preloaded", "torch" in sys.modules, "workbench" in sys.modules, os.enviro
 os.system("echo from a subprocess")"""
 
 
+@pytest.fixture(scope="module", autouse=True)
+def warm():
+    "ENV's warm process, started before the first kernel (which would otherwise be plain: `kernel_manager_class`)."
+    warm_kernels.warm_socket(ENV)
+
+
 def run(folder: Path, *sources: str, env: dict = ENV, **kwargs) -> nbformat.NotebookNode:
     "A notebook of `sources` executed by nbclient in `folder` with a warm kernel for ENV; its stdout text per cell."
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in sources])
@@ -52,6 +58,14 @@ def test_a_kernel_is_a_fork_of_the_warm_process_in_the_notebooks_folder(tmp_path
     assert out["ppid"] == str(warm.pid)
     assert out["preloaded"] == "True False None"  # torch came with the fork; the workbench is the notebook's to import
     assert out["from"] == "a subprocess"  # fd 1 of the kernel and its children reaches the notebook
+
+
+def test_the_first_kernel_of_a_process_is_plain_and_the_second_starts_the_warm_process():
+    env = {**ENV, "WB_PROBE": "first"}
+    assert warm_kernels.kernel_manager_class(env).__name__ == "AsyncKernelManager"
+    assert warm_kernels._key(env) not in warm_kernels._WARM
+    assert warm_kernels.kernel_manager_class(env).__name__ == "WarmKernelManager"
+    assert warm_kernels._key(env) in warm_kernels._WARM
 
 
 def test_another_environment_is_a_cold_kernel_that_says_why(tmp_path, capfd):
