@@ -179,7 +179,7 @@ def test_comm_bytes_and_flops_equal_the_dispatcher(measured):
 
 
 def test_interacting_blocks_is_block_pairs():
-    "The sorting answer equals the mask answer on FLAN-like rows, every plan, with and without a window."
+    "The running-minimum answer equals the mask answer on FLAN-like rows, every plan, with and without a window."
     rng = np.random.default_rng(0)
     for _ in range(3):
         lens = synthetic_lengths("flan", int(rng.integers(2, 6)), seed=int(rng.integers(1000))).tolist()

@@ -191,16 +191,17 @@ def interacting_blocks(ring_index,         # [ring, m] global token indices of e
                        window: int = 0,    # sliding window (0: none)
                       ) -> np.ndarray:
     """Which (query block, key block) pairs have a query that may see a key `[ring, ring]` (causal): `block_pairs`'
-    answer, by sorting."""
+    answer from each block's first query at or after every token."""
     idx, cu = np.asarray(ring_index), np.asarray(cu, dtype=np.int64)
-    end = cu[1:][np.searchsorted(cu, np.arange(cu[-1]), side="right") - 1]  # where each token's document ends
+    n = int(cu[-1])
+    end = cu[1:][np.searchsorted(cu, np.arange(n), side="right") - 1]  # where each token's document ends
+    limit = np.minimum(end[idx], idx + window) if window else end[idx]  # [ring, m] same document, inside the window
     out = np.zeros((len(idx), len(idx)), dtype=bool)
-    for i, queries in enumerate(np.sort(idx, axis=1)):
-        for j, keys in enumerate(idx):
-            pos = np.searchsorted(queries, keys)  # the first query at or after each key
-            first = queries[np.minimum(pos, len(queries) - 1)]
-            limit = np.minimum(end[keys], keys + window) if window else end[keys]  # same document, inside the window
-            out[i, j] = bool(((pos < len(queries)) & (first < limit)).any())
+    for i, queries in enumerate(idx):
+        marks = np.full(n + 1, n, dtype=np.int64)  # n: no query of this block at or after
+        marks[queries] = queries
+        first = np.minimum.accumulate(marks[::-1])[::-1]  # this block's first query at or after each token
+        out[i] = (first[idx] < limit).any(axis=1)  # some key of block j sees a query of block i
     return out
 
 def fused_pairs(ring_index,         # [ring, m] global token indices of every ring block
