@@ -92,6 +92,24 @@ def _env_diff(asked: dict, warm: dict) -> str:
     return f"its environment differs in {names}" if names else ""
 
 
+def read_request(conn: socket.socket) -> tuple[dict, list[int]]:
+    """A stand-in's request: its JSON line and the stdio descriptors that came with its first bytes (a unix stream
+    socket may deliver a large environment in several reads)."""
+    conn.settimeout(10)  # a stand-in that stops mid-request does not hold up the other kernels
+    message, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+    try:
+        while not message.endswith(b"\n"):
+            more = conn.recv(1 << 16)
+            if not more: raise ConnectionError(f"the stand-in closed its request after {len(message)} bytes")
+            message += more
+        request = json.loads(message)
+    except BaseException:
+        for fd in fds: os.close(fd)
+        raise
+    conn.settimeout(None)
+    return request, fds
+
+
 def serve(path: str):
     "Preload, then fork a kernel for each request on the unix socket `path` until stdin closes."
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -106,8 +124,10 @@ def serve(path: str):
         if sys.stdin in ready and not os.read(sys.stdin.fileno(), 1): break
         if server in ready:
             conn, _ = server.accept()
-            message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
-            request = json.loads(message)
+            try: request, fds = read_request(conn)
+            except (OSError, ValueError) as e:  # a stand-in killed mid-request: it is gone, nothing to answer
+                print(f"warm kernels: a request was not read ({e})", file=sys.stderr)
+                conn.close(); continue
             why = (f"importing {PRELOADED} printed {printed[:300]!r}" if printed else
                    _env_diff(fixed(request["env"]), env))
             if why or len(fds) != 3:
@@ -129,7 +149,9 @@ def serve(path: str):
             try: conn.sendall(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
             except OSError: pass  # the stand-in is gone
             conn.close()
-    for pid in children: os.killpg(pid, signal.SIGKILL)
+    for pid in children:
+        try: os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError: pass  # its group ended since the last look
 
 
 # ---------------------------------------------------------------- the stand-in jupyter_client launches
@@ -146,7 +168,7 @@ def stand_in(path: str, argv: list[str]):
     try: conn.connect(path)
     except OSError as e: _cold(argv, f"no warm process at {path} ({e})")
     request = dict(cwd=os.getcwd(), env=dict(os.environ), argv=argv)
-    socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
+    socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
     reader = conn.makefile("rb")
     answer = json.loads(reader.readline() or b'{"cold": "the warm process closed the connection"}')
     if "cold" in answer:

@@ -127,3 +127,26 @@ def test_what_the_imports_print_is_caught(tmp_path):
     out = subprocess.run([sys.executable, "-c", code, str(ROOT / "docs" / "warm_kernels.py")], capture_output=True,
                          text=True, timeout=60, check=True, env={**os.environ, "PYTHONPATH": str(tmp_path)}).stdout
     assert out == repr("to stderr\nto stdout\n") + "\n"
+
+
+def test_a_large_request_is_read_whole_and_a_cut_one_is_refused():
+    "An environment larger than one read of the socket arrives whole; a stand-in that dies mid-request is named."
+    import socket
+    import threading
+    request = dict(cwd="/", env={"WB_BIG": "x" * 300_000}, argv=["-f", "c.json"])
+    data = warm_kernels.json.dumps(request).encode()
+    for cut in (False, True):
+        ours, theirs = socket.socketpair()
+        with open(os.devnull) as stdio:
+            def send():
+                socket.send_fds(theirs, [data[:1000] if cut else data + b"\n"], [stdio.fileno()] * 3)
+                theirs.close()
+            sender = threading.Thread(target=send); sender.start()
+            if cut:
+                with pytest.raises(ConnectionError, match="closed its request after 1000 bytes"):
+                    warm_kernels.read_request(ours)
+            else:
+                got, fds = warm_kernels.read_request(ours)
+                assert got == request and len(fds) == 3
+                for fd in fds: os.close(fd)
+            sender.join(); ours.close()
