@@ -9,7 +9,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 import workbench.attention as wa
-from workbench.attention import KEY, register, reference_varlen, varlen_attention, varlen_attention_forward
+from workbench.attention import KEY, register, varlen_attention, varlen_attention_forward
 from workbench.samples import load_sample
 from workbench.tiny_models import tiny_model
 from workbench.packing import FlatteningCollator, PaddingCollator, per_example_logits

@@ -64,7 +64,6 @@ def test_resume_at_any_step_is_exact_on_every_rank(lengths, k, stop, buffer_size
     make = lambda rank: PackedStream(feats, 32, buffer_size=buffer_size, overlong="split", num_replicas=k, rank=rank)
     whole = [list(make(r)) for r in range(k)]
     assert len({len(w) for w in whole}) == 1  # every rank the same number of steps
-    bins = make(0).report.bins
     for rank in range(k):
         s = make(rank)
         it = iter(s)

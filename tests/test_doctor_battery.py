@@ -8,7 +8,6 @@ import torch
 import transformers as tr
 
 from workbench.attention import KEY
-from workbench.core import cu_seq_lens
 from workbench.tiny_models import tiny_model
 from workbench.doctor import NOISE_FACTOR, check_packing, contamination_probe, matrix_examples, unwrap
 from workbench.packing import FlatteningCollator

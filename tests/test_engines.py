@@ -7,7 +7,6 @@ launch). Every verdict is asserted on measured values: losses within 1e-6 and gr
 import os
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest

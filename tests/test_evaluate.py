@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from workbench.config import TrainConfig
-from workbench.evaluate import each_alone, evaluate
+from workbench.evaluate import each_alone, evaluate, main
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -86,7 +86,7 @@ def test_every_layout_equals_each_example_alone(held_out, trained):
     assert close(evaluate(replace(f64, ulysses=2, ring=2), held_out), each_alone(f64, held_out), 1e-12)
 
 
-def test_bad_input_is_refused_before_any_process_starts(held_out, tmp_path):
+def test_bad_input_is_refused_before_any_process_starts(held_out, tmp_path, capsys):
     with pytest.raises(ValueError, match=r"max_tokens \(--max-tokens\) 64: .*Evaluation "
                                          r"keeps every example whole: raise --max-tokens"):
         evaluate(TrainConfig(model="qwen2", max_tokens=64), held_out)
@@ -95,9 +95,8 @@ def test_bad_input_is_refused_before_any_process_starts(held_out, tmp_path):
     prompts_only = [{"input_ids": f["input_ids"], "labels": [-100] * len(f["input_ids"])} for f in held_out[:2]]
     with pytest.raises(ValueError, match="none of the 2 examples has a trained target"):
         evaluate(TrainConfig(model="qwen2", max_tokens=512), prompts_only)
-    cli = subprocess.run([sys.executable, "-m", "workbench.evaluate", "--lr", "0.1", "--steps", "3"],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert cli.returncode == 2 and "--steps, --lr do not apply to evaluation" in cli.stderr, cli.stderr
+    with pytest.raises(SystemExit) as e: main(["--lr", "0.1", "--steps", "3"])  # the CLI itself: the test below
+    assert e.value.code == 2 and "--steps, --lr do not apply to evaluation" in capsys.readouterr().err
     # evaluation during training: refused when built, or before any process starts
     with pytest.raises(ValueError, match=r"eval_every \(--eval-every\) 2 evaluates "
                                          r"held-out data: name it with eval_data"):
@@ -137,7 +136,7 @@ def test_a_model_that_is_not_trained_weights_is_refused_or_named(tmp_path):
     from workbench.checkpoint import commit_checkpoint
     from workbench.samples import load_tokenizer
     from workbench.tiny_models import tiny_config
-    from workbench.evaluate import eval_model, main
+    from workbench.evaluate import eval_model
     bare = tmp_path / "bare"
     tiny_config("llama").save_pretrained(bare); load_tokenizer().save_pretrained(bare)
     err = io.StringIO()
@@ -170,7 +169,6 @@ def test_a_model_that_is_not_trained_weights_is_refused_or_named(tmp_path):
 def test_a_run_directory_evaluates_its_newest_checkpoint_with_row_ids(run_dir, trained, tmp_path, capsys):
     "--model RUN evaluates RUN's newest complete checkpoint (named in one line); eval.jsonl keeps each row's own id."
     from workbench.data import load_features, run_tokenizer
-    from workbench.evaluate import main
     rows = [json.loads(l) for l in (ROOT / "data_samples" / "orca_like.jsonl").read_text().splitlines()[-3:]]
     data = tmp_path / "with_ids.jsonl"
     data.write_text("".join(json.dumps({"id": f"orca-{i}", **r}) + "\n" for i, r in enumerate(rows, 7)))
@@ -195,7 +193,7 @@ def test_flash_attention_without_flash_attn_names_the_fix(held_out, monkeypatch)
 def test_help_lists_only_the_flags_evaluation_reads(capsys):
     import re
     from workbench.config import RENAMED, flag
-    from workbench.evaluate import EVAL_FIELDS, main
+    from workbench.evaluate import EVAL_FIELDS
     with pytest.raises(SystemExit) as e: main(["--help"])
     listed = set(re.findall(r"--[a-z][a-z-]*", capsys.readouterr().out))
     old = {flag(name) for name, field in RENAMED.items() if field in EVAL_FIELDS}  # --sp, the old --ulysses
@@ -208,7 +206,6 @@ def test_a_qwen2_checkpoint_tokenizes_as_its_run_did(run_dir, trained, tmp_path)
     the trained tokens training counted on the same rows, and scores each as training's evaluation of that step did."""
     from workbench.samples import load_tokenizer
     from workbench.data import load_features, run_tokenizer
-    from workbench.evaluate import main
     from workbench.tracking import EVALUATIONS, read_metrics
     held_out = str(run_dir.parent / "held_out.jsonl")  # what the run evaluated after steps 6 and 12
     assert (load_features(held_out, run_tokenizer(TrainConfig(model=trained)))

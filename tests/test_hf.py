@@ -13,7 +13,7 @@ from trl import SFTConfig, SFTTrainer
 from workbench.core import IGNORE_INDEX
 from workbench.samples import load_sample
 from workbench.tiny_models import tiny_config, tiny_model
-from workbench.hf import (LabelGuard, PackedSFTTrainer, PackedTrainer, check_trainer, fold_example, prepare_dataset,
+from workbench.hf import (PackedSFTTrainer, PackedTrainer, check_trainer, fold_example, prepare_dataset,
                           split_packed)
 from workbench.launch import launch
 from workbench.packing import FlatteningCollator, PaddingCollator, plan_bins

@@ -329,7 +329,7 @@ def test_cache_trap_is_real(flan):
     """With use_cache left at its default, transformers builds a cache
     and ignores packed boundaries: the reason for use_cache=False."""
     model = tiny_model("llama", attn_implementation="sdpa")
-    ex, lens = flan[:4], [len(f["input_ids"]) for f in flan[:4]]
+    ex = flan[:4]
     batch = {k: v for k, v in FlatteningCollator()(ex).items() if k != "labels"}
     good = model(**batch, use_cache=False).logits
     trap = model(**batch).logits

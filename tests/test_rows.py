@@ -2,7 +2,6 @@
 reader (load_features, run_features, a Dataset's plan, the mask explorer); a bad mask is refused with its row."""
 import json
 
-import numpy as np
 import pytest
 from datasets import Dataset
 
