@@ -1,6 +1,7 @@
 """The shape of `workbench.sp`: the mechanism never imports the harness or the launcher, and every module imports alone
 (no import circle: `workbench.launch` loads no part of `workbench.sp` when imported; it asks `sp.layout` for a run's
 checks on demand)."""
+import json
 import subprocess
 import sys
 
@@ -10,25 +11,57 @@ MECHANISM = ("grid", "all_to_all", "shard", "loss", "ulysses", "ring", "balance"
 HARNESS = ("workbench.sp_proofs", "workbench.sp_measure", "workbench.launch")
 
 
-def _modules_after(stmt: str) -> set:
-    "The workbench modules loaded by `stmt` in a fresh interpreter."
-    code = f"import sys; {stmt}; print(' '.join(m for m in sys.modules if m.startswith('workbench')))"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+# One fresh interpreter imports torch (which loads no workbench module), then runs each statement in a fork of itself:
+# each statement sees what a fresh interpreter would, and torch is imported once instead of eleven times.
+FORKS = r"""
+import json, os, sys, traceback
+import torch
+assert not [m for m in sys.modules if m.startswith("workbench")]
+results = {}
+for stmt in json.loads(sys.argv[1]):
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        try:
+            exec(stmt, {})
+            loaded = sorted(m for m in sys.modules if m.startswith("workbench"))
+        except BaseException:
+            loaded = traceback.format_exc()
+        with os.fdopen(write, "w") as out: out.write(json.dumps(loaded))
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as got: results[stmt] = json.loads(got.read())
+    os.waitpid(pid, 0)
+print(json.dumps(results))
+"""
+STATEMENTS = [f"import workbench.sp.{name}" for name in MECHANISM] + ["import workbench.launch",
+                                                                      "import workbench.sp_proofs"]
+
+
+@pytest.fixture(scope="module")
+def loaded() -> dict:
+    "The workbench modules each of STATEMENTS loads, each in a fork of a fresh interpreter that imported only torch."
+    r = subprocess.run([sys.executable, "-c", FORKS, json.dumps(STATEMENTS)], capture_output=True, text=True,
+                       timeout=240)
     assert r.returncode == 0, r.stderr[-2000:]
-    return set(r.stdout.split())
+    results = json.loads(r.stdout)
+    failed = {stmt: out for stmt, out in results.items() if isinstance(out, str)}
+    assert not failed, failed
+    return {stmt: set(modules) for stmt, modules in results.items()}
 
 
 @pytest.mark.parametrize("name", MECHANISM)
-def test_the_mechanism_imports_alone_and_never_the_harness(name):
-    loaded = _modules_after(f"import workbench.sp.{name}")
-    assert f"workbench.sp.{name}" in loaded
-    assert not loaded & set(HARNESS), f"workbench.sp.{name} pulls in {sorted(loaded & set(HARNESS))}"
+def test_the_mechanism_imports_alone_and_never_the_harness(loaded, name):
+    modules = loaded[f"import workbench.sp.{name}"]
+    assert f"workbench.sp.{name}" in modules
+    assert not modules & set(HARNESS), f"workbench.sp.{name} pulls in {sorted(modules & set(HARNESS))}"
 
 
-def test_the_launcher_imports_first_and_needs_no_part_of_sp():
-    loaded = _modules_after("import workbench.launch")
-    assert not {m for m in loaded if m.startswith("workbench.sp.")}, loaded
-    assert "workbench.sp_proofs" in _modules_after("import workbench.sp_proofs")  # the harness on top of the launcher
+def test_the_launcher_imports_first_and_needs_no_part_of_sp(loaded):
+    modules = loaded["import workbench.launch"]
+    assert not {m for m in modules if m.startswith("workbench.sp.")}, modules
+    assert "workbench.sp_proofs" in loaded["import workbench.sp_proofs"]  # the harness on top of the launcher
 
 
 def test_one_grid_for_every_layout():
