@@ -285,8 +285,8 @@ def _torchrun_nodes(port: int, args: list, timeout: float = 240) -> list[str]:
 
 def test_train_ring_from_the_notebook_launcher_torchrun_nodes_and_accelerate_equals_one_process(tmp_path, capsys):
     """workbench.train --ring: run() (forked ranks; the plain block-pair kernel, CUDA's default), two torchrun 'nodes'
-    (Ulysses pairs {0,1}, {2,3}; rings {0,2}, {1,3}; the fused kernel named) and accelerate launch (the default kernel:
-    fused on CPU)."""
+    (Ulysses pairs {0,1}, {2,3}; rings {0,2}, {1,3}; the fused kernel named) and accelerate launch (a ring of two on the
+    default kernel: fused on CPU)."""
     from workbench.config import _config, _parser, TrainConfig
     from workbench.train import run
     common = dict(model="qwen2", data="orca_like", steps=2, max_tokens=512)
@@ -297,8 +297,9 @@ def test_train_ring_from_the_notebook_launcher_torchrun_nodes_and_accelerate_equ
                                          "--data", "orca_like", "--steps", "2", "--max-tokens", "512", "--out",
                                          str(tmp_path / "nodes")])
     nodes = json.loads(logs[0].strip().splitlines()[-1])["losses"]  # global rank 0 (node 0) prints the losses
-    accel = run_tree([sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "4", "-m",
-                      "workbench.train", "--ulysses", "2", "--ring", "2", "--nproc", "4", "--model", "qwen2", "--data",
+    # two processes: the 2 x 2 grid from the launcher's environment is the torchrun nodes' above
+    accel = run_tree([sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2", "-m",
+                      "workbench.train", "--ring", "2", "--nproc", "2", "--model", "qwen2", "--data",
                       "orca_like", "--steps", "2", "--max-tokens", "512", "--out", str(tmp_path / "accelerate")],
                      timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})  # accelerate's workers: torchrun's
     assert accel.returncode == 0, accel.stderr[-3000:]
