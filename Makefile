@@ -6,10 +6,12 @@ STAMP := $(VENV)/.installed
 FLOORS := .venv-floors
 FLOORS_PY := $(FLOORS)/bin/python
 FLOORS_STAMP := $(FLOORS)/.installed
-# uv installs what pip would (the same versions: `pip freeze` of both venvs is identical) but does not read pip's
-# find-links, so torch comes from pip first and uv keeps it. Bytecode is compiled at install, as pip does: with
-# PYTHONDONTWRITEBYTECODE set (as on the CI box) every process would otherwise compile each module it imports.
-UV_INSTALL = $(1)/bin/uv pip install -q --python $(1)/bin/python --compile-bytecode
+# uv installs what pip would (the same versions: `pip freeze` of both venvs is identical) but reads no pip
+# configuration: torch comes from pip first (its find-links hold the CPU wheel) and uv keeps it, and where uv fails
+# (an index only pip.conf names, no route to PyPI) pip installs the rest itself. Bytecode is compiled at install, as
+# pip does: with PYTHONDONTWRITEBYTECODE set (as on the CI box) every process would otherwise compile what it imports.
+UV_INSTALL = $(1)/bin/uv pip install -q --python $(1)/bin/python --compile-bytecode $(2) || { \
+	echo "uv could not install (above; it reads no pip.conf): pip installs instead"; $(1)/bin/python -m pip install -q $(2); }
 # The fast suite: the core proofs (packing, masks, attention, doctor, ulysses, train, launch, the HF Trainer / TRL seam,
 # datasets and streams, peft, trackers, PNG export). Left out: JupyterLab/Voila browser runs, notebook runs, fault and edge batteries (make test).
 FAST := tests/test_packing.py tests/test_packing_rules.py tests/test_masks.py tests/test_attention.py \
@@ -27,7 +29,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip uv
 	$(PY) -m pip install -q torch==2.13.0  # the CPU wheel on disk (pyproject's floor, see there): pip's find-links
-	$(call UV_INSTALL,$(VENV)) -e ".[dev]"  # the rest: 35 s where pip took 101 on the 2-core box
+	$(call UV_INSTALL,$(VENV),-e ".[dev]")  # the rest: 35 s where pip took 101 on the 2-core box
 	$(PY) .ci/deepspeed_ops.py  # DeepSpeed's CPU comm op, compiled now rather than by the first test that starts it
 	$(MAKE) --no-print-directory git-filter
 	touch $(STAMP)
@@ -60,7 +62,7 @@ $(FLOORS_STAMP): pyproject.toml .ci/floors.py
 	$(FLOORS_PY) -m pip install -q --upgrade pip uv
 	$(FLOORS_PY) .ci/floors.py pins > $(FLOORS)/floors.txt
 	$(FLOORS_PY) -m pip install -q -c $(FLOORS)/floors.txt torch  # the CPU wheel on disk, as above
-	$(call UV_INSTALL,$(FLOORS)) -c $(FLOORS)/floors.txt -e ".[dev]"
+	$(call UV_INSTALL,$(FLOORS),-c $(FLOORS)/floors.txt -e ".[dev]")
 	$(FLOORS_PY) -m pip check
 	touch $(FLOORS_STAMP)
 
